@@ -1,0 +1,104 @@
+"""Typed exceptions: featherweight's error interface.
+
+Every message names the offending value, what was expected, and what to do about it. The CLI turns
+any `FeatherweightError` into a one-line message and exit code 2, before any expensive work starts.
+"""
+
+from __future__ import annotations
+
+
+class FeatherweightError(Exception):
+    """Base class of every error featherweight raises on purpose."""
+
+
+# --- paths and files --------------------------------------------------------------------------
+
+
+class CheckpointNotFoundError(FeatherweightError, FileNotFoundError):
+    """A model path that does not exist, or a directory without the files a checkpoint needs."""
+
+
+class UnsafeCheckpointError(FeatherweightError):
+    """A pickle-based checkpoint (.bin/.pt/.pth/.ckpt): featherweight never unpickles."""
+
+
+class CorruptCheckpointError(FeatherweightError):
+    """A safetensors or GGUF file that is truncated or whose header cannot be parsed."""
+
+
+class OutputExistsError(FeatherweightError, FileExistsError):
+    """An output directory that already exists and was not allowed to be replaced."""
+
+
+class OutputNotWritableError(FeatherweightError, PermissionError):
+    """An output location that cannot be written (read-only, or escaping its directory)."""
+
+
+# --- models -----------------------------------------------------------------------------------
+
+
+class UnsupportedModelError(FeatherweightError):
+    """A model type, architecture, attention variant or tensor encoding featherweight cannot run."""
+
+
+class ModelConfigError(FeatherweightError):
+    """A model config that lacks required fields or holds impossible values."""
+
+
+class TensorMismatchError(FeatherweightError):
+    """Base for tensors that do not match the model config."""
+
+
+class MissingTensorError(TensorMismatchError):
+    """A tensor the config requires is absent from the checkpoint."""
+
+
+class UnexpectedTensorError(TensorMismatchError):
+    """The checkpoint holds a tensor the config does not explain."""
+
+
+class TensorShapeError(TensorMismatchError):
+    """A tensor whose shape differs from what the config implies."""
+
+
+class TokenIdError(FeatherweightError, ValueError):
+    """Token ids that are not integers or fall outside the vocabulary."""
+
+
+# --- settings ---------------------------------------------------------------------------------
+
+
+class ConfigError(FeatherweightError, ValueError):
+    """A user setting (CLI flag, YAML key, function argument) with an invalid value."""
+
+
+class AdapterConfigError(ConfigError):
+    """LoRA settings that cannot apply to this model (target names, rank, alpha)."""
+
+
+class QuantizationError(FeatherweightError, ValueError):
+    """A tensor that cannot be quantized as asked (e.g. size not divisible by the block size)."""
+
+
+class StepConfigError(ConfigError):
+    """A train-step setting that cannot work (optimizer, policy, accumulation with fused update)."""
+
+
+class BudgetError(FeatherweightError):
+    """No setting fits the stated memory budget."""
+
+
+class ExportError(FeatherweightError):
+    """An export that cannot be made from what was given (e.g. PEFT format of a full fine-tune)."""
+
+
+class DataError(FeatherweightError, ValueError):
+    """A dataset that is missing, empty or has malformed records (file and line are named)."""
+
+
+class ShardingError(ConfigError):
+    """A mesh or partitioning that cannot work on the devices or shapes at hand."""
+
+
+class TrainingDivergedError(FeatherweightError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""

@@ -1,0 +1,259 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) as pure functions over parameter pytrees.
+
+Parameters (shapes for L layers, hidden D, vocab V, heads H, kv heads K, head dim h, MLP width F):
+
+    {"embed": [V, D],
+     "layers": {"attn_norm": [L, D], "q": [L, H*h, D], "k": [L, K*h, D], "v": [L, K*h, D],
+                "o": [L, D, H*h], "mlp_norm": [L, D], "gate": [L, F, D], "up": [L, F, D],
+                "down": [L, D, F],
+                # Qwen2 only:       "q_bias": [L, H*h], "k_bias": [L, K*h], "v_bias": [L, K*h]
+                # LoRA (trainable): "lora": {target: {"a": [L, r, in], "b": [L, out, r]}}},
+     "final_norm": [D],
+     "lm_head": [V, D]}            # absent when the embeddings are tied
+
+Linear weights keep Hugging Face's `[out, in]` layout (so loading, NF4 blocks and export need no
+transposes). A linear weight may be an `NF4Tensor`; it is dequantized inside the block, one layer at
+a time. The layers are stacked on a leading axis so that `lax.scan` runs one compiled block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from featherweight.models.config import ModelConfig
+from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4
+
+Params = dict[str, Any]
+
+LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class LoraSpec(NamedTuple):
+    """Static LoRA settings the block needs: the scale applied to `B @ A` and the dropout rate."""
+
+    scale: float
+    dropout: float = 0.0
+
+
+class AttentionInputs(NamedTuple):
+    """Per-batch attention context, computed once and shared by every layer.
+
+    cos, sin: [B, S, h] rotary tables in float32. segment_ids: [B, S] int or None; tokens attend
+    only to earlier tokens of the same segment (packed examples never see each other).
+    """
+
+    cos: jax.Array
+    sin: jax.Array
+    segment_ids: jax.Array | None
+
+
+# --- rotary position embeddings ----------------------------------------------------------------
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [h/2] with `rope_theta`, and Llama 3's scaling when configured."""
+    exponents = np.arange(0, config.head_dim, 2, dtype=np.int64).astype(np.float32)
+    inv_freq = 1.0 / (config.rope_theta ** (exponents / config.head_dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def attention_inputs(
+    config: ModelConfig, positions: jax.Array, segment_ids: jax.Array | None = None
+) -> AttentionInputs:
+    """Rotary tables for integer `positions` [B, S] (float32, as transformers computes them)."""
+    inv_freq = jnp.asarray(rope_inverse_frequencies(config))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, h/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [B, S, h]
+    return AttentionInputs(jnp.cos(angles), jnp.sin(angles), segment_ids)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate [B, S, N, h] by the tables [B, S, h] (the `rotate_half` convention of HF)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+# --- building blocks -----------------------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32, cast back to the input dtype before the weight (as transformers)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def linear(
+    layer: Params,
+    name: str,
+    x: jax.Array,
+    lora: LoraSpec | None = None,
+    dropout_key: jax.Array | None = None,
+) -> jax.Array:
+    """`x @ W.T (+ bias) (+ scale * B A dropout(x))` for the weight `layer[name]` in [out, in].
+
+    An NF4 weight is dequantized here, in the compute dtype, so only this layer's copy exists.
+    """
+    weight = layer[name]
+    if isinstance(weight, NF4Tensor):
+        weight = dequantize_nf4(weight, x.dtype)
+    y = jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype))
+    bias = layer.get(f"{name}_bias")
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    adapter = layer.get("lora", {}).get(name)
+    if adapter is not None and lora is not None:
+        x_in = x
+        if lora.dropout > 0.0 and dropout_key is not None:
+            keep = jax.random.bernoulli(
+                jax.random.fold_in(dropout_key, LINEAR_NAMES.index(name)), 1.0 - lora.dropout, x.shape
+            )
+            x_in = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(x.dtype)
+        down = jnp.einsum("...i,ri->...r", x_in, adapter["a"].astype(x.dtype))
+        y = y + lora.scale * jnp.einsum("...r,or->...o", down, adapter["b"].astype(x.dtype))
+    return y
+
+
+def attention_mask(segment_ids: jax.Array | None, query_len: int, key_len: int) -> jax.Array:
+    """Boolean [B or 1, 1, T, S]: causal, and within one segment when segments are given."""
+    causal = jnp.tril(jnp.ones((query_len, key_len), dtype=bool), key_len - query_len)
+    if segment_ids is None:
+        return causal[None, None]
+    same_segment = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    return causal[None, None] & same_segment
+
+
+def self_attention(
+    layer: Params,
+    x: jax.Array,
+    inputs: AttentionInputs,
+    config: ModelConfig,
+    lora: LoraSpec | None = None,
+    dropout_key: jax.Array | None = None,
+) -> jax.Array:
+    """Grouped-query causal self-attention over the whole sequence: [B, S, D] -> [B, S, D]."""
+    batch, seq, _ = x.shape
+    q = linear(layer, "q", x, lora, dropout_key).reshape(batch, seq, config.num_heads, -1)
+    k = linear(layer, "k", x, lora, dropout_key).reshape(batch, seq, config.num_kv_heads, -1)
+    v = linear(layer, "v", x, lora, dropout_key).reshape(batch, seq, config.num_kv_heads, -1)
+    q = apply_rotary(q, inputs.cos, inputs.sin)
+    k = apply_rotary(k, inputs.cos, inputs.sin)
+    mask = attention_mask(inputs.segment_ids, seq, seq)
+    attended = jax.nn.dot_product_attention(q, k, v, mask=mask)  # [B, S, H, h]
+    return linear(layer, "o", attended.reshape(batch, seq, -1), lora, dropout_key)
+
+
+def mlp(
+    layer: Params,
+    x: jax.Array,
+    lora: LoraSpec | None = None,
+    dropout_key: jax.Array | None = None,
+) -> jax.Array:
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    gate = linear(layer, "gate", x, lora, dropout_key)
+    up = linear(layer, "up", x, lora, dropout_key)
+    return linear(layer, "down", jax.nn.silu(gate) * up, lora, dropout_key)
+
+
+def block(
+    layer: Params,
+    x: jax.Array,
+    inputs: AttentionInputs,
+    config: ModelConfig,
+    lora: LoraSpec | None = None,
+    dropout_key: jax.Array | None = None,
+) -> jax.Array:
+    """One transformer layer (pre-norm attention and MLP, each with a residual): [B,S,D]->[B,S,D]."""
+    attn_key = mlp_key = None
+    if dropout_key is not None:
+        attn_key, mlp_key = jax.random.split(dropout_key)
+    x = x + self_attention(
+        layer, rms_norm(x, layer["attn_norm"], config.rms_norm_eps), inputs, config, lora, attn_key
+    )
+    return x + mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps), lora, mlp_key)
+
+
+def embed(params: Params, token_ids: jax.Array) -> jax.Array:
+    """Token embeddings [B, S, D] in the embedding table's dtype."""
+    return jnp.take(params["embed"], token_ids, axis=0)
+
+
+def lm_head_weight(params: Params) -> jax.Array:
+    """The [V, D] output projection: `lm_head`, or the embedding table when tied."""
+    weight = params.get("lm_head")
+    if weight is None:
+        weight = params["embed"]
+    if isinstance(weight, NF4Tensor):
+        weight = dequantize_nf4(weight, params["final_norm"].dtype)
+    return weight
+
+
+def head(params: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
+    """Final norm and LM head: hidden [B, S, D] -> float32 logits [B, S, V]."""
+    normed = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    weight = lm_head_weight(params)
+    return jnp.einsum("...d,vd->...v", normed, weight.astype(normed.dtype)).astype(jnp.float32)
+
+
+def run_layers(
+    layers: Params,
+    x: jax.Array,
+    inputs: AttentionInputs,
+    config: ModelConfig,
+    lora: LoraSpec | None = None,
+    remat: bool = False,
+) -> jax.Array:
+    """Scan `block` over the stacked layers."""
+    layer_fn = jax.checkpoint(block, static_argnums=(3, 4)) if remat else block
+
+    def step(hidden, layer):
+        return layer_fn(layer, hidden, inputs, config, lora), None
+
+    x, _ = jax.lax.scan(step, x, layers)
+    return x
+
+
+def forward(
+    params: Params,
+    token_ids: jax.Array,
+    config: ModelConfig,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    lora: LoraSpec | None = None,
+) -> jax.Array:
+    """Whole model: token ids [B, S] -> float32 logits [B, S, V]."""
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1]), token_ids.shape)
+    inputs = attention_inputs(config, positions, segment_ids)
+    x = run_layers(params["layers"], embed(params, token_ids), inputs, config, lora)
+    return head(params, x, config)
+
+
+def merge_params(frozen: Params, trainable: Params) -> Params:
+    """One read-only view of frozen and trainable parameters (no copies: dicts of the same arrays).
+
+    The split stays at every function boundary that differentiates; this view is what the pure
+    model functions read.
+    """
+    merged = {**frozen, **{k: v for k, v in trainable.items() if k != "layers"}}
+    merged["layers"] = {**frozen.get("layers", {}), **trainable.get("layers", {})}
+    return merged
