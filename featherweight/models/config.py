@@ -59,7 +59,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
             if getattr(self, name) <= 0:
-                raise ModelConfigError(f"model config field {name}={getattr(self, name)} must be > 0")
+                raise ModelConfigError(
+                    f"model config field {name}={getattr(self, name)} must be > 0"
+                )
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"num_attention_heads={self.num_heads} must be a positive multiple of "
@@ -218,7 +220,9 @@ def read_hf_config(directory: Path) -> ModelConfig:
     try:
         hf = json.loads(path.read_text())
     except json.JSONDecodeError as error:
-        raise ModelConfigError(f"{path} is not valid JSON ({error}); restore the original") from None
+        raise ModelConfigError(
+            f"{path} is not valid JSON ({error}); restore the original"
+        ) from None
     if not isinstance(hf, dict):
         raise ModelConfigError(f"{path} must hold a JSON object, found {type(hf).__name__}")
     return config_from_hf_dict(hf, source=str(path))

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from featherweight.models.config import ModelConfig
-from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4
+from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, take_rows_nf4
 
 Params = dict[str, Any]
 
@@ -125,7 +125,9 @@ def linear(
         x_in = x
         if lora.dropout > 0.0 and dropout_key is not None:
             keep = jax.random.bernoulli(
-                jax.random.fold_in(dropout_key, LINEAR_NAMES.index(name)), 1.0 - lora.dropout, x.shape
+                jax.random.fold_in(dropout_key, LINEAR_NAMES.index(name)),
+                1.0 - lora.dropout,
+                x.shape,
             )
             x_in = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(x.dtype)
         down = jnp.einsum("...i,ri->...r", x_in, adapter["a"].astype(x.dtype))
@@ -193,8 +195,14 @@ def block(
 
 
 def embed(params: Params, token_ids: jax.Array) -> jax.Array:
-    """Token embeddings [B, S, D] in the embedding table's dtype."""
-    return jnp.take(params["embed"], token_ids, axis=0)
+    """Token embeddings [B, S, D] in the compute dtype (the final norm's dtype).
+
+    An NF4 table (a quantized, tied head) is dequantized only for the looked-up rows.
+    """
+    table = params["embed"]
+    if isinstance(table, NF4Tensor):
+        return take_rows_nf4(table, token_ids, params["final_norm"].dtype)
+    return jnp.take(table, token_ids, axis=0)
 
 
 def lm_head_weight(params: Params) -> jax.Array:

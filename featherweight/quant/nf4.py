@@ -249,3 +249,18 @@ def dequantize_nf4(tensor: NF4Tensor, dtype: jnp.dtype = jnp.float32) -> jax.Arr
     values = values.reshape(*tensor.stack_shape, -1, BLOCK_SIZE)
     values = values * dequantize_absmax(tensor)[..., None]
     return values.reshape(*tensor.stack_shape, *tensor.shape).astype(dtype)
+
+
+def take_rows_nf4(tensor: NF4Tensor, row_ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Rows `row_ids` of a 2-D NF4 matrix [V, D] (D a multiple of 64), dequantized.
+
+    An embedding lookup from a quantized table: only the gathered rows are ever dense.
+    """
+    rows, width = tensor.shape
+    codes = tensor.codes.reshape(rows, width // 2)[row_ids]  # [..., D/2]
+    absmax = dequantize_absmax(tensor).reshape(rows, width // BLOCK_SIZE)[row_ids]
+    indices = jnp.stack([codes >> 4, codes & 0xF], axis=-1).reshape(*codes.shape[:-1], width)
+    values = jnp.take(jnp.asarray(NF4_CODE), indices.astype(jnp.int32))
+    values = values.reshape(*codes.shape[:-1], width // BLOCK_SIZE, BLOCK_SIZE)
+    values = values * absmax[..., None]
+    return values.reshape(*codes.shape[:-1], width).astype(dtype)

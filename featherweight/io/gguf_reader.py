@@ -1,0 +1,170 @@
+"""GGUF files (llama.cpp's format) as a checkpoint source: config from metadata, tensors
+dequantized one at a time by the `gguf` package, and the tokenizer from the metadata.
+
+GGUF stores the q and k projections of `llama` files with rows permuted for llama.cpp's interleaved
+rotary layout; they are permuted back to Hugging Face's half-split layout on read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType, quants
+
+from featherweight.errors import CorruptCheckpointError, UnsupportedModelError
+from featherweight.io.names import TensorKey, gguf_name, parse_gguf_name, validate_tensors
+from featherweight.io.tokenizer import Tokenizer, tokenizer_from_gguf_fields
+from featherweight.models.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_TENSOR_TYPES = {
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+}
+_IGNORED = {"rope_freqs.weight"}
+
+
+def _field_value(field: Any) -> Any:
+    return field.contents()
+
+
+def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: per head, interleaved pairs back to two halves."""
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    grouped = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(weight.shape)
+
+
+class GGUFSource:
+    """One open GGUF file: config, tensor shapes, tensor reads and tokenizer."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except Exception as error:  # the gguf package raises many types on a bad header
+            raise CorruptCheckpointError(
+                f"{self.path} is not a readable GGUF file ({type(error).__name__}: {error}); "
+                "it may be truncated -- download it again"
+            ) from None
+        self.fields = {name: field for name, field in self.reader.fields.items()}
+        self.architecture = self._get("general.architecture")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{self.path}: GGUF architecture {self.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
+        for tensor in self.tensors.values():
+            if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES and tensor.name not in _IGNORED:
+                supported = ", ".join(sorted(kind.name for kind in SUPPORTED_TENSOR_TYPES))
+                raise UnsupportedModelError(
+                    f"{self.path}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, "
+                    f"which featherweight cannot dequantize; supported: {supported}. "
+                    "Use a GGUF quantized with one of these, or the original safetensors."
+                )
+        self.config = self._config()
+        self._keys: dict[TensorKey, str] = {}
+        shapes: dict[TensorKey, tuple[int, ...]] = {}
+        unknown = []
+        for name, tensor in self.tensors.items():
+            if name in _IGNORED:
+                continue
+            key = parse_gguf_name(name)
+            if key is None:
+                unknown.append(name)
+                continue
+            self._keys[key] = name
+            shapes[key] = tuple(int(size) for size in reversed(tensor.shape.tolist()))
+        validate_tensors(self.config, shapes, unknown, str(self.path), spell=gguf_name)
+        self.shapes = shapes
+
+    def _get(self, name: str, default: Any = None) -> Any:
+        field = self.fields.get(name)
+        if field is None:
+            return default
+        try:
+            return _field_value(field)
+        except Exception as error:
+            raise CorruptCheckpointError(
+                f"{self.path}: metadata {name!r} is unreadable ({error})"
+            ) from None
+
+    def _config(self) -> ModelConfig:
+        arch = self.architecture
+        need = ["block_count", "embedding_length", "feed_forward_length", "attention.head_count"]
+        missing = [key for key in need if f"{arch}.{key}" not in self.fields]
+        if missing:
+            raise CorruptCheckpointError(
+                f"{self.path} lacks metadata {', '.join(f'{arch}.{key}' for key in missing)}"
+            )
+        num_heads = int(self._get(f"{arch}.attention.head_count"))
+        hidden = int(self._get(f"{arch}.embedding_length"))
+        tokens = self.fields.get("tokenizer.ggml.tokens")
+        vocab = self._get(f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
+        if vocab is None:
+            vocab = int(self.tensors["token_embd.weight"].shape[-1])
+        head_dim = self._get(f"{arch}.rope.dimension_count") or hidden // num_heads
+        bos = self._get("tokenizer.ggml.bos_token_id")
+        eos = self._get("tokenizer.ggml.eos_token_id")
+        return ModelConfig(
+            model_type="llama" if arch == "llama" else "qwen2",
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(self._get(f"{arch}.feed_forward_length")),
+            num_layers=int(self._get(f"{arch}.block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(self._get(f"{arch}.attention.head_count_kv", num_heads)),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(self._get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(self._get(f"{arch}.rope.freq_base", 10000.0)),
+            max_position_embeddings=int(self._get(f"{arch}.context_length", 4096)),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            attention_bias="blk.0.attn_q.bias" in self.tensors,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_id=None if eos is None else int(eos),
+        )
+
+    def keys(self) -> list[TensorKey]:
+        return list(self._keys)
+
+    def stored_dtype(self, key: TensorKey) -> np.dtype:
+        """Dtype a tensor has once read: float32 for quantized and F32, float16 for F16."""
+        kind = self.tensors[self._keys[key]].tensor_type
+        return np.dtype(np.float16) if kind == GGMLQuantizationType.F16 else np.dtype(np.float32)
+
+    def read(self, key: TensorKey) -> np.ndarray:
+        """The tensor in Hugging Face layout ([out, in]), dequantized."""
+        tensor = self.tensors[self._keys[key]]
+        try:
+            values = quants.dequantize(tensor.data, tensor.tensor_type)
+        except Exception as error:
+            raise CorruptCheckpointError(
+                f"{self.path}: tensor {tensor.name!r} cannot be read ({error}); the file may be "
+                "truncated -- download it again"
+            ) from None
+        values = np.asarray(values).reshape(self.shapes[key])
+        name, _layer = key
+        if self.architecture == "llama" and name in ("q", "k"):
+            heads = self.config.num_heads if name == "q" else self.config.num_kv_heads
+            values = unpermute_rotary_rows(values, heads)
+        return values
+
+    def tokenizer(self) -> Tokenizer:
+        fields = {}
+        for name in self.fields:
+            if name.startswith("tokenizer."):
+                fields[name] = self._get(name)
+        return tokenizer_from_gguf_fields(fields)
+
+    def close(self) -> None:
+        self.tensors = {}
+        self.reader = None
