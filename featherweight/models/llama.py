@@ -229,14 +229,16 @@ def run_layers(
     config: ModelConfig,
     lora: LoraSpec | None = None,
     remat: bool = False,
+    dropout_keys: jax.Array | None = None,
 ) -> jax.Array:
-    """Scan `block` over the stacked layers."""
+    """Scan `block` over the stacked layers; `dropout_keys` [L, ...] gives each layer its key."""
     layer_fn = jax.checkpoint(block, static_argnums=(3, 4)) if remat else block
 
-    def step(hidden, layer):
-        return layer_fn(layer, hidden, inputs, config, lora), None
+    def step(hidden, per_layer):
+        layer, key = per_layer
+        return layer_fn(layer, hidden, inputs, config, lora, key), None
 
-    x, _ = jax.lax.scan(step, x, layers)
+    x, _ = jax.lax.scan(step, x, (layers, dropout_keys))
     return x
 
 
