@@ -15,6 +15,11 @@ from typing import Any
 from featherweight.errors import CheckpointNotFoundError, ModelConfigError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 
 _REQUIRED_HF_FIELDS = (
     "vocab_size",
@@ -82,13 +87,8 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The `config.json` that transformers reads back into an equal model."""
-        architectures = {
-            "llama": "LlamaForCausalLM",
-            "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM",
-        }
         config: dict[str, Any] = {
-            "architectures": [architectures[self.model_type]],
+            "architectures": [ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -170,6 +170,12 @@ def config_from_hf_dict(hf: dict[str, Any], source: str = "config.json") -> Mode
         raise UnsupportedModelError(
             f"{source}: model_type {model_type!r} is not supported; "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    architectures = hf.get("architectures") or [ARCHITECTURES[model_type]]
+    if not set(architectures) & set(ARCHITECTURES.values()):
+        raise UnsupportedModelError(
+            f"{source}: architectures {architectures} are not supported (featherweight runs "
+            f"causal language models); supported: {', '.join(ARCHITECTURES.values())}"
         )
     missing = [field for field in _REQUIRED_HF_FIELDS if field not in hf]
     if missing:

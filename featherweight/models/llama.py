@@ -144,36 +144,82 @@ def attention_mask(segment_ids: jax.Array | None, query_len: int, key_len: int) 
     return causal[None, None] & same_segment
 
 
+def attention_qkv(
+    layer: Params,
+    normed: jax.Array,
+    inputs: AttentionInputs,
+    config: ModelConfig,
+    lora: LoraSpec | None = None,
+    dropout_key: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rotated queries [B, S, H, h] and keys, values [B, S, K, h] of the normed input."""
+    batch, seq, _ = normed.shape
+    q = linear(layer, "q", normed, lora, dropout_key).reshape(batch, seq, config.num_heads, -1)
+    k = linear(layer, "k", normed, lora, dropout_key).reshape(batch, seq, config.num_kv_heads, -1)
+    v = linear(layer, "v", normed, lora, dropout_key).reshape(batch, seq, config.num_kv_heads, -1)
+    return apply_rotary(q, inputs.cos, inputs.sin), apply_rotary(k, inputs.cos, inputs.sin), v
+
+
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, inputs: AttentionInputs) -> jax.Array:
+    """Causal (and segment-masked) grouped-query attention: -> [B, S, H*h]."""
+    batch, seq = q.shape[:2]
+    mask = attention_mask(inputs.segment_ids, seq, seq)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask).reshape(batch, seq, -1)
+
+
 def self_attention(
     layer: Params,
-    x: jax.Array,
+    normed: jax.Array,
     inputs: AttentionInputs,
     config: ModelConfig,
     lora: LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query causal self-attention over the whole sequence: [B, S, D] -> [B, S, D]."""
-    batch, seq, _ = x.shape
-    q = linear(layer, "q", x, lora, dropout_key).reshape(batch, seq, config.num_heads, -1)
-    k = linear(layer, "k", x, lora, dropout_key).reshape(batch, seq, config.num_kv_heads, -1)
-    v = linear(layer, "v", x, lora, dropout_key).reshape(batch, seq, config.num_kv_heads, -1)
-    q = apply_rotary(q, inputs.cos, inputs.sin)
-    k = apply_rotary(k, inputs.cos, inputs.sin)
-    mask = attention_mask(inputs.segment_ids, seq, seq)
-    attended = jax.nn.dot_product_attention(q, k, v, mask=mask)  # [B, S, H, h]
-    return linear(layer, "o", attended.reshape(batch, seq, -1), lora, dropout_key)
+    q, k, v = attention_qkv(layer, normed, inputs, config, lora, dropout_key)
+    return linear(layer, "o", attention_core(q, k, v, inputs), lora, dropout_key)
+
+
+def mlp_gate_up(
+    layer: Params,
+    normed: jax.Array,
+    lora: LoraSpec | None = None,
+    dropout_key: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The two input projections of the MLP: gate and up, [B, S, F] each."""
+    return linear(layer, "gate", normed, lora, dropout_key), linear(
+        layer, "up", normed, lora, dropout_key
+    )
+
+
+def mlp_down(
+    layer: Params,
+    gate: jax.Array,
+    up: jax.Array,
+    lora: LoraSpec | None = None,
+    dropout_key: jax.Array | None = None,
+) -> jax.Array:
+    """SwiGLU output: down(silu(gate) * up)."""
+    return linear(layer, "down", jax.nn.silu(gate) * up, lora, dropout_key)
 
 
 def mlp(
     layer: Params,
-    x: jax.Array,
+    normed: jax.Array,
     lora: LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
 ) -> jax.Array:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
-    gate = linear(layer, "gate", x, lora, dropout_key)
-    up = linear(layer, "up", x, lora, dropout_key)
-    return linear(layer, "down", jax.nn.silu(gate) * up, lora, dropout_key)
+    gate, up = mlp_gate_up(layer, normed, lora, dropout_key)
+    return mlp_down(layer, gate, up, lora, dropout_key)
+
+
+def split_dropout_key(dropout_key: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
+    """The attention and MLP dropout keys of one layer (None without dropout)."""
+    if dropout_key is None:
+        return None, None
+    attn_key, mlp_key = jax.random.split(dropout_key)
+    return attn_key, mlp_key
 
 
 def block(
@@ -185,9 +231,7 @@ def block(
     dropout_key: jax.Array | None = None,
 ) -> jax.Array:
     """One transformer layer (pre-norm attention and MLP, each with a residual): [B,S,D]->[B,S,D]."""
-    attn_key = mlp_key = None
-    if dropout_key is not None:
-        attn_key, mlp_key = jax.random.split(dropout_key)
+    attn_key, mlp_key = split_dropout_key(dropout_key)
     x = x + self_attention(
         layer, rms_norm(x, layer["attn_norm"], config.rms_norm_eps), inputs, config, lora, attn_key
     )

@@ -1,0 +1,126 @@
+"""One transformer layer's forward (keeping chosen intermediates) and its VJP, as the streamed
+step's backward loop calls it: frozen weights are closed over, only the trainable slice and the
+input are differentiated.
+
+With nothing saved the VJP is `jax.vjp(block)`: the block's forward is recomputed once (remat).
+With saved intermediates ("qkv", "mlp_hidden") the layer is split into stages and the VJPs are
+chained; a saved stage output is taken from the forward pass, so XLA drops the matmuls that made it
+(their backward needs only their inputs).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from featherweight.models.config import ModelConfig
+from featherweight.models.llama import (
+    AttentionInputs,
+    LoraSpec,
+    Params,
+    attention_core,
+    attention_qkv,
+    block,
+    linear,
+    mlp_down,
+    mlp_gate_up,
+    rms_norm,
+    split_dropout_key,
+)
+
+
+def merge_layer(frozen_layer: Params, trainable_layer: Params) -> Params:
+    """One layer's read-only view of its frozen and trainable tensors."""
+    return {**frozen_layer, **trainable_layer}
+
+
+class _Stages:
+    """The layer as four stages: qkv -> attention residual -> gate/up -> MLP residual."""
+
+    def __init__(self, frozen_layer, inputs, config, lora, dropout_key):
+        self.frozen_layer = frozen_layer
+        self.inputs = inputs
+        self.config = config
+        self.lora = lora
+        self.attn_key, self.mlp_key = split_dropout_key(dropout_key)
+
+    def qkv(self, trainable, x):
+        layer = merge_layer(self.frozen_layer, trainable)
+        normed = rms_norm(x, layer["attn_norm"], self.config.rms_norm_eps)
+        return attention_qkv(layer, normed, self.inputs, self.config, self.lora, self.attn_key)
+
+    def attention_residual(self, trainable, x, qkv):
+        layer = merge_layer(self.frozen_layer, trainable)
+        attended = attention_core(*qkv, self.inputs)
+        return x + linear(layer, "o", attended, self.lora, self.attn_key)
+
+    def gate_up(self, trainable, a):
+        layer = merge_layer(self.frozen_layer, trainable)
+        normed = rms_norm(a, layer["mlp_norm"], self.config.rms_norm_eps)
+        return mlp_gate_up(layer, normed, self.lora, self.mlp_key)
+
+    def mlp_residual(self, trainable, a, gate_up):
+        layer = merge_layer(self.frozen_layer, trainable)
+        return a + mlp_down(layer, *gate_up, self.lora, self.mlp_key)
+
+
+def layer_forward(
+    frozen_layer: Params,
+    trainable_layer: Params,
+    x: jax.Array,
+    inputs: AttentionInputs,
+    config: ModelConfig,
+    lora: LoraSpec | None,
+    dropout_key: jax.Array | None,
+    save: tuple[str, ...],
+) -> tuple[jax.Array, dict[str, tuple[jax.Array, ...]]]:
+    """The layer's output and the intermediates named in `save`."""
+    if not save:
+        layer = merge_layer(frozen_layer, trainable_layer)
+        return block(layer, x, inputs, config, lora, dropout_key), {}
+    stages = _Stages(frozen_layer, inputs, config, lora, dropout_key)
+    qkv = stages.qkv(trainable_layer, x)
+    a = stages.attention_residual(trainable_layer, x, qkv)
+    gate_up = stages.gate_up(trainable_layer, a)
+    saved = {"qkv": qkv, "mlp_hidden": gate_up}
+    return stages.mlp_residual(trainable_layer, a, gate_up), {name: saved[name] for name in save}
+
+
+def _add_trees(*trees):
+    return jax.tree.map(lambda *leaves: sum(leaves[1:], leaves[0]), *trees)
+
+
+def layer_vjp(
+    frozen_layer: Params,
+    trainable_layer: Params,
+    x: jax.Array,
+    saved: dict[str, tuple[jax.Array, ...]],
+    output_cotangent: jax.Array,
+    inputs: AttentionInputs,
+    config: ModelConfig,
+    lora: LoraSpec | None,
+    dropout_key: jax.Array | None,
+) -> tuple[Params, jax.Array]:
+    """(gradient of the trainable slice, cotangent of the layer input)."""
+    if not saved:
+
+        def layer_fn(trainable, hidden):
+            layer = merge_layer(frozen_layer, trainable)
+            return block(layer, hidden, inputs, config, lora, dropout_key)
+
+        _, vjp = jax.vjp(layer_fn, trainable_layer, x)
+        return vjp(output_cotangent)
+    stages = _Stages(frozen_layer, inputs, config, lora, dropout_key)
+    qkv = saved["qkv"] if "qkv" in saved else stages.qkv(trainable_layer, x)
+    a = stages.attention_residual(trainable_layer, x, qkv)
+    gate_up = saved["mlp_hidden"] if "mlp_hidden" in saved else stages.gate_up(trainable_layer, a)
+
+    _, vjp_mlp = jax.vjp(stages.mlp_residual, trainable_layer, a, gate_up)
+    grad_mlp, g_a, g_gate_up = vjp_mlp(output_cotangent)
+    _, vjp_gate_up = jax.vjp(stages.gate_up, trainable_layer, a)
+    grad_gate_up, g_a_norm = vjp_gate_up(g_gate_up)
+    g_a = g_a + g_a_norm
+    _, vjp_attention = jax.vjp(stages.attention_residual, trainable_layer, x, qkv)
+    grad_attention, g_x, g_qkv = vjp_attention(g_a)
+    _, vjp_qkv = jax.vjp(stages.qkv, trainable_layer, x)
+    grad_qkv, g_x_norm = vjp_qkv(g_qkv)
+    return _add_trees(grad_mlp, grad_gate_up, grad_attention, grad_qkv), g_x + g_x_norm

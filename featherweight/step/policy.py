@@ -1,0 +1,44 @@
+"""The memory policy of the streamed step: named, documented choices (MaxText style).
+
+- residuals: where each layer's input (the residual stream, L x B x S x D) waits for the backward
+  pass: "device", or "host" (pinned host memory, fetched back one layer ahead).
+- loss_chunk: sequence chunk of the LM head + cross-entropy (None = whole sequence at once).
+- save: intermediates of the block kept from the forward pass so the backward recompute skips the
+  matmuls that made them. "qkv": the rotated q, k, v (skips 3 projections, costs
+  B x S x (H+2K) x h per layer); "mlp_hidden": the gate and up projections (skips the two largest
+  matmuls, costs 2 x B x S x F per layer). Empty = full remat of the block (least memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from featherweight.errors import StepConfigError
+
+RESIDUAL_PLACEMENTS = ("device", "host")
+SAVEABLE = ("qkv", "mlp_hidden")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPolicy:
+    """Where activations live during a train step, and what is recomputed."""
+
+    residuals: str = "device"
+    loss_chunk: int | None = None
+    save: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.residuals not in RESIDUAL_PLACEMENTS:
+            raise StepConfigError(
+                f"residuals={self.residuals!r} is not a placement; use one of {RESIDUAL_PLACEMENTS}"
+            )
+        unknown = [name for name in self.save if name not in SAVEABLE]
+        if unknown:
+            raise StepConfigError(
+                f"cannot save intermediate(s) {unknown}: known names are {list(SAVEABLE)}"
+            )
+        if self.loss_chunk is not None and self.loss_chunk <= 0:
+            raise StepConfigError(
+                f"loss_chunk={self.loss_chunk} must be a positive sequence length"
+            )
+        object.__setattr__(self, "save", tuple(sorted(set(self.save))))

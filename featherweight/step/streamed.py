@@ -1,0 +1,292 @@
+"""The layer-streamed train step: the optimizer runs inside the backward pass, one layer at a time.
+
+No `jax.grad` of the whole model. The step is, in one jitted and donated program:
+
+1. forward: scan the block over the stacked layers, keeping each layer's input (the residual
+   stream) -- on device or in pinned host memory -- and any intermediates the policy saves;
+2. head: value and VJP of final norm + LM head + chunked cross-entropy; the head's parameters are
+   updated at once;
+3. backward: a `fori_loop` from the last layer to the first. Layer l's saved input comes back (the
+   next one is fetched while l computes), its VJP is rebuilt (remat), and its gradient goes straight
+   into the optimizer on layer l's slice of the optimizer state; parameters and state are written
+   back in place (dynamic-update-slice on the donated stacks). The gradient is then dropped: the
+   full gradient pytree never exists -- at most one layer's gradient is alive;
+4. embedding: the input cotangent is scattered into the embedding gradient (tied embeddings add the
+   head's contribution first) and the embedding is updated once.
+
+Frozen weights (bf16 or NF4) are closed over in every VJP, so no gradient of them is ever built.
+
+Any optax `GradientTransformation` works, applied per layer (its state is initialised per layer and
+stacked). Transformations that need a global view see one layer at a time: `clip_by_global_norm`
+becomes per-layer clipping here (see `per_layer_clipping`). Gradient accumulation over micro-batches
+needs a full gradient buffer and is refused; use the reference step for it.
+
+Each per-layer update sits in a `lax.cond` on the loss being finite. Besides skipping the update of
+a diverged step, the branch boundary keeps XLA from fusing the optimizer arithmetic into the
+in-place updates of the stacks (which made it copy every optimizer-state stack, 3x the weights of
+temp memory with Adam).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from featherweight.errors import StepConfigError
+from featherweight.models.config import ModelConfig
+from featherweight.models.llama import LoraSpec, Params, attention_inputs, embed, merge_params
+from featherweight.step.layer_grad import layer_forward, layer_vjp
+from featherweight.step.loss import Batch, head_loss
+from featherweight.step.policy import MemoryPolicy
+from featherweight.step.reference import layer_dropout_keys
+from featherweight.step.validate import check_optimizer
+
+HEAD_GROUP = ("final_norm", "lm_head")
+
+
+class StreamedOptState(NamedTuple):
+    """Optimizer state in three groups, each updated at its own point of the backward pass.
+
+    layers: the state of one layer, every leaf stacked on a leading layer axis.
+    head: state of the trainable {final_norm, lm_head}, or None.
+    embed: state of {"embed": ...} when the embedding is trainable, or None.
+    """
+
+    layers: Any
+    head: Any
+    embed: Any
+
+
+def per_layer_clipping(max_norm: float) -> optax.GradientTransformation:
+    """Gradient clipping for the streamed step: each layer's gradient (and the head's, and the
+    embedding's) is clipped to `max_norm` on its own. Global-norm clipping would need every
+    gradient before any update, which is what the streamed step avoids."""
+    return optax.clip_by_global_norm(max_norm)
+
+
+def _head_group(tree: Params) -> Params:
+    return {name: tree[name] for name in HEAD_GROUP if name in tree}
+
+
+def init_streamed_opt_state(
+    optimizer: optax.GradientTransformation, trainable: Params
+) -> StreamedOptState:
+    """The optimizer state the streamed step expects for `trainable`."""
+    check_optimizer(optimizer)
+    layers = trainable.get("layers") or {}
+    head = _head_group(trainable)
+    return StreamedOptState(
+        layers=jax.vmap(optimizer.init)(layers) if layers else None,
+        head=optimizer.init(head) if head else None,
+        embed=optimizer.init({"embed": trainable["embed"]}) if "embed" in trainable else None,
+    )
+
+
+def _refuse_accumulation(optimizer, trainable: Params, accumulation_steps: int) -> None:
+    state_shape = jax.eval_shape(
+        optimizer.init, jax.tree.map(lambda x: x[0], trainable.get("layers") or {})
+    )
+    wraps_multisteps = any(
+        isinstance(node, optax.MultiStepsState)
+        for node in jax.tree.leaves(
+            state_shape, is_leaf=lambda n: isinstance(n, optax.MultiStepsState)
+        )
+    )
+    if accumulation_steps > 1 or wraps_multisteps:
+        raise StepConfigError(
+            "gradient accumulation over micro-batches needs a full gradient buffer, which the "
+            "streamed (fused-update) step never builds; use micro_batch = batch with the streamed "
+            "step, or build_reference_step with optax.MultiSteps"
+        )
+
+
+def _check_uniform_layers(frozen: Params, trainable: Params, num_layers: int) -> None:
+    """Every layer tensor must be stacked on a leading axis of length num_layers."""
+    for group, tree in (
+        ("frozen", frozen.get("layers", {})),
+        ("trainable", trainable.get("layers", {})),
+    ):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            if leaf.ndim == 0 or leaf.shape[0] != num_layers:
+                name = jax.tree_util.keystr(path)
+                raise StepConfigError(
+                    f"{group} layer tensor {name} has shape {leaf.shape}; the streamed step needs "
+                    f"every layer tensor stacked on a leading axis of {num_layers} (uniform layers)"
+                )
+
+
+def _slice(tree, index):
+    return jax.tree.map(
+        lambda leaf: jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False), tree
+    )
+
+
+def _write(tree, values, index):
+    return jax.tree.map(
+        lambda leaf, value: jax.lax.dynamic_update_index_in_dim(leaf, value, index, 0), tree, values
+    )
+
+
+def _squared_norm(tree) -> jax.Array:
+    return sum(
+        (jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree.leaves(tree)),
+        jnp.float32(0),
+    )
+
+
+def _guarded_update(optimizer, ok, grads, state, params):
+    """Apply the optimizer when `ok` (the loss is finite), else keep params and state as they are."""
+
+    def apply(grads, state, params):
+        updates, new_state = optimizer.update(grads, state, params)
+        new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, state)
+        return optax.apply_updates(params, updates), new_state
+
+    def keep(grads, state, params):
+        return params, state
+
+    return jax.lax.cond(ok, apply, keep, grads, state, params)
+
+
+def _residual_store(placement: str) -> tuple[Callable, Callable]:
+    """(put, fetch) moving a saved activation to its placement and back to the device."""
+    if placement == "host":
+        return (
+            lambda x: jax.device_put(x, jax.memory.Space.Host),
+            lambda x: jax.device_put(x, jax.memory.Space.Device),
+        )
+    return (lambda x: x), (lambda x: x)
+
+
+def build_streamed_step(
+    config: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    trainable: Params,
+    frozen: Params,
+    lora: LoraSpec | None = None,
+    policy: MemoryPolicy = MemoryPolicy(),
+    accumulation_steps: int = 1,
+    donate: bool = True,
+) -> Callable[..., tuple[Params, StreamedOptState, dict[str, jax.Array]]]:
+    """A jitted `step(trainable, opt_state, frozen, batch, key) -> (trainable, opt_state, metrics)`.
+
+    `trainable` and `frozen` (arrays or abstract shapes) fix the structure; `trainable` and
+    `opt_state` are donated, so the caller keeps exactly one copy (the returned one). Works for
+    full fine-tuning (trainable = all parameters), LoRA (trainable = adapters) and QLoRA (LoRA
+    over an NF4 frozen base).
+    """
+    check_optimizer(optimizer)
+    _refuse_accumulation(optimizer, trainable, accumulation_steps)
+    _check_uniform_layers(frozen, trainable, config.num_layers)
+    put, fetch = _residual_store(policy.residuals)
+    num_layers = config.num_layers
+
+    def step(trainable, opt_state: StreamedOptState, frozen, batch: Batch, key):
+        top = merge_params(frozen, trainable)
+        inputs = attention_inputs(config, batch.positions, batch.segment_ids)
+        keys = layer_dropout_keys(key, lora, num_layers)
+        frozen_layers = frozen.get("layers", {})
+        trainable_layers = trainable.get("layers", {})
+
+        def forward_layer(x, per_layer):
+            frozen_l, trainable_l, key_l = per_layer
+            y, saved = layer_forward(
+                frozen_l, trainable_l, x, inputs, config, lora, key_l, policy.save
+            )
+            return y, jax.tree.map(put, (x, saved))
+
+        hidden, stored = jax.lax.scan(
+            forward_layer, embed(top, batch.input_ids), (frozen_layers, trainable_layers, keys)
+        )
+
+        head_trainable = {
+            name: trainable[name] for name in (*HEAD_GROUP, "embed") if name in trainable
+        }
+        head_frozen = {
+            name: top[name]
+            for name in (*HEAD_GROUP, "embed")
+            if name in top and name not in trainable
+        }
+
+        def head_fn(head_params, h):
+            return head_loss({**head_frozen, **head_params}, h, batch, config, policy.loss_chunk)
+
+        loss, head_vjp = jax.vjp(head_fn, head_trainable, hidden)
+        head_grads, cotangent = head_vjp(jnp.ones((), loss.dtype))
+        ok = jnp.isfinite(loss)
+        grad_sq = _squared_norm(head_grads)
+        new_trainable = dict(trainable)
+        new_state = opt_state
+        if opt_state.head is not None:
+            params, state = _guarded_update(
+                optimizer, ok, _head_group(head_grads), opt_state.head, _head_group(trainable)
+            )
+            new_trainable.update(params)
+            new_state = new_state._replace(head=state)
+
+        def backward_layer(i, carry):
+            cotangent, layers, layer_state, grad_sq, current = carry
+            index = num_layers - 1 - i
+            upcoming = jax.tree.map(fetch, _slice(stored, jnp.maximum(index - 1, 0)))
+            x, saved = current
+            key_l = None if keys is None else keys[index]
+            trainable_l = _slice(layers, index)
+            grads, cotangent = layer_vjp(
+                _slice(frozen_layers, index),
+                trainable_l,
+                x,
+                saved,
+                cotangent,
+                inputs,
+                config,
+                lora,
+                key_l,
+            )
+            if layer_state is not None:
+                params_l, state_l = _guarded_update(
+                    optimizer, ok, grads, _slice(layer_state, index), trainable_l
+                )
+                layers = _write(layers, params_l, index)
+                layer_state = _write(layer_state, state_l, index)
+            return cotangent, layers, layer_state, grad_sq + _squared_norm(grads), upcoming
+
+        first = jax.tree.map(fetch, _slice(stored, num_layers - 1))
+        cotangent, layers, layer_state, grad_sq, _ = jax.lax.fori_loop(
+            0,
+            num_layers,
+            backward_layer,
+            (cotangent, trainable_layers, new_state.layers, grad_sq, first),
+        )
+        if trainable_layers:
+            new_trainable["layers"] = layers
+            new_state = new_state._replace(layers=layer_state)
+
+        if opt_state.embed is not None:
+            table = trainable["embed"]
+            embed_grad = (
+                jnp.zeros_like(table).at[batch.input_ids].add(cotangent.astype(table.dtype))
+            )
+            if "embed" in head_grads:
+                embed_grad = embed_grad + head_grads["embed"]
+            grad_sq = (
+                grad_sq + _squared_norm(embed_grad) - _squared_norm(head_grads.get("embed", {}))
+            )
+            params, state = _guarded_update(
+                optimizer, ok, {"embed": embed_grad}, opt_state.embed, {"embed": table}
+            )
+            new_trainable.update(params)
+            new_state = new_state._replace(embed=state)
+
+        metrics = {
+            "loss": loss,
+            "tokens": jnp.sum(batch.loss_mask),
+            "grad_norm": jnp.sqrt(grad_sq),
+            "updated": ok,
+        }
+        return new_trainable, new_state, metrics
+
+    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
