@@ -168,7 +168,7 @@ def build_streamed_step(
     trainable: Params,
     frozen: Params,
     lora: LoraSpec | None = None,
-    policy: MemoryPolicy = MemoryPolicy(),
+    policy: MemoryPolicy | None = None,
     accumulation_steps: int = 1,
     donate: bool = True,
 ) -> Callable[..., tuple[Params, StreamedOptState, dict[str, jax.Array]]]:
@@ -179,6 +179,7 @@ def build_streamed_step(
     full fine-tuning (trainable = all parameters), LoRA (trainable = adapters) and QLoRA (LoRA
     over an NF4 frozen base).
     """
+    policy = policy or MemoryPolicy()
     check_optimizer(optimizer)
     _refuse_accumulation(optimizer, trainable, accumulation_steps)
     _check_uniform_layers(frozen, trainable, config.num_layers)
