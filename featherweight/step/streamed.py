@@ -30,7 +30,7 @@ temp memory with Adam).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,16 +49,19 @@ HEAD_GROUP = ("final_norm", "lm_head")
 
 
 class StreamedOptState(NamedTuple):
-    """Optimizer state in three groups, each updated at its own point of the backward pass.
+    """Optimizer state kept per parameter tensor, so each tensor is updated on its own.
 
-    layers: the state of one layer, every leaf stacked on a leading layer axis.
-    head: state of the trainable {final_norm, lm_head}, or None.
-    embed: state of {"embed": ...} when the embedding is trainable, or None.
+    layers: one state per trainable layer tensor (in `jax.tree.leaves` order of the trainable
+      layers), each initialised for a single layer's tensor and stacked on a leading layer axis.
+    top: {name: state} for the trainable tensors outside the layer stack (final_norm, lm_head,
+      embed).
+
+    Per-tensor states equal one state over the whole pytree for element-wise optimizers (SGD,
+    Adam(W), Lion, ...); they keep the update's temporaries to one tensor at a time.
     """
 
-    layers: Any
-    head: Any
-    embed: Any
+    layers: tuple
+    top: dict
 
 
 def per_layer_clipping(max_norm: float) -> optax.GradientTransformation:
@@ -68,27 +71,24 @@ def per_layer_clipping(max_norm: float) -> optax.GradientTransformation:
     return optax.clip_by_global_norm(max_norm)
 
 
-def _head_group(tree: Params) -> Params:
-    return {name: tree[name] for name in HEAD_GROUP if name in tree}
-
-
 def init_streamed_opt_state(
     optimizer: optax.GradientTransformation, trainable: Params
 ) -> StreamedOptState:
     """The optimizer state the streamed step expects for `trainable`."""
     check_optimizer(optimizer)
-    layers = trainable.get("layers") or {}
-    head = _head_group(trainable)
+    layer_leaves = jax.tree.leaves(trainable.get("layers") or {})
     return StreamedOptState(
-        layers=jax.vmap(optimizer.init)(layers) if layers else None,
-        head=optimizer.init(head) if head else None,
-        embed=optimizer.init({"embed": trainable["embed"]}) if "embed" in trainable else None,
+        layers=tuple(jax.vmap(optimizer.init)(leaf) for leaf in layer_leaves),
+        top={name: optimizer.init(value) for name, value in trainable.items() if name != "layers"},
     )
 
 
 def _refuse_accumulation(optimizer, trainable: Params, accumulation_steps: int) -> None:
     state_shape = jax.eval_shape(
-        optimizer.init, jax.tree.map(lambda x: x[0], trainable.get("layers") or {})
+        optimizer.init,
+        jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), trainable.get("layers") or {}
+        ),
     )
     wraps_multisteps = any(
         isinstance(node, optax.MultiStepsState)
@@ -186,13 +186,18 @@ def build_streamed_step(
     put, fetch = _residual_store(policy.residuals)
     num_layers = config.num_layers
 
+    def update_tensor(ok, grad, state, param):
+        return _guarded_update(optimizer, ok, grad, state, param)
+
     def step(trainable, opt_state: StreamedOptState, frozen, batch: Batch, key):
         top = merge_params(frozen, trainable)
         inputs = attention_inputs(config, batch.positions, batch.segment_ids)
         keys = layer_dropout_keys(key, lora, num_layers)
         frozen_layers = frozen.get("layers", {})
         trainable_layers = trainable.get("layers", {})
+        layer_stacks, layer_treedef = jax.tree.flatten(trainable_layers)
 
+        # 1. forward: keep each layer's input (and saved intermediates) at the policy's placement
         def forward_layer(x, per_layer):
             frozen_l, trainable_l, key_l = per_layer
             y, saved = layer_forward(
@@ -204,14 +209,10 @@ def build_streamed_step(
             forward_layer, embed(top, batch.input_ids), (frozen_layers, trainable_layers, keys)
         )
 
-        head_trainable = {
-            name: trainable[name] for name in (*HEAD_GROUP, "embed") if name in trainable
-        }
-        head_frozen = {
-            name: top[name]
-            for name in (*HEAD_GROUP, "embed")
-            if name in top and name not in trainable
-        }
+        # 2. head: loss and its VJP; the head's own parameters are updated right away
+        head_names = [name for name in (*HEAD_GROUP, "embed") if name in top]
+        head_trainable = {name: trainable[name] for name in head_names if name in trainable}
+        head_frozen = {name: top[name] for name in head_names if name not in trainable}
 
         def head_fn(head_params, h):
             return head_loss({**head_frozen, **head_params}, h, batch, config, policy.loss_chunk)
@@ -219,23 +220,20 @@ def build_streamed_step(
         loss, head_vjp = jax.vjp(head_fn, head_trainable, hidden)
         head_grads, cotangent = head_vjp(jnp.ones((), loss.dtype))
         ok = jnp.isfinite(loss)
-        grad_sq = _squared_norm(head_grads)
-        new_trainable = dict(trainable)
-        new_state = opt_state
-        if opt_state.head is not None:
-            params, state = _guarded_update(
-                optimizer, ok, _head_group(head_grads), opt_state.head, _head_group(trainable)
-            )
-            new_trainable.update(params)
-            new_state = new_state._replace(head=state)
+        new_trainable, new_top_state = dict(trainable), dict(opt_state.top)
+        for name in HEAD_GROUP:
+            if name in trainable:
+                new_trainable[name], new_top_state[name] = update_tensor(
+                    ok, head_grads[name], opt_state.top[name], trainable[name]
+                )
 
+        # 3. backward over the layers, last to first: VJP, then each tensor's update, in place
         def backward_layer(i, carry):
-            cotangent, layers, layer_state, grad_sq, current = carry
+            cotangent, stacks, states, grad_sq, current = carry
             index = num_layers - 1 - i
             upcoming = jax.tree.map(fetch, _slice(stored, jnp.maximum(index - 1, 0)))
             x, saved = current
-            key_l = None if keys is None else keys[index]
-            trainable_l = _slice(layers, index)
+            trainable_l = jax.tree.unflatten(layer_treedef, [stack[index] for stack in stacks])
             grads, cotangent = layer_vjp(
                 _slice(frozen_layers, index),
                 trainable_l,
@@ -245,42 +243,43 @@ def build_streamed_step(
                 inputs,
                 config,
                 lora,
-                key_l,
+                None if keys is None else keys[index],
             )
-            if layer_state is not None:
-                params_l, state_l = _guarded_update(
-                    optimizer, ok, grads, _slice(layer_state, index), trainable_l
-                )
-                layers = _write(layers, params_l, index)
-                layer_state = _write(layer_state, state_l, index)
-            return cotangent, layers, layer_state, grad_sq + _squared_norm(grads), upcoming
+            new_stacks, new_states = [], []
+            for stack, state, grad in zip(stacks, states, jax.tree.leaves(grads), strict=True):
+                param, state_l = update_tensor(ok, grad, _slice(state, index), stack[index])
+                new_stacks.append(jax.lax.dynamic_update_index_in_dim(stack, param, index, 0))
+                new_states.append(_write(state, state_l, index))
+            return (
+                cotangent,
+                new_stacks,
+                tuple(new_states),
+                grad_sq + _squared_norm(grads),
+                upcoming,
+            )
 
         first = jax.tree.map(fetch, _slice(stored, num_layers - 1))
-        cotangent, layers, layer_state, grad_sq, _ = jax.lax.fori_loop(
+        cotangent, layer_stacks, layer_states, grad_sq, _ = jax.lax.fori_loop(
             0,
             num_layers,
             backward_layer,
-            (cotangent, trainable_layers, new_state.layers, grad_sq, first),
+            (cotangent, layer_stacks, opt_state.layers, _squared_norm(head_grads), first),
         )
         if trainable_layers:
-            new_trainable["layers"] = layers
-            new_state = new_state._replace(layers=layer_state)
+            new_trainable["layers"] = jax.tree.unflatten(layer_treedef, layer_stacks)
 
-        if opt_state.embed is not None:
+        # 4. embedding: scatter the input cotangent (plus the tied head's gradient), update once
+        if "embed" in trainable:
             table = trainable["embed"]
-            embed_grad = (
-                jnp.zeros_like(table).at[batch.input_ids].add(cotangent.astype(table.dtype))
-            )
-            if "embed" in head_grads:
-                embed_grad = embed_grad + head_grads["embed"]
+            # tied: the head's gradient of the table is the buffer the input cotangent adds into
+            embed_grad = head_grads.get("embed", jnp.zeros_like(table))
+            embed_grad = embed_grad.at[batch.input_ids].add(cotangent.astype(table.dtype))
             grad_sq = (
-                grad_sq + _squared_norm(embed_grad) - _squared_norm(head_grads.get("embed", {}))
+                grad_sq - _squared_norm(head_grads.get("embed", {})) + _squared_norm(embed_grad)
             )
-            params, state = _guarded_update(
-                optimizer, ok, {"embed": embed_grad}, opt_state.embed, {"embed": table}
+            new_trainable["embed"], new_top_state["embed"] = update_tensor(
+                ok, embed_grad, opt_state.top["embed"], table
             )
-            new_trainable.update(params)
-            new_state = new_state._replace(embed=state)
 
         metrics = {
             "loss": loss,
@@ -288,6 +287,6 @@ def build_streamed_step(
             "grad_norm": jnp.sqrt(grad_sq),
             "updated": ok,
         }
-        return new_trainable, new_state, metrics
+        return new_trainable, StreamedOptState(layer_states, new_top_state), metrics
 
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
