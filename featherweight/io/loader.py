@@ -1,9 +1,10 @@
 """`load_model`: a checkpoint on disk -> a `Model` (config, stacked parameters, tokenizer).
 
-Loading is lean: tensors are read one at a time (lazily from safetensors, dequantized one by one
-from GGUF), cast, optionally NF4-quantized, and gathered into one stacked array per tensor kind,
-which goes to the device before the next kind is read. Host memory holds the device copy plus at
-most one stack in flight -- never the model twice.
+Loading is lean: tensors are read one at a time (from safetensors with plain reads, dequantized one
+by one from GGUF), cast, optionally NF4-quantized, and written straight into one stacked host
+buffer per tensor kind, which goes to the device before the next kind is read. On CPU the device
+adopts that buffer without a copy, so host memory holds the model once plus one tensor in flight;
+on an accelerator, the host holds at most one stack.
 """
 
 from __future__ import annotations
@@ -15,17 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from featherweight.errors import CheckpointNotFoundError, ConfigError
+from featherweight.errors import CheckpointNotFoundError, ConfigError, QuantizationError
 from featherweight.io.gguf_reader import GGUFSource
-from featherweight.io.names import TensorKey
 from featherweight.io.safetensors_reader import PICKLE_SUFFIXES, SafetensorsSource, refuse_pickle
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LINEAR_NAMES, Params
 from featherweight.models.shapes import layer_shapes, top_level_shapes
-from featherweight.quant.nf4 import NF4Tensor, quantize_nf4
+from featherweight.quant.nf4 import BLOCK_SIZE, NF4Tensor, quantize_nf4
 
 QUANTIZATIONS = (None, "nf4")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+_HOST_ALIGNMENT = 64  # bytes; what XLA's CPU client needs to alias a host array
 
 
 @dataclasses.dataclass
@@ -65,17 +67,23 @@ def open_checkpoint(path: str | Path) -> SafetensorsSource | GGUFSource:
 
 
 def _resolve_dtype(dtype) -> np.dtype | None:
+    """The requested compute dtype, checked before any file is opened (None: decide later)."""
     if dtype is None:
         return None
     try:
-        return np.dtype(jnp.dtype(dtype))
+        resolved = np.dtype(jnp.dtype(dtype))
     except TypeError:
         raise ConfigError(f"dtype {dtype!r} is not a dtype; use 'float32' or 'bfloat16'") from None
+    if resolved.name not in COMPUTE_DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; use 'float32' or 'bfloat16'")
+    return resolved
 
 
-def _cast(values: np.ndarray, dtype: np.dtype | None, source, key: TensorKey) -> np.ndarray:
-    target = dtype or source.stored_dtype(key)
-    return values if values.dtype == target else values.astype(target)
+def _default_dtype(source) -> np.dtype:
+    """One compute dtype for the whole model: the checkpoint's when it is float32 or bfloat16,
+    else float32 (float16 checkpoints, and GGUF tensors, which dequantize to float32)."""
+    stored = np.dtype(source.stored_dtype(("embed", None)))
+    return stored if stored.name in COMPUTE_DTYPES else np.dtype(np.float32)
 
 
 def _stack_layers(source, name: str, shape, config: ModelConfig, dtype, quantize: bool):
@@ -86,13 +94,22 @@ def _stack_layers(source, name: str, shape, config: ModelConfig, dtype, quantize
             values = source.read((name, layer)).astype(np.float32)
             parts.append(quantize_nf4(values, name=f"layer {layer} {name}"))
         return jax.tree.map(lambda *leaves: jnp.stack(leaves), *parts)
-    first_dtype = dtype or source.stored_dtype((name, 0))
-    stack = np.empty((config.num_layers, *shape), dtype=first_dtype)
+    stack = host_buffer((config.num_layers, *shape), dtype)
     for layer in range(config.num_layers):
-        stack[layer] = _cast(source.read((name, layer)), first_dtype, source, (name, layer))
-    placed = jax.device_put(stack)
-    del stack
-    return placed
+        source.read_into((name, layer), stack[layer])
+    return jax.device_put(stack)
+
+
+def host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized host array aligned to 64 bytes.
+
+    On CPU, `jax.device_put` adopts a buffer with this alignment instead of copying it, so a
+    tensor read into one is never held twice; on an accelerator it is copied over and freed.
+    """
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + _HOST_ALIGNMENT, dtype=np.uint8)
+    start = -raw.ctypes.data % _HOST_ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def load_model(
@@ -105,8 +122,9 @@ def load_model(
 
     Args:
       path: a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a .gguf.
-      dtype: cast every tensor on load (e.g. "bfloat16"); None keeps the stored dtype
-        (dequantized GGUF tensors are float32).
+      dtype: the compute dtype, "float32" or "bfloat16"; every tensor is cast to it on load.
+        None keeps the checkpoint's when it is one of these, else float32 (float16
+        checkpoints; GGUF tensors dequantize to float32).
       quantize: "nf4" quantizes each linear weight of the blocks as it is read (QLoRA's frozen
         base); a full-precision copy of the blocks never exists on the device.
       quantize_head: with "nf4", also quantize the LM head (or the tied embedding table).
@@ -119,15 +137,24 @@ def load_model(
     source = open_checkpoint(path)
     config = source.config
     try:
+        if target_dtype is None:
+            target_dtype = _default_dtype(source)
         params: Params = {}
-        for name in top_level_shapes(config):
-            values = _cast(source.read((name, None)), target_dtype, source, (name, None))
+        for name, shape in top_level_shapes(config).items():
             head_kind = name == "lm_head" or (name == "embed" and config.tie_word_embeddings)
             if quantize_head and head_kind:
-                params[name] = quantize_nf4(values.astype(np.float32), name=name)
+                if name == "embed" and shape[-1] % BLOCK_SIZE:
+                    raise QuantizationError(
+                        f"cannot NF4-quantize the tied embedding table {shape}: the lookup needs "
+                        f"rows of whole {BLOCK_SIZE}-value blocks, and the hidden size is "
+                        f"{shape[-1]}; load with quantize_head=False"
+                    )
+                values = source.read((name, None)).astype(np.float32)
+                params[name] = quantize_nf4(values, name=name)
+                del values
             else:
-                params[name] = jax.device_put(values)
-            del values
+                buffer = host_buffer(shape, target_dtype)
+                params[name] = jax.device_put(source.read_into((name, None), buffer))
         params["layers"] = {
             name: _stack_layers(
                 source,

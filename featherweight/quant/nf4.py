@@ -10,12 +10,25 @@ Storage for a weight of n values (n divisible by 64):
 That is 0.5 + 1/64 + 4/(64*256) bytes = 4.127 bits per weight.
 
 Every array may carry leading stack axes (e.g. [L] for the scanned layers): each tensor of the stack
-is quantized on its own, so slicing a stack is slicing every field.
+is quantized on its own, so slicing a stack is slicing every field. A tensor whose size is not a
+multiple of 64 is refused (`QuantizationError` naming it) rather than padded.
+
+Parity with bitsandbytes 0.50 (`quantize_4bit(w, blocksize=64, quant_type="nf4",
+compress_statistics=True)` on CPU, tests/quant/test_nf4.py): the 4-bit codes, the 8-bit absmax codes
+and their scales are bit-identical, and each library's dequantization of either library's state
+agrees to float32 rounding (about 1e-7 of the block's absmax: XLA may fuse the absmax's
+multiply-add into one fma) -- with one exception. The offset is a float32 mean whose rounding depends on the order of
+summation, which differs between torch and XLA (and within torch with its vector width and
+threads), so the offsets can differ by a few ulps; a centered absmax lying within that shift of an
+8-bit rounding threshold then lands on the neighbouring code (measured: 1 block of 5184 in
+SmolLM2's layer-0 q projection, 1 of 13824 in a random 1536x576 tensor, none in the other tensors
+tried). Given the same offset, everything matches bit for bit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -139,60 +152,120 @@ def nf4_nbytes(num_values: int, double_quant: bool = True) -> int:
     return num_values // 2 + blocks + 4 * math.ceil(blocks / ABSMAX_BLOCK_SIZE) + 4
 
 
-def _blockwise_absmax_scale(flat: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """Per-block absmax and values scaled into [-1, 1], rounding as bitsandbytes' NF4 does.
+def _blockwise_absmax_scale(flat: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-block absmax [..., n/64] and values scaled into [-1, 1] [..., n/64, 64].
 
-    Full blocks multiply by the reciprocal of their absmax; a trailing partial block divides.
+    Multiplies by the reciprocal of the absmax, as bitsandbytes does, so the scaled values (and
+    with them the 4-bit codes) are bit-identical to its own. A block of zeros scales to zeros.
     """
-    n = flat.shape[-1]
-    full = n - n % block
-    blocks = flat[..., :full].reshape(*flat.shape[:-1], full // block, block)
+    blocks = flat.reshape(*flat.shape[:-1], -1, BLOCK_SIZE)
     absmax = jnp.max(jnp.abs(blocks), axis=-1)
-    scaled = jnp.clip(blocks * (1.0 / jnp.maximum(absmax, 1e-38))[..., None], -1, 1)
-    scaled = scaled.reshape(*flat.shape[:-1], full)
-    if full < n:
-        tail = flat[..., full:]
-        tail_absmax = jnp.maximum(jnp.max(jnp.abs(tail), axis=-1), 1e-38)
-        absmax = jnp.concatenate([absmax, tail_absmax[..., None]], axis=-1)
-        scaled = jnp.concatenate([scaled, jnp.clip(tail / tail_absmax[..., None], -1, 1)], -1)
+    reciprocal = jnp.where(absmax > 0, 1.0 / absmax, 0.0)
+    scaled = jnp.clip(blocks * reciprocal[..., None], -1, 1)
     return absmax, scaled
 
 
 def _nearest_code(scaled: jax.Array, code: np.ndarray) -> jax.Array:
-    """Index of the nearest code value; a value exactly between two codes takes the lower."""
-    midpoints = jnp.asarray((code[:-1] + code[1:]) / np.float32(2.0))
-    return jnp.searchsorted(midpoints, scaled, side="left").astype(jnp.uint8)
+    """Index of the nearest code value; a value exactly between two codes takes the lower.
 
-
-def _nearest_dynamic_code(centered: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """8-bit dynamic-map quantization of the centered absmax in blocks of 256.
-
-    As bitsandbytes' CPU kernel: divide by the block's absmax, take the code value at or below,
-    and step right only when the right neighbour is strictly closer (ties stay left).
+    Counts the midpoints below each value: one fused elementwise pass for a 16-value code.
     """
-    blocks = centered.shape[-1]
-    padded = -(-blocks // ABSMAX_BLOCK_SIZE) * ABSMAX_BLOCK_SIZE
-    pad = [(0, 0)] * (centered.ndim - 1) + [(0, padded - blocks)]
-    grouped = jnp.pad(centered, pad).reshape(*centered.shape[:-1], -1, ABSMAX_BLOCK_SIZE)
+    midpoints = (code[:-1] + code[1:]) / np.float32(2.0)
+    return sum((scaled > midpoint).astype(jnp.uint8) for midpoint in midpoints)
+
+
+# bitsandbytes' CPU kernel for 8-bit blockwise quantization (csrc/cpu_ops.cpp, quantize_cpu_impl,
+# in 0.50) does not search the code: it rounds each normalized value v onto a grid of
+# DYNAMIC_GRID_SIZE points, bin = trunc(fma((1 + v) * 0.5, 65535, 0.5)) in float32, and reads the
+# code index from a table holding, for each grid point -1 + 2i/65535, the nearest code (the number
+# of code midpoints below it). Near a midpoint this can pick the farther code (by up to half a grid
+# step), and the seven codes nearest zero are never chosen. Since that composition is a monotone
+# step function of v, it is exactly a search among 255 thresholds: the smallest float32 v that
+# reaches each code. They are computed once here, on the host, with the kernel's float32
+# arithmetic (the fma is exact in float64, then rounded once to float32).
+DYNAMIC_GRID_SIZE = 65536
+
+
+def _grid_bin(normed: np.ndarray) -> np.ndarray:
+    """The grid point bitsandbytes' kernel rounds each float32 `normed` value to."""
+    half = (np.float32(1) + np.clip(normed, np.float32(-1), np.float32(1))) * np.float32(0.5)
+    fused = (half.astype(np.float64) * (DYNAMIC_GRID_SIZE - 1) + 0.5).astype(np.float32)
+    return np.trunc(fused).astype(np.int64)
+
+
+def _float32_order(values: np.ndarray) -> np.ndarray:
+    """float32 -> int64 preserving order (so a bisection can step through every float32)."""
+    bits = values.astype(np.float32).view(np.int32).astype(np.int64)
+    return np.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+def _float32_from_order(order: np.ndarray) -> np.ndarray:
+    return np.where(order < 0, (-order) | 0x80000000, order).astype(np.uint32).view(np.float32)
+
+
+def _grid_thresholds(code: np.ndarray) -> np.ndarray:
+    """float32 [255]: entry j-1 is the smallest normalized value the kernel maps to code >= j."""
+    midpoints = (code[:-1] + code[1:]) * np.float32(0.5)
+    grid = np.arange(DYNAMIC_GRID_SIZE, dtype=np.float32) * np.float32(2)
+    grid = grid / np.float32(DYNAMIC_GRID_SIZE - 1) - np.float32(1)
+    table = np.searchsorted(midpoints, grid, side="left")
+    first_bin = np.searchsorted(table, np.arange(1, len(code)), side="left")
+    low = np.full(first_bin.shape, _float32_order(np.float32(-1)))
+    high = np.full(first_bin.shape, _float32_order(np.float32(1)) + 1)
+    while np.any(low < high):
+        middle = (low + high) // 2
+        reaches = _grid_bin(_float32_from_order(middle)) >= first_bin
+        high = np.where(reaches, middle, high)
+        low = np.where(reaches, low, middle + 1)
+    return np.where(first_bin < DYNAMIC_GRID_SIZE, _float32_from_order(low), np.inf)
+
+
+DYNAMIC_THRESHOLDS = _grid_thresholds(DYNAMIC_CODE)
+
+
+def quantize_dynamic(values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """8-bit dynamic-map quantization of the last axis in blocks of 256, as bitsandbytes' CPU
+    kernel: codes uint8 [..., n] and each block's absmax, float32 [..., ceil(n/256)].
+
+    A block of zeros gets absmax 0 and code 0 (which dequantizes to 0).
+    """
+    count = values.shape[-1]
+    padded = -(-count // ABSMAX_BLOCK_SIZE) * ABSMAX_BLOCK_SIZE
+    pad = [(0, 0)] * (values.ndim - 1) + [(0, padded - count)]
+    grouped = jnp.pad(values, pad).reshape(*values.shape[:-1], -1, ABSMAX_BLOCK_SIZE)
     scale = jnp.max(jnp.abs(grouped), axis=-1)
-    normed = (grouped / scale[..., None]).reshape(*centered.shape[:-1], padded)[..., :blocks]
-    search_code = DYNAMIC_CODE.copy()
-    search_code[0] = -1.0
-    code = jnp.asarray(search_code)
-    lower = jnp.clip(jnp.searchsorted(code, normed, side="right") - 1, 0, 254)
-    closer_right = jnp.abs(normed - code[lower + 1]) < jnp.abs(normed - code[lower])
-    return (lower + closer_right).astype(jnp.uint8), scale
+    normed = grouped * (1.0 / scale)[..., None]
+    codes = jnp.searchsorted(jnp.asarray(DYNAMIC_THRESHOLDS), normed, side="right")
+    codes = jnp.where(scale[..., None] > 0, codes, 0).astype(jnp.uint8)
+    return codes.reshape(*values.shape[:-1], padded)[..., :count], scale
 
 
-def _quantize_flat(flat: jax.Array, double_quant: bool) -> tuple[jax.Array, ...]:
-    """NF4-quantize the last axis of a float32 array whose length is a multiple of 64."""
-    absmax, scaled = _blockwise_absmax_scale(flat, BLOCK_SIZE)
-    indices = _nearest_code(scaled, NF4_CODE)
+def dequantize_dynamic(codes: jax.Array, scale: jax.Array) -> jax.Array:
+    """Inverse of `quantize_dynamic`: float32 `DYNAMIC_CODE[codes] * scale` per block of 256."""
+    count = codes.shape[-1]
+    padded = scale.shape[-1] * ABSMAX_BLOCK_SIZE
+    values = jnp.take(jnp.asarray(DYNAMIC_CODE), codes.astype(jnp.int32))
+    values = jnp.pad(values, [(0, 0)] * (values.ndim - 1) + [(0, padded - count)])
+    values = values.reshape(*values.shape[:-1], -1, ABSMAX_BLOCK_SIZE) * scale[..., None]
+    return values.reshape(*values.shape[:-2], padded)[..., :count]
+
+
+def _quantize_flat(
+    flat: jax.Array, block_count: jax.Array, double_quant: bool
+) -> tuple[jax.Array, ...]:
+    """NF4-quantize the last axis of a float32 array whose length is a multiple of 64.
+
+    `block_count` (n/64 as a float32 array) divides the absmax sum at run time: a compile-time
+    divisor would let XLA multiply by its rounded reciprocal instead, and fuse that product into
+    the centering as an fma, so the offset subtracted would not be the offset stored.
+    """
+    absmax, scaled = _blockwise_absmax_scale(flat)
+    indices = _nearest_code(scaled, NF4_CODE).reshape(flat.shape)
     codes = (indices[..., 0::2] << 4) | indices[..., 1::2]
     if not double_quant:
         return codes, absmax, None, None
-    offset = jnp.mean(absmax, axis=-1)
-    absmax_codes, absmax_scale = _nearest_dynamic_code(absmax - offset[..., None])
+    offset = jnp.sum(absmax, axis=-1) / block_count
+    absmax_codes, absmax_scale = quantize_dynamic(absmax - offset[..., None])
     return codes, absmax_codes, absmax_scale, offset
 
 
@@ -204,9 +277,13 @@ def quantize_nf4(
 ) -> NF4Tensor:
     """Quantize `weight` to NF4; the first `stack_axes` axes are a stack of separate tensors.
 
+    Each tensor of a stack goes through the same compiled function on its own, so a stack's
+    fields are bit for bit the stacked fields of its tensors quantized one by one (a batched
+    reduction could sum the absmax in another order), and a host stack goes to the device one
+    float32 tensor at a time.
     Raises `QuantizationError` when a tensor's size is not a multiple of the block size (64).
     """
-    weight = jnp.asarray(weight)
+    weight = weight if isinstance(weight, jax.Array) else np.asarray(weight)
     stack_shape = tuple(weight.shape[:stack_axes])
     shape = tuple(weight.shape[stack_axes:])
     num_values = math.prod(shape)
@@ -215,28 +292,33 @@ def quantize_nf4(
             f"cannot NF4-quantize {name} of shape {shape}: its {num_values} values are not a "
             f"multiple of the block size {BLOCK_SIZE}; keep this tensor in bf16 or pad the model"
         )
-    flat = weight.reshape(*stack_shape, num_values).astype(jnp.float32)
-    codes, absmax, absmax_scale, offset = _quantize_flat_jit(flat, double_quant)
-    return NF4Tensor(codes, absmax, absmax_scale, offset, shape)
+    block_count = jnp.float32(num_values // BLOCK_SIZE)
+    tensors = weight.reshape(-1, num_values)
+    parts = [
+        _quantize_flat_jit(jnp.asarray(tensor, jnp.float32), block_count, double_quant)
+        for tensor in tensors
+    ]
+    if not stack_shape:
+        return NF4Tensor(*parts[0], shape)
+    fields = [
+        None if field[0] is None else jnp.stack(field).reshape(*stack_shape, *field[0].shape)
+        for field in zip(*parts)
+    ]
+    return NF4Tensor(*fields, shape)
 
 
-_quantize_flat_jit = jax.jit(_quantize_flat, static_argnums=1)
+_quantize_flat_jit = jax.jit(_quantize_flat, static_argnums=2)
 
 
 def dequantize_absmax(tensor: NF4Tensor) -> jax.Array:
     """The float32 per-block absmax [..., n/64], undoing the double quantization."""
     if not tensor.double_quantized:
         return tensor.absmax
-    values = jnp.take(jnp.asarray(DYNAMIC_CODE), tensor.absmax.astype(jnp.int32))
-    blocks = tensor.absmax.shape[-1]
-    padded = tensor.absmax_scale.shape[-1] * ABSMAX_BLOCK_SIZE
-    values = jnp.pad(values, [(0, 0)] * (values.ndim - 1) + [(0, padded - blocks)])
-    values = values.reshape(*values.shape[:-1], -1, ABSMAX_BLOCK_SIZE)
-    values = values * tensor.absmax_scale[..., None]
-    values = values.reshape(*values.shape[:-2], padded)[..., :blocks]
+    values = dequantize_dynamic(tensor.absmax, tensor.absmax_scale)
     return values + tensor.absmax_offset[..., None]
 
 
+@functools.partial(jax.jit, static_argnames="dtype")
 def dequantize_nf4(tensor: NF4Tensor, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """Back to a dense array of `stack_shape + shape`: `NF4_CODE[index] * absmax` per block.
 
@@ -254,13 +336,19 @@ def dequantize_nf4(tensor: NF4Tensor, dtype: jnp.dtype = jnp.float32) -> jax.Arr
 def take_rows_nf4(tensor: NF4Tensor, row_ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Rows `row_ids` of a 2-D NF4 matrix [V, D] (D a multiple of 64), dequantized.
 
-    An embedding lookup from a quantized table: only the gathered rows are ever dense.
+    An embedding lookup from a quantized table: only the gathered rows (and their absmax) are
+    ever dense.
     """
     rows, width = tensor.shape
+    per_row = width // BLOCK_SIZE
     codes = tensor.codes.reshape(rows, width // 2)[row_ids]  # [..., D/2]
-    absmax = dequantize_absmax(tensor).reshape(rows, width // BLOCK_SIZE)[row_ids]
+    block_ids = row_ids[..., None] * per_row + jnp.arange(per_row)  # [..., D/64]
+    absmax = tensor.absmax[block_ids]
+    if tensor.double_quantized:
+        scale = tensor.absmax_scale[block_ids // ABSMAX_BLOCK_SIZE]
+        absmax = jnp.take(jnp.asarray(DYNAMIC_CODE), absmax.astype(jnp.int32)) * scale
+        absmax = absmax + tensor.absmax_offset
     indices = jnp.stack([codes >> 4, codes & 0xF], axis=-1).reshape(*codes.shape[:-1], width)
     values = jnp.take(jnp.asarray(NF4_CODE), indices.astype(jnp.int32))
-    values = values.reshape(*codes.shape[:-1], width // BLOCK_SIZE, BLOCK_SIZE)
-    values = values * absmax[..., None]
+    values = values.reshape(*codes.shape[:-1], per_row, BLOCK_SIZE) * absmax[..., None]
     return values.reshape(*codes.shape[:-1], width).astype(dtype)
