@@ -6,6 +6,7 @@ Unknown keys get the closest valid key suggested; wrong types name the field and
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from pathlib import Path
 from typing import Any, Literal
@@ -151,10 +152,8 @@ def _key_lines(text: str) -> dict[str, int]:
                 lines[dotted] = key_node.start_mark.line + 1
                 walk(value_node, dotted + ".")
 
-    try:
+    with contextlib.suppress(yaml.YAMLError):
         walk(yaml.compose(text), "")
-    except yaml.YAMLError:
-        pass
     return lines
 
 
@@ -218,7 +217,7 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML config (None: all defaults), apply overrides, validate."""
     values: dict[str, Any] = {}
-    source = "config"
+    source, key_lines = "config", {}
     if path is not None:
         path = Path(path)
         source = str(path)
@@ -226,8 +225,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(
                 f"config file {path} does not exist; pass a YAML file (see examples/)"
             )
+        text = path.read_text()
+        key_lines = _key_lines(text)
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            loaded = yaml.safe_load(text) or {}
         except yaml.YAMLError as error:
             raise ConfigError(f"{path} is not valid YAML: {error}") from None
         if not isinstance(loaded, dict):
