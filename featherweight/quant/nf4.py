@@ -352,3 +352,27 @@ def take_rows_nf4(tensor: NF4Tensor, row_ids: jax.Array, dtype: jnp.dtype) -> ja
     values = jnp.take(jnp.asarray(NF4_CODE), indices.astype(jnp.int32))
     values = values.reshape(*codes.shape[:-1], per_row, BLOCK_SIZE) * absmax[..., None]
     return values.reshape(*codes.shape[:-1], width).astype(dtype)
+
+
+def abstract_nf4(
+    shape: tuple[int, ...], stack_shape: tuple[int, ...] = (), double_quant: bool = True
+) -> NF4Tensor:
+    """An `NF4Tensor` of `jax.ShapeDtypeStruct`s: plan and compile QLoRA without any weights."""
+    num_values = math.prod(shape)
+    blocks = num_values // BLOCK_SIZE
+    sds = jax.ShapeDtypeStruct
+    if not double_quant:
+        return NF4Tensor(
+            sds((*stack_shape, num_values // 2), jnp.uint8),
+            sds((*stack_shape, blocks), jnp.float32),
+            None,
+            None,
+            shape,
+        )
+    return NF4Tensor(
+        sds((*stack_shape, num_values // 2), jnp.uint8),
+        sds((*stack_shape, blocks), jnp.uint8),
+        sds((*stack_shape, -(-blocks // ABSMAX_BLOCK_SIZE)), jnp.float32),
+        sds(stack_shape, jnp.float32),
+        shape,
+    )

@@ -1,0 +1,172 @@
+"""From a `TrainConfig` to the pieces of a run: optimizer, trainable/frozen split, train step.
+
+Shared by the trainer and the memory planner, so the planner measures exactly the step that
+trains. Works on real arrays or on `jax.ShapeDtypeStruct`s (planning without weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from featherweight.config import OptimizerSettings, TrainConfig
+from featherweight.errors import ConfigError
+from featherweight.models.config import ModelConfig
+from featherweight.models.llama import LINEAR_NAMES, LoraSpec, Params
+from featherweight.models.shapes import layer_shapes, top_level_shapes
+from featherweight.peft.lora import (
+    LoraConfig,
+    abstract_lora,
+    init_lora,
+    lora_spec,
+    quantize_frozen_base,
+)
+from featherweight.quant.nf4 import NF4Tensor, abstract_nf4
+from featherweight.step.policy import MemoryPolicy
+from featherweight.step.reference import build_reference_step
+from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
+
+ADAPTER_DTYPE = jnp.float32  # adapters train in float32 over a bf16 or NF4 base (as PEFT does)
+
+
+def learning_rate_schedule(settings: OptimizerSettings, total_steps: int) -> optax.Schedule:
+    """Constant, cosine or linear decay to zero, after `warmup_steps` of linear warmup."""
+    peak, warmup = settings.learning_rate, min(settings.warmup_steps, max(total_steps - 1, 0))
+    decay_steps = max(total_steps - warmup, 1)
+    if settings.schedule == "constant":
+        decay = optax.constant_schedule(peak)
+    elif settings.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(peak, decay_steps)
+    else:
+        decay = optax.linear_schedule(peak, 0.0, decay_steps)
+    if warmup == 0:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+
+
+def make_optimizer(settings: OptimizerSettings, total_steps: int) -> optax.GradientTransformation:
+    """The optax transformation a config names (clipping first, when set)."""
+    schedule = learning_rate_schedule(settings, total_steps)
+    if settings.name == "adamw":
+        optimizer = optax.adamw(
+            schedule, settings.b1, settings.b2, settings.eps, weight_decay=settings.weight_decay
+        )
+    elif settings.name == "adamw_8bit":
+        from featherweight.optim.adamw8bit import adamw_8bit
+
+        optimizer = adamw_8bit(
+            schedule, settings.b1, settings.b2, settings.eps, weight_decay=settings.weight_decay
+        )
+    elif settings.name == "sgd":
+        optimizer = optax.sgd(schedule, momentum=settings.b1 or None)
+    elif settings.name == "lion":
+        optimizer = optax.lion(
+            schedule, settings.b1, settings.b2, weight_decay=settings.weight_decay
+        )
+    else:
+        optimizer = optax.adafactor(schedule, weight_decay_rate=settings.weight_decay or None)
+    if settings.clip_norm is not None:
+        optimizer = optax.chain(optax.clip_by_global_norm(settings.clip_norm), optimizer)
+    return optimizer
+
+
+def lora_config_of(config: TrainConfig) -> LoraConfig | None:
+    """The adapters' settings, or None for full fine-tuning."""
+    if config.method == "full":
+        return None
+    settings = config.lora
+    return LoraConfig(
+        settings.rank, settings.alpha, settings.dropout, settings.targets, settings.rslora
+    )
+
+
+def split_params(
+    params: Params, config: TrainConfig, model_config: ModelConfig, key: jax.Array
+) -> tuple[Params, Params]:
+    """(trainable, frozen): all parameters for full fine-tuning; fresh adapters over the base
+    (NF4-quantized for QLoRA if it is not already) otherwise."""
+    lora = lora_config_of(config)
+    if lora is None:
+        return params, {}
+    frozen = params
+    if config.method == "qlora" and not isinstance(params["layers"]["q"], NF4Tensor):
+        frozen = quantize_frozen_base(params)
+    return init_lora(key, model_config, lora, ADAPTER_DTYPE), frozen
+
+
+def abstract_split(config: TrainConfig, model_config: ModelConfig) -> tuple[Params, Params]:
+    """(trainable, frozen) as `jax.ShapeDtypeStruct`s, exactly as `split_params` would build them."""
+    dtype = jnp.dtype(config.model.dtype)
+    top = {
+        name: jax.ShapeDtypeStruct(shape, dtype)
+        for name, shape in top_level_shapes(model_config).items()
+    }
+    layers: dict[str, Any] = {}
+    for name, shape in layer_shapes(model_config).items():
+        if config.method == "qlora" and name in LINEAR_NAMES:
+            layers[name] = abstract_nf4(shape, (model_config.num_layers,))
+        else:
+            layers[name] = jax.ShapeDtypeStruct((model_config.num_layers, *shape), dtype)
+    if config.method == "qlora" and config.model.quantize_head:
+        head = "embed" if model_config.tie_word_embeddings else "lm_head"
+        top[head] = abstract_nf4(top_level_shapes(model_config)[head])
+    params = {**top, "layers": layers}
+    lora = lora_config_of(config)
+    if lora is None:
+        return params, {}
+    return abstract_lora(model_config, lora, ADAPTER_DTYPE), params
+
+
+def memory_policy_of(config: TrainConfig) -> MemoryPolicy:
+    memory = config.memory
+    return MemoryPolicy(residuals=memory.residuals, loss_chunk=memory.loss_chunk, save=memory.save)
+
+
+def build_train_step(
+    config: TrainConfig,
+    model_config: ModelConfig,
+    trainable: Params,
+    frozen: Params,
+    optimizer: optax.GradientTransformation,
+) -> tuple[Callable, Callable[[Params], Any]]:
+    """(jitted donated step, init_opt_state) for the configured step kind and memory policy."""
+    lora = lora_config_of(config)
+    spec: LoraSpec | None = None if lora is None else lora_spec(lora)
+    policy = memory_policy_of(config)
+    if config.memory.step == "reference":
+        if config.memory.accumulation_steps > 1:
+            optimizer = optax.MultiSteps(
+                optimizer, config.memory.accumulation_steps
+            ).gradient_transformation()
+        step = build_reference_step(
+            model_config, optimizer, lora=spec, chunk_size=policy.loss_chunk
+        )
+        return step, optimizer.init
+    step = build_streamed_step(
+        model_config,
+        optimizer,
+        trainable,
+        frozen,
+        lora=spec,
+        policy=policy,
+        accumulation_steps=config.memory.accumulation_steps,
+    )
+    return step, lambda params: init_streamed_opt_state(optimizer, params)
+
+
+def check_method_settings(config: TrainConfig, model_config: ModelConfig) -> None:
+    """Refuse combinations that cannot work, before any weights are read."""
+    lora = lora_config_of(config)
+    if lora is not None:
+        lora.check_model(model_config)
+    if config.model.quantize_head and config.method != "qlora":
+        raise ConfigError("model.quantize_head=true needs method: qlora (the head is frozen there)")
+    if config.memory.accumulation_steps > 1 and config.memory.step == "streamed":
+        raise ConfigError(
+            "memory.accumulation_steps > 1 needs a full gradient buffer, which the streamed step "
+            "never builds; set memory.step: reference, or raise batch_size instead"
+        )
