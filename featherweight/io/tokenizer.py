@@ -7,6 +7,7 @@ saving as `tokenizer.json` + `tokenizer_config.json` that transformers loads.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -131,6 +132,7 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+@functools.lru_cache(maxsize=8)  # compiling takes milliseconds; datasets render it per turn
 def _compile_template(template: str) -> jinja2.Template:
     environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
