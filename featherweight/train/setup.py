@@ -6,6 +6,7 @@ trains. Works on real arrays or on `jax.ShapeDtypeStruct`s (planning without wei
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ from featherweight.peft.lora import (
 )
 from featherweight.quant.nf4 import NF4Tensor, abstract_nf4
 from featherweight.step.policy import MemoryPolicy
-from featherweight.step.reference import build_reference_step
+from featherweight.step.reference import build_reference_step, model_loss
 from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
 
 ADAPTER_DTYPE = jnp.float32  # adapters train in float32 over a bf16 or NF4 base (as PEFT does)
@@ -170,3 +171,18 @@ def check_method_settings(config: TrainConfig, model_config: ModelConfig) -> Non
             "memory.accumulation_steps > 1 needs a full gradient buffer, which the streamed step "
             "never builds; set memory.step: reference, or raise batch_size instead"
         )
+
+
+@functools.lru_cache(maxsize=4)
+def evaluation_fn(config: TrainConfig, model_config: ModelConfig) -> Callable:
+    """Jitted `(trainable, frozen, batch) -> (mean loss, counted tokens)`, without dropout."""
+    lora = lora_config_of(config)
+    spec = None if lora is None else lora_spec(lora)
+
+    def evaluate(trainable, frozen, batch):
+        loss = model_loss(
+            trainable, frozen, batch, model_config, spec, None, config.memory.loss_chunk
+        )
+        return loss, jnp.sum(batch.loss_mask)
+
+    return jax.jit(evaluate)

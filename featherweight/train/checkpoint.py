@@ -1,0 +1,92 @@
+"""Checkpoints with orbax: trainable parameters, optimizer state, step, data position and RNG.
+
+Orbax writes each checkpoint into a temporary directory and renames it into place when complete,
+so a kill at any moment leaves the previous checkpoints loadable and no partial checkpoint under a
+final name. The last `keep` are kept. Saves are synchronous: the next (donating) step cannot start
+while a save still reads the buffers.
+
+The array state is stored as a flat list of leaves; the structure comes back from the abstract
+state the run builds anyway (any optax state, NF4 or not, restores without registration).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from featherweight.errors import CorruptCheckpointError
+
+
+class Checkpointer:
+    """Save and restore a run's `(arrays pytree, metadata dict)` under `directory`."""
+
+    def __init__(self, directory: str | Path, keep: int, read_only: bool = False) -> None:
+        self.directory = Path(directory).expanduser().resolve()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=False,
+            create=not read_only,
+            read_only=read_only,
+            cleanup_tmp_directories=not read_only,
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(self, step: int, arrays: Any, metadata: dict[str, Any]) -> None:
+        """Write checkpoint `step` (atomically) and drop the oldest beyond `keep`."""
+        leaves = {f"{index:05d}": leaf for index, leaf in enumerate(jax.tree.leaves(arrays))}
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                arrays=ocp.args.StandardSave(leaves), metadata=ocp.args.JsonSave(metadata)
+            ),
+            force=True,
+        )
+        self.manager.wait_until_finished()
+
+    def restore(self, step: int, abstract_arrays: Any) -> tuple[Any, dict[str, Any]]:
+        """Checkpoint `step` with the structure (and shardings) of `abstract_arrays`."""
+        abstract_leaves, treedef = jax.tree.flatten(abstract_arrays)
+        target = {
+            f"{index:05d}": _restore_target(leaf) for index, leaf in enumerate(abstract_leaves)
+        }
+        try:
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    arrays=ocp.args.StandardRestore(target), metadata=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as error:  # orbax raises many types for damaged or mismatched files
+            raise CorruptCheckpointError(
+                f"checkpoint {self.directory / str(step)} cannot be restored "
+                f"({type(error).__name__}: {str(error)[:300]}); delete it to resume from an "
+                "earlier one, or start a new run"
+            ) from None
+        leaves = [restored["arrays"][key] for key in sorted(restored["arrays"])]
+        if len(leaves) != len(abstract_leaves):
+            raise CorruptCheckpointError(
+                f"checkpoint {self.directory / str(step)} holds {len(leaves)} arrays, this run "
+                f"expects {len(abstract_leaves)}; it belongs to another configuration"
+            )
+        return jax.tree.unflatten(treedef, leaves), dict(restored["metadata"])
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _restore_target(leaf: Any) -> Any:
+    """A restore target for one leaf: its shape, dtype and (single-device default) sharding."""
+    sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
+        jax.devices()[0]
+    )
+    return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)

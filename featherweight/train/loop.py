@@ -1,0 +1,138 @@
+"""The training loop: one copy of the state on the device, read top to bottom.
+
+The step donates parameters and optimizer state, and the loop rebinds them to the step's results:
+no previous copy, no host mirror stays alive (keras-core #888). Evaluation reads the same buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from featherweight.config import TrainConfig
+from featherweight.errors import TrainingDivergedError
+from featherweight.models.llama import Params
+from featherweight.train.iterator import eval_batches
+from featherweight.train.metrics import MetricsLog, plot_loss_curve
+from featherweight.train.run import METRICS_FILE, Run, prepare_run
+from featherweight.train.setup import evaluation_fn
+from featherweight.train.signals import StopRequest
+
+EXIT_CODES = {2: 130, 15: 143}  # SIGINT, SIGTERM: the shell's 128 + signal
+
+
+@dataclasses.dataclass
+class TrainResult:
+    output_dir: Path
+    step: int
+    loss: float | None
+    eval_loss: float | None
+    stopped_by_signal: int | None
+    trainable: Params
+    frozen: Params
+    run: Run
+
+
+def device_memory_in_use() -> int | None:
+    """Bytes in use on the first local device, when the backend reports it (GPUs do)."""
+    stats = jax.local_devices()[0].memory_stats()
+    return None if not stats else int(stats.get("bytes_in_use", 0))
+
+
+def save(run: Run, step: int, trainable: Params, opt_state) -> None:
+    metadata = {"step": step, "data": run.data.state.as_dict(), "seed": run.config.seed}
+    run.checkpointer.save(step, (trainable, opt_state), metadata)
+
+
+def evaluate(run: Run, trainable: Params) -> float | None:
+    """Mean loss over the eval rows (token-weighted), on the live buffers; None without eval data."""
+    if run.dataset.eval is None:
+        return None
+    loss_fn = evaluation_fn(run.config, run.model_config)
+    total, count = 0.0, 0.0
+    for index, batch in enumerate(eval_batches(run.dataset.eval, run.config.batch_size)):
+        if index >= run.config.eval_batches:
+            break
+        batch_loss, batch_count = loss_fn(trainable, run.frozen, batch)
+        total, count = total + float(batch_loss) * float(batch_count), count + float(batch_count)
+    return total / max(count, 1.0)
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+        TimeRemainingColumn(), console=console, transient=False,
+    )  # fmt: skip
+
+
+def train(
+    config: TrainConfig, overwrite: bool = False, console: Console | None = None, plan_fn=None
+) -> TrainResult:
+    """Run (or resume) the training `config` describes; see the module docstring."""
+    console = console or Console()
+    run = prepare_run(config, overwrite, plan_fn)
+    config = run.config
+    trainable, opt_state = run.trainable, run.opt_state
+    run.trainable = run.opt_state = None  # the loop holds the only references from here on
+    base_key = jax.random.PRNGKey(config.seed)
+    metrics_log = MetricsLog(run.output_dir / METRICS_FILE, run.start_step)
+    loss = eval_loss = None
+    step = run.start_step
+    if run.start_step:
+        console.print(f"resuming {run.output_dir} at step {run.start_step}")
+    with StopRequest() as stop, _progress(console) as progress:
+        task = progress.add_task("train", total=config.steps, completed=run.start_step, status="")
+        for step in range(run.start_step + 1, config.steps + 1):
+            batch = next(run.data)
+            started = time.perf_counter()
+            trainable, opt_state, metrics = run.step_fn(
+                trainable, opt_state, run.frozen, batch, jax.random.fold_in(base_key, step)
+            )
+            loss = float(metrics["loss"])
+            seconds = time.perf_counter() - started
+            if not math.isfinite(loss):
+                last = run.checkpointer.latest_step()
+                raise TrainingDivergedError(
+                    f"loss became {loss} at step {step}; stopped, keeping the last good checkpoint "
+                    f"(step {last}) in {run.checkpointer.directory}. Lower optimizer.learning_rate "
+                    "or check the data"
+                )
+            record = {
+                "step": step, "loss": loss, "tokens": int(metrics["tokens"]),
+                "tokens_per_second": round(float(batch.input_ids.size) / seconds, 1),
+                "grad_norm": float(metrics.get("grad_norm", jnp.nan)), "device_bytes": device_memory_in_use(),
+            }  # fmt: skip
+            if config.eval_every and step % config.eval_every == 0:
+                record["eval_loss"] = eval_loss = evaluate(run, trainable)
+            metrics_log.write(record)
+            memory = (
+                ""
+                if record["device_bytes"] is None
+                else f" | {record['device_bytes'] / 2**30:.2f} GiB"
+            )
+            status = f"loss {loss:.4f} | {record['tokens_per_second']:.0f} tok/s{memory}"
+            progress.update(task, advance=1, status=status)
+            if step % config.checkpoint.every_steps == 0 or step == config.steps or stop.requested:
+                save(run, step, trainable, opt_state)
+            if stop.requested:
+                console.print(
+                    f"stopped by signal {stop.signal_number} after step {step}; checkpoint saved"
+                )
+                break
+    if not stop.requested and not (config.eval_every and config.steps % config.eval_every == 0):
+        eval_loss = evaluate(run, trainable)
+        if eval_loss is not None:
+            metrics_log.write({"step": config.steps, "eval_loss": eval_loss})
+    metrics_log.close()
+    run.checkpointer.close()
+    plot_loss_curve(run.output_dir / METRICS_FILE, run.output_dir / "loss.png")
+    return TrainResult(
+        run.output_dir, step, loss, eval_loss, stop.signal_number, trainable, run.frozen, run
+    )
