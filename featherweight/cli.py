@@ -27,7 +27,7 @@ error_console = Console(stderr=True)
 DEFAULT_PROMPT = "Write one sentence about why the sky is blue."
 
 
-def _friendly_errors(command):
+def friendly_errors(command):
     """Turn featherweight's typed errors into a one-line message and exit code 2."""
 
     @functools.wraps(command)
@@ -52,7 +52,7 @@ def _model_path(model: str | None) -> Path:
 
 
 @app.command()
-@_friendly_errors
+@friendly_errors
 def setup() -> None:
     """Fetch the embedded demo model (SmolLM2-135M-Instruct GGUF) into the local cache."""
     from featherweight.demo_model import install_demo_model
@@ -62,7 +62,7 @@ def setup() -> None:
 
 
 @app.command()
-@_friendly_errors
+@friendly_errors
 def generate(
     model: Annotated[
         str | None, typer.Argument(help="HF directory or .gguf; default: demo model")
@@ -91,7 +91,7 @@ def generate(
 
 
 @app.command()
-@_friendly_errors
+@friendly_errors
 def convert(
     source: Annotated[str, typer.Argument(help="GGUF file or HF directory")],
     out: Annotated[Path, typer.Option(help="Output HF directory")],
@@ -109,6 +109,8 @@ def convert(
 
 
 def main() -> None:
+    import featherweight.cli_train  # noqa: F401  (registers train, demo, export)
+
     app(prog_name="featherweight")
 
 

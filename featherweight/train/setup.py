@@ -127,6 +127,21 @@ def memory_policy_of(config: TrainConfig) -> MemoryPolicy:
     return MemoryPolicy(residuals=memory.residuals, loss_chunk=memory.loss_chunk, save=memory.save)
 
 
+def opt_state_initializer(
+    config: TrainConfig, optimizer: optax.GradientTransformation
+) -> Callable[[Params], Any]:
+    """`trainable -> optimizer state` in the layout the configured step expects."""
+    if config.memory.step == "reference":
+        if config.memory.accumulation_steps > 1:
+            return (
+                optax.MultiSteps(optimizer, config.memory.accumulation_steps)
+                .gradient_transformation()
+                .init
+            )
+        return optimizer.init
+    return lambda params: init_streamed_opt_state(optimizer, params)
+
+
 def build_train_step(
     config: TrainConfig,
     model_config: ModelConfig,
@@ -156,7 +171,7 @@ def build_train_step(
         policy=policy,
         accumulation_steps=config.memory.accumulation_steps,
     )
-    return step, lambda params: init_streamed_opt_state(optimizer, params)
+    return step, opt_state_initializer(config, optimizer)
 
 
 def check_method_settings(config: TrainConfig, model_config: ModelConfig) -> None:

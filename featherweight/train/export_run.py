@@ -1,0 +1,106 @@
+"""Export a training run (or one of its checkpoints): merged HF weights or a PEFT adapter.
+
+RUN_OR_CHECKPOINT is a run directory (its latest checkpoint is used) or a checkpoint directory
+inside it (`RUN/checkpoints/STEP`). The base model is rebuilt from the run's recorded model path
+and method, the trained arrays come from the checkpoint; everything is checked before the base
+weights are read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import yaml
+
+from featherweight.config import TrainConfig
+from featherweight.errors import CheckpointNotFoundError, ExportError
+from featherweight.io.atomic import check_output_dir
+from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint
+from featherweight.peft.export import export_merged, export_peft
+from featherweight.train.checkpoint import Checkpointer
+from featherweight.train.run import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    load_weights,
+    read_header,
+    resolve_model_path,
+)
+from featherweight.train.setup import (
+    abstract_split,
+    lora_config_of,
+    make_optimizer,
+    opt_state_initializer,
+    split_params,
+)
+
+FORMATS = ("merged", "peft")
+
+
+def locate(run_or_checkpoint: str | Path) -> tuple[Path, int]:
+    """(run directory, checkpoint step) for a run dir or a checkpoint dir inside one."""
+    path = Path(run_or_checkpoint).expanduser().resolve()
+    if not path.exists():
+        raise CheckpointNotFoundError(
+            f"{path} does not exist; pass a run directory (train's output_dir)"
+        )
+    if path.parent.name == CHECKPOINT_DIR and path.name.isdigit():
+        return path.parent.parent, int(path.name)
+    if not (path / CONFIG_FILE).is_file():
+        raise CheckpointNotFoundError(
+            f"{path} is not a featherweight run (no {CONFIG_FILE}); pass train's output_dir or "
+            f"one of its {CHECKPOINT_DIR}/STEP directories"
+        )
+    steps = Checkpointer(path / CHECKPOINT_DIR, keep=1_000_000, read_only=True).all_steps()
+    if not steps:
+        raise CheckpointNotFoundError(
+            f"run {path} has no checkpoint yet; train at least until the first save"
+        )
+    return path, max(steps)
+
+
+def export_run(
+    run_or_checkpoint: str | Path,
+    export_format: str,
+    out: str | Path,
+    dtype: str | None = "bfloat16",
+    overwrite: bool = False,
+) -> Path:
+    """Write `out` from a run's checkpoint: `merged` (HF directory) or `peft` (adapter)."""
+    if export_format not in FORMATS:
+        raise ExportError(
+            f"export format {export_format!r} is unknown; use one of {', '.join(FORMATS)}"
+        )
+    run_dir, step = locate(run_or_checkpoint)
+    config = TrainConfig.model_validate(yaml.safe_load((run_dir / CONFIG_FILE).read_text()))
+    lora = lora_config_of(config)
+    if lora is None and export_format == "peft":
+        raise ExportError(
+            f"run {run_dir} is a full fine-tune: it has no adapters for the PEFT format; use --format merged"
+        )
+    check_output_dir(Path(out), overwrite)
+    model_path = resolve_model_path(config)
+    model_config, tokenizer = read_header(model_path)
+
+    abstract_trainable, _ = abstract_split(config, model_config)
+    optimizer = make_optimizer(config.optimizer, config.steps)
+    abstract_state = jax.eval_shape(opt_state_initializer(config, optimizer), abstract_trainable)
+    checkpointer = Checkpointer(run_dir / CHECKPOINT_DIR, keep=1_000_000, read_only=True)
+    (trainable, _), _ = checkpointer.restore(step, (abstract_trainable, abstract_state))
+
+    if export_format == "peft":
+        return export_peft(trainable, model_config, lora, out, str(model_path), overwrite=overwrite)
+    if lora is None:
+        return save_hf_checkpoint(
+            out,
+            model_config,
+            iter_hf_tensors(trainable, model_config),
+            tokenizer,
+            dtype=dtype,
+            overwrite=overwrite,
+        )
+    model = load_weights(config, model_path)
+    _, frozen = split_params(model.params, config, model_config, jax.random.PRNGKey(0))
+    return export_merged(
+        frozen, trainable, model_config, lora, tokenizer, out, dtype=dtype, overwrite=overwrite
+    )
