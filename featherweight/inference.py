@@ -107,17 +107,30 @@ def _cached_step(params: Params, token_ids, cache, start, config: ModelConfig):
     return head(params, x[:, -1:], config)[:, 0], cache
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _uncached_next_logits(params: Params, padded_ids, length, config: ModelConfig):
-    """Logits at position `length - 1` of a padded buffer, recomputing the whole prefix."""
+def _choose(
+    next_logits: jax.Array, key: jax.Array, temperature: jax.Array, greedy: bool
+) -> tuple[jax.Array, jax.Array]:
+    """The next token [B] (argmax, or a sample at `temperature`) and the advanced key."""
+    key, sample_key = jax.random.split(key)
+    if greedy:
+        return jnp.argmax(next_logits, axis=-1), key
+    return jax.random.categorical(sample_key, next_logits / temperature, axis=-1), key
+
+
+@functools.partial(jax.jit, static_argnames=("config", "greedy"), donate_argnames=("cache",))
+def _cached_token(params, token_ids, cache, start, key, temperature, config, greedy):
+    """A cached step and the choice of the next token in one dispatch (no eager op per token)."""
+    next_logits, cache = _cached_step(params, token_ids, cache, start, config)
+    token, key = _choose(next_logits, key, temperature, greedy)
+    return token, key, cache
+
+
+@functools.partial(jax.jit, static_argnames=("config", "greedy"))
+def _uncached_token(params, padded_ids, length, key, temperature, config, greedy):
+    """The next token after `length` ids of a padded buffer, recomputing the whole prefix."""
     all_logits = forward(params, padded_ids, config)
-    return jax.lax.dynamic_index_in_dim(all_logits, length - 1, axis=1, keepdims=False)
-
-
-def _choose(next_logits: jax.Array, temperature: float, key: jax.Array) -> jax.Array:
-    if temperature <= 0.0:
-        return jnp.argmax(next_logits, axis=-1)
-    return jax.random.categorical(key, next_logits / temperature, axis=-1)
+    next_logits = jax.lax.dynamic_index_in_dim(all_logits, length - 1, axis=1, keepdims=False)
+    return _choose(next_logits, key, temperature, greedy)
 
 
 def generate_ids(
@@ -129,7 +142,11 @@ def generate_ids(
     use_cache: bool = True,
     stop_ids: set[int] | None = None,
 ) -> list[int]:
-    """Continue one prompt; greedy at temperature 0. Returns the new token ids only."""
+    """Continue one prompt; greedy at temperature 0. Returns the new token ids only.
+
+    Without the cache every step recomputes the whole prefix (the reference the cache is tested
+    against); both draw the same random keys, so they sample the same tokens.
+    """
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if temperature < 0:
@@ -137,36 +154,30 @@ def generate_ids(
     prompt = validate_token_ids(prompt_ids, model.config.vocab_size)[:1]
     config, params = model.config, model.params
     total = prompt.shape[1] + max_new_tokens
+    choice = dict(temperature=jnp.float32(temperature), config=config, greedy=temperature == 0)
     key = jax.random.PRNGKey(seed)
     stop_ids = stop_ids or set()
     new_ids: list[int] = []
     if use_cache:
         cache_shape = (config.num_layers, 1, total, config.num_kv_heads, config.head_dim)
         cache = (jnp.zeros(cache_shape, model.dtype), jnp.zeros(cache_shape, model.dtype))
-        next_logits, cache = _cached_step(params, jnp.asarray(prompt), cache, 0, config)
+        token, key, cache = _cached_token(params, prompt, cache, 0, key, **choice)
         position = prompt.shape[1]
-        for _ in range(max_new_tokens):
-            key, sample_key = jax.random.split(key)
-            token = int(_choose(next_logits, temperature, sample_key)[0])
-            new_ids.append(token)
-            if token in stop_ids or len(new_ids) == max_new_tokens:
-                break
-            step_ids = jnp.asarray([[token]], dtype=jnp.int32)
-            next_logits, cache = _cached_step(params, step_ids, cache, position, config)
+        while True:
+            new_ids.append(int(token[0]))
+            if new_ids[-1] in stop_ids or len(new_ids) == max_new_tokens:
+                return new_ids
+            step_ids = np.asarray([[new_ids[-1]]], dtype=np.int32)
+            token, key, cache = _cached_token(params, step_ids, cache, position, key, **choice)
             position += 1
-        return new_ids
     buffer = np.zeros((1, total), dtype=np.int32)
     buffer[0, : prompt.shape[1]] = prompt[0]
-    length = prompt.shape[1]
-    for _ in range(max_new_tokens):
-        key, sample_key = jax.random.split(key)
-        next_logits = _uncached_next_logits(params, jnp.asarray(buffer), length, config)
-        token = int(_choose(next_logits, temperature, sample_key)[0])
-        new_ids.append(token)
-        if token in stop_ids:
+    for length in range(prompt.shape[1], total):
+        token, key = _uncached_token(params, buffer, length, key, **choice)
+        new_ids.append(int(token[0]))
+        if new_ids[-1] in stop_ids:
             break
-        buffer[0, length] = token
-        length += 1
+        buffer[0, length] = new_ids[-1]
     return new_ids
 
 

@@ -1,12 +1,14 @@
 """GGUF files (llama.cpp's format) as a checkpoint source: config from metadata, tensors
 dequantized one at a time by the `gguf` package, and the tokenizer from the metadata.
 
+Llama 3's rope scaling is recognised from the `rope_freqs.weight` factors llama.cpp writes for it.
 GGUF stores the q and k projections of `llama` files with rows permuted for llama.cpp's interleaved
 rotary layout; they are permuted back to Hugging Face's half-split layout on read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,8 @@ from gguf import GGMLQuantizationType, quants
 from featherweight.errors import CorruptCheckpointError, UnsupportedModelError
 from featherweight.io.names import TensorKey, gguf_name, parse_gguf_name, validate_tensors
 from featherweight.io.tokenizer import Tokenizer, tokenizer_from_gguf_fields
-from featherweight.models.config import ModelConfig
+from featherweight.models.config import ModelConfig, RopeScaling
+from featherweight.models.llama import rope_inverse_frequencies
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_TENSOR_TYPES = {
@@ -28,7 +31,8 @@ SUPPORTED_TENSOR_TYPES = {
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
 }
-_IGNORED = {"rope_freqs.weight"}
+ROPE_FACTORS = "rope_freqs.weight"  # read into the config, not a parameter
+_IGNORED = {ROPE_FACTORS}
 
 
 def _field_value(field: Any) -> Any:
@@ -115,7 +119,7 @@ class GGUFSource:
         head_dim = self._get(f"{arch}.rope.dimension_count") or hidden // num_heads
         bos = self._get("tokenizer.ggml.bos_token_id")
         eos = self._get("tokenizer.ggml.eos_token_id")
-        return ModelConfig(
+        config = ModelConfig(
             model_type="llama" if arch == "llama" else "qwen2",
             vocab_size=int(vocab),
             hidden_size=hidden,
@@ -131,6 +135,46 @@ class GGUFSource:
             attention_bias="blk.0.attn_q.bias" in self.tensors,
             bos_token_id=None if bos is None else int(bos),
             eos_token_id=None if eos is None else int(eos),
+        )
+        return dataclasses.replace(config, rope_scaling=self._rope_scaling(config))
+
+    def _rope_scaling(self, config: ModelConfig) -> RopeScaling | None:
+        """Llama 3 rope scaling, recognised from the `rope_freqs.weight` factors llama.cpp stores.
+
+        GGUF keeps no llama3 scaling settings, only the per-frequency divisors they produce. They
+        are matched against Llama 3's published settings (low 1, high 4, original context 8192,
+        factor = the largest divisor); anything else is refused rather than silently ignored,
+        which would shift every rotary angle.
+        """
+        kind = self._get(f"{self.architecture}.rope.scaling.type")
+        if kind not in (None, "none"):
+            raise UnsupportedModelError(
+                f"{self.path}: rope scaling type {kind!r} ({self.architecture}.rope.scaling.type) "
+                "is not supported; supported: Llama 3's per-frequency factors or none"
+            )
+        tensor = self.tensors.get(ROPE_FACTORS)
+        if tensor is None:
+            return None
+        factors = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type)).reshape(-1)
+        if np.all(factors == 1.0):
+            return None
+        original = self._get(f"{self.architecture}.rope.scaling.original_context_length", 8192)
+        scaling = RopeScaling(
+            factor=float(factors.max()),
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=int(original),
+        )
+        implied = rope_inverse_frequencies(config) / rope_inverse_frequencies(
+            dataclasses.replace(config, rope_scaling=scaling)
+        )
+        if factors.shape == implied.shape and np.allclose(implied, factors, rtol=1e-4):
+            return scaling
+        raise UnsupportedModelError(
+            f"{self.path}: tensor {ROPE_FACTORS!r} holds RoPE frequency factors that are not "
+            f"Llama 3's rope scaling (factor {scaling.factor:g}, low_freq_factor 1, "
+            f"high_freq_factor 4, original context {original}); featherweight cannot run them. "
+            "Load the model's Hugging Face safetensors instead (its config.json states the scaling)."
         )
 
     def keys(self) -> list[TensorKey]:
@@ -157,6 +201,11 @@ class GGUFSource:
             heads = self.config.num_heads if name == "q" else self.config.num_kv_heads
             values = unpermute_rotary_rows(values, heads)
         return values
+
+    def read_into(self, key: TensorKey, out: np.ndarray) -> np.ndarray:
+        """Dequantize the tensor into `out` (cast to its dtype)."""
+        np.copyto(out, self.read(key), casting="unsafe")
+        return out
 
     def tokenizer(self) -> Tokenizer:
         fields = {}

@@ -1,5 +1,6 @@
 """Hugging Face model directories as a checkpoint source: `config.json`, one or sharded
-`*.safetensors` files (lazily opened: tensors are read one at a time) and `tokenizer.json`.
+`*.safetensors` files (headers checked up front, then tensors read one at a time) and
+`tokenizer.json`.
 
 Pickle-based weights (`.bin`, `.pt`, `.pth`, `.ckpt`) are never opened.
 """
@@ -8,9 +9,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
 
 from featherweight.errors import (
     CheckpointNotFoundError,
@@ -63,19 +64,89 @@ def safetensors_files(directory: Path) -> list[Path]:
     )
 
 
+class TensorEntry(NamedTuple):
+    """Where one tensor's bytes lie in a safetensors file (absolute offsets) and what they hold."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+
+def _corrupt(path: Path, problem: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{path} is not a valid safetensors file: {problem}; it may be truncated or corrupt -- "
+        "download it again"
+    )
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """Parse and check a safetensors header: every tensor's dtype, shape and byte range.
+
+    Only the header is read. Truncation (a tensor ending past the end of the file) and entries
+    whose byte length disagrees with dtype x shape are caught here, before any tensor is read.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise _corrupt(path, f"only {size} bytes, shorter than the 8-byte header length")
+            header_len = int.from_bytes(prefix, "little")
+            if 8 + header_len > size:
+                raise _corrupt(path, f"header of {header_len} bytes runs past the file's {size}")
+            header = json.loads(handle.read(header_len))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise _corrupt(path, f"header is not JSON ({error})") from None
+    except OSError as error:
+        raise _corrupt(path, f"cannot be read ({error})") from None
+    if not isinstance(header, dict):
+        raise _corrupt(path, "header is not a JSON object")
+    data_start = 8 + header_len
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+            shape = tuple(int(dim) for dim in info["shape"])
+            begin, end = (int(offset) for offset in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise _corrupt(
+                path, f"tensor {name!r} has a malformed header entry ({error!r})"
+            ) from None
+        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if end - begin != expected:
+            raise _corrupt(
+                path,
+                f"tensor {name!r} spans {end - begin} bytes but {info['dtype']} {list(shape)} "
+                f"needs {expected}",
+            )
+        if data_start + end > size:
+            raise _corrupt(
+                path,
+                f"tensor {name!r} ends at byte {data_start + end} but the file has only {size} bytes",
+            )
+        entries[name] = TensorEntry(np.dtype(dtype), shape, data_start + begin, data_start + end)
+    return entries
+
+
 class SafetensorsSource:
-    """One Hugging Face model directory opened lazily."""
+    """One Hugging Face model directory, read tensor by tensor.
+
+    Tensors are read with plain file reads into freshly allocated arrays, not through a memory
+    map: a map keeps every page it touched resident until it is closed, which would put a second
+    copy of the checkpoint in host memory while the model is being built.
+    """
 
     def __init__(self, directory: Path) -> None:
         self.path = Path(directory)
         self.config = read_hf_config(self.path)
-        self._files = {}
-        self._where: dict[TensorKey, tuple[Path, str]] = {}
+        self._where: dict[TensorKey, tuple[Path, TensorEntry]] = {}
         shapes: dict[TensorKey, tuple[int, ...]] = {}
         unknown: list[str] = []
         for path in safetensors_files(self.path):
-            handle = self._open(path)
-            for name in handle:
+            for name, entry in read_safetensors_header(path).items():
                 key = parse_hf_name(name)
                 if key is None:
                     if HF_IGNORED.match(name):
@@ -84,37 +155,43 @@ class SafetensorsSource:
                     continue
                 if key == ("lm_head", None) and self.config.tie_word_embeddings:
                     continue  # a tied model may also save the (shared) head; the embedding rules
-                self._where[key] = (path, name)
-                shapes[key] = tuple(handle.get_slice(name).get_shape())
+                self._where[key] = (path, entry)
+                shapes[key] = entry.shape
         validate_tensors(self.config, shapes, unknown, str(self.path), spell=hf_name)
         self.shapes = shapes
-
-    def _open(self, path: Path):
-        if path not in self._files:
-            try:
-                self._files[path] = safe_open(str(path), framework="numpy")
-            except (SafetensorError, OSError, ValueError) as error:
-                raise CorruptCheckpointError(
-                    f"{path} is not a valid safetensors file ({error}); it may be truncated or "
-                    "corrupt -- download it again"
-                ) from None
-        return self._files[path]
 
     def keys(self) -> list[TensorKey]:
         return list(self._where)
 
     def stored_dtype(self, key: TensorKey) -> np.dtype:
-        path, name = self._where[key]
-        return np.dtype(_SAFETENSORS_DTYPES[self._open(path).get_slice(name).get_dtype()])
+        return self._where[key][1].dtype
 
     def read(self, key: TensorKey) -> np.ndarray:
-        path, name = self._where[key]
+        """The tensor as a new array in its stored dtype."""
+        entry = self._where[key][1]
+        return self.read_into(key, np.empty(entry.shape, dtype=entry.dtype))
+
+    def read_into(self, key: TensorKey, out: np.ndarray) -> np.ndarray:
+        """Read the tensor into `out` (cast to its dtype); with the stored dtype, no other copy."""
+        path, entry = self._where[key]
+        direct = out.dtype == entry.dtype and out.flags.c_contiguous
+        target = out if direct else np.empty(entry.shape, dtype=entry.dtype)
         try:
-            return self._open(path).get_tensor(name)
-        except (SafetensorError, OSError, ValueError) as error:
+            with open(path, "rb") as handle:
+                handle.seek(entry.start)
+                count = handle.readinto(target.reshape(-1).view(np.uint8))
+        except OSError as error:
             raise CorruptCheckpointError(
-                f"{path}: tensor {name!r} cannot be read ({error}); the file may be truncated"
+                f"{path}: tensor {hf_name(key)!r} cannot be read ({error}); download it again"
             ) from None
+        if count != entry.stop - entry.start:
+            raise CorruptCheckpointError(
+                f"{path}: tensor {hf_name(key)!r} is cut short ({count} of "
+                f"{entry.stop - entry.start} bytes); the file was truncated -- download it again"
+            )
+        if not direct:
+            np.copyto(out, target, casting="unsafe")
+        return out
 
     def tokenizer(self) -> Tokenizer | None:
         if not (self.path / "tokenizer.json").is_file():
@@ -122,7 +199,7 @@ class SafetensorsSource:
         return load_hf_tokenizer(self.path)
 
     def close(self) -> None:
-        self._files.clear()
+        """Nothing stays open between reads."""
 
 
 def _dtype_table() -> dict[str, np.dtype]:

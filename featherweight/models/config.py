@@ -123,19 +123,20 @@ class ModelConfig:
         return config
 
 
-def _rope_settings(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _rope_settings(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     """`rope_theta` and llama3 scaling from either transformers 4 or 5 config spellings."""
     parameters = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or parameters or None
     theta = hf.get("rope_theta", parameters.get("rope_theta", 10000.0))
     if not scaling:
         return float(theta), None
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type == "default":
         return float(theta), None
     if rope_type != "llama3":
         raise UnsupportedModelError(
-            f"rope scaling type {rope_type!r} is not supported; supported: 'llama3' or none"
+            f"{source}: rope scaling type {rope_type!r} is not supported; "
+            "supported: 'llama3' or none"
         )
     try:
         return float(theta), RopeScaling(
@@ -145,10 +146,13 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
             original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
         )
     except KeyError as missing:
-        raise ModelConfigError(f"llama3 rope_scaling lacks the field {missing}") from None
+        raise ModelConfigError(
+            f"{source}: llama3 rope scaling lacks the field {missing}; copy it from the "
+            "original config.json"
+        ) from None
 
 
-def _refuse_sliding_window(hf: dict[str, Any], model_type: str) -> None:
+def _refuse_sliding_window(hf: dict[str, Any], model_type: str, source: str) -> None:
     """Sliding-window attention is not implemented: refuse configs whose attention needs it."""
     window = hf.get("sliding_window")
     if model_type == "qwen2":
@@ -157,7 +161,8 @@ def _refuse_sliding_window(hf: dict[str, Any], model_type: str) -> None:
         needs = window is not None and window < hf.get("max_position_embeddings", math.inf)
     if needs:
         raise UnsupportedModelError(
-            f"this {model_type} config uses sliding-window attention (sliding_window={window}), "
+            f"{source}: this {model_type} config uses sliding-window attention "
+            f"(sliding_window={window}), "
             "which featherweight does not implement; use a checkpoint without it "
             "(e.g. Mistral-7B-v0.3, whose sliding_window is null)"
         )
@@ -188,8 +193,8 @@ def config_from_hf_dict(hf: dict[str, Any], source: str = "config.json") -> Mode
         raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
     if hf.get("mlp_bias"):
         raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported")
-    _refuse_sliding_window(hf, model_type)
-    theta, scaling = _rope_settings(hf)
+    _refuse_sliding_window(hf, model_type, source)
+    theta, scaling = _rope_settings(hf, source)
     num_heads = int(hf["num_attention_heads"])
     head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // num_heads
     eos = hf.get("eos_token_id")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -73,9 +75,17 @@ def _progress(console: Console) -> Progress:
 
 
 def train(
-    config: TrainConfig, overwrite: bool = False, console: Console | None = None, plan_fn=None
+    config: TrainConfig,
+    overwrite: bool = False,
+    console: Console | None = None,
+    plan_fn=None,
+    on_step: Callable[[int, Params, Any, dict], None] | None = None,
 ) -> TrainResult:
-    """Run (or resume) the training `config` describes; see the module docstring."""
+    """Run (or resume) the training `config` describes; see the module docstring.
+
+    `on_step(step, trainable, opt_state, metrics)`, when given, sees the live state after every
+    step (monitoring, tests); it must not keep references to it.
+    """
     console = console or Console()
     run = prepare_run(config, overwrite, plan_fn)
     config = run.config
@@ -112,6 +122,8 @@ def train(
             if config.eval_every and step % config.eval_every == 0:
                 record["eval_loss"] = eval_loss = evaluate(run, trainable)
             metrics_log.write(record)
+            if on_step is not None:
+                on_step(step, trainable, opt_state, metrics)
             memory = (
                 ""
                 if record["device_bytes"] is None

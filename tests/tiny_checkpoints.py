@@ -1,0 +1,221 @@
+"""Tiny checkpoints of every supported family, built with transformers (the reference) in the test:
+random Hugging Face models, their safetensors directories, and GGUF files written the way
+llama.cpp's converter writes them (q/k rows permuted, Llama 3 rope factors as `rope_freqs.weight`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType, quants
+
+VOCAB = 256
+SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=16384,
+    rms_norm_eps=1e-5,
+)
+# One batch of token ids for every logits comparison: equal configs and shapes across test modules
+# reuse one compiled forward pass.
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, size=(2, 48))
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+# family -> (transformers config class, settings beyond SIZES)
+FAMILIES = {
+    "llama2": (transformers.LlamaConfig, {}),
+    "llama3": (transformers.LlamaConfig, {"rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE}),
+    "mistral": (transformers.MistralConfig, {"sliding_window": None, "rope_theta": 1e6}),
+    "qwen2": (transformers.Qwen2Config, {"rope_theta": 1e6}),
+    "smollm2": (transformers.LlamaConfig, {"tie_word_embeddings": True, "rope_theta": 1e5}),
+}
+
+
+def hf_config(family: str, **overrides) -> transformers.PretrainedConfig:
+    """A tiny transformers config of `family` (see FAMILIES)."""
+    config_class, settings = FAMILIES[family]
+    return config_class(**{**SIZES, **settings, **overrides})
+
+
+def random_hf_model(config: transformers.PretrainedConfig, seed: int = 0) -> torch.nn.Module:
+    """A float32 transformers model with every weight random: norms near 1, biases non-zero, and
+    projections large enough that a wrong rotary angle or head layout moves the logits by O(1)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.copy_(1.0 + 0.2 * torch.randn_like(parameter))
+            elif name.endswith("bias"):
+                parameter.copy_(0.5 * torch.randn_like(parameter))
+            else:
+                parameter.copy_(torch.randn_like(parameter) / math.sqrt(parameter.shape[-1]))
+    return model
+
+
+def save_hf(model: torch.nn.Module, directory: Path, max_shard_size: str | None = None) -> Path:
+    """`save_pretrained` as safetensors (sharded when `max_shard_size` is small)."""
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    return Path(directory)
+
+
+def hf_logits(model: torch.nn.Module, token_ids: np.ndarray) -> np.ndarray:
+    """Float32 logits [B, S, V] from transformers."""
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(token_ids))).logits.float().numpy()
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (convert_hf_to_gguf.py `LlamaModel.permute`)."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def llama3_rope_factors(config: transformers.PretrainedConfig) -> np.ndarray:
+    """The `rope_freqs.weight` divisors llama.cpp's converter writes for llama3 rope scaling."""
+    rope = config.rope_parameters
+    head_dim = config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    old_context = rope["original_max_position_embeddings"]
+    low_wavelen = old_context / rope["low_freq_factor"]
+    high_wavelen = old_context / rope["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old_context / wavelen - rope["low_freq_factor"]) / (
+                rope["high_freq_factor"] - rope["low_freq_factor"]
+            )
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
+def _byte_level_tokens() -> list[str]:
+    """GPT-2's byte-to-unicode alphabet: a complete 256-token byte-level BPE vocabulary."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    codes = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    table = dict(zip(printable, codes))
+    return [chr(table[byte]) for byte in range(256)]
+
+
+GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in top:
+        return top[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{GGUF_NAMES[rest]}"
+
+
+def write_gguf(
+    path: Path,
+    model: torch.nn.Module,
+    tensor_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    architecture: str | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+) -> Path:
+    """Write `model` as llama.cpp would: 2-D weights in `tensor_type`, norms and biases in F32.
+
+    `architecture` overrides `general.architecture` (to test refusal of other architectures).
+    """
+    config = model.config
+    arch = architecture or ("qwen2" if config.model_type == "qwen2" else "llama")
+    head_dim = config.hidden_size // config.num_attention_heads
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name("tiny test model")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(_byte_level_tokens()[: config.vocab_size])
+    writer.add_token_types([TokenType.NORMAL] * config.vocab_size)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for hf_name, parameter in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        values = parameter.detach().float().numpy()
+        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+            values = llama_cpp_permute(values, config.num_attention_heads)
+        if arch == "llama" and hf_name.endswith("k_proj.weight"):
+            values = llama_cpp_permute(values, config.num_key_value_heads)
+        if values.ndim == 1 or tensor_type == GGMLQuantizationType.F32:
+            writer.add_tensor(_gguf_name(hf_name), values)
+        elif tensor_type == GGMLQuantizationType.F16:
+            writer.add_tensor(_gguf_name(hf_name), values.astype(np.float16))
+        else:
+            packed = quants.quantize(values, tensor_type)
+            writer.add_tensor(_gguf_name(hf_name), packed, raw_dtype=tensor_type)
+    for name, values in (extra_tensors or {}).items():
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+def hf_from_gguf(path: Path) -> torch.nn.Module:
+    """transformers' own reading of a GGUF file (its dequantization and q/k un-permutation)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
