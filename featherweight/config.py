@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -107,6 +108,26 @@ class CheckpointSettings(_Section):
     keep: int = Field(2, gt=0)
 
 
+class MeshSettings(_Section):
+    """The devices as a (data, fsdp) mesh (featherweight/sharding.py).
+
+    data: replicas that each see their own slice of the batch. fsdp: devices over which every
+    parameter, optimizer state and the batch are sharded (fully sharded data parallel). "auto"
+    fills an axis with the devices left over; both "auto": one data replica per process (host), FSDP
+    over each host's devices. The product must equal the number of devices.
+    """
+
+    data: int | Literal["auto"] = Field("auto", description="data-parallel replicas")
+    fsdp: int | Literal["auto"] = Field("auto", description="devices sharing each parameter")
+
+    @field_validator("data", "fsdp")
+    @classmethod
+    def _positive(cls, size: int | str) -> int | str:
+        if size != "auto" and size < 1:
+            raise ValueError(f"a mesh axis size must be a positive integer or 'auto', got {size}")
+        return size
+
+
 class TrainConfig(_Section):
     """A whole fine-tuning run."""
 
@@ -117,6 +138,9 @@ class TrainConfig(_Section):
     optimizer: OptimizerSettings = OptimizerSettings()
     memory: MemorySettings = MemorySettings()
     checkpoint: CheckpointSettings = CheckpointSettings()
+    mesh: MeshSettings | None = Field(
+        None, description="null: one device (several processes: 'auto'); 'auto' or {data, fsdp}"
+    )
     batch_size: int = Field(4, gt=0)
     steps: int = Field(100, gt=0)
     eval_every: int = Field(0, ge=0, description="0: evaluate only at the end")
@@ -125,19 +149,23 @@ class TrainConfig(_Section):
     seed: int = 0
     output_dir: str = "runs/run"
 
+    @field_validator("mesh", mode="before")
+    @classmethod
+    def _auto_mesh(cls, mesh: Any) -> Any:
+        return {} if mesh == "auto" else mesh
+
 
 def _allowed_keys(model: type[BaseModel], location: tuple) -> list[str]:
     """The field names valid at `location` (a pydantic error location) inside `model`."""
     current: Any = model
     for part in location[:-1]:
         field = current.model_fields.get(part) if isinstance(part, str) else None
-        if (
-            field is None
-            or not isinstance(field.annotation, type)
-            or not issubclass(field.annotation, BaseModel)
-        ):
+        # an optional section (`MeshSettings | None`) names its model among the union's members
+        members = (typing.get_args(field.annotation) or (field.annotation,)) if field else ()
+        sections = [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+        if not sections:
             return []
-        current = field.annotation
+        current = sections[0]
     return list(current.model_fields)
 
 
@@ -170,14 +198,13 @@ def _format_errors(error: ValidationError, source: str, key_lines: dict[str, int
             ),
             "",
         )
-        dotted = f"{dotted}{where}"
         if item["type"] == "extra_forbidden":
             allowed = _allowed_keys(TrainConfig, location)
             close = difflib.get_close_matches(str(location[-1]), allowed, n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(allowed)}"
-            lines.append(f"unknown key {dotted!r} ({hint})")
+            lines.append(f"unknown key {dotted!r}{where} ({hint})")
         else:
-            lines.append(f"{dotted}: {item['msg']} (got {item.get('input')!r})")
+            lines.append(f"{dotted}{where}: {item['msg']} (got {item.get('input')!r})")
     return f"{source}: invalid config: " + "; ".join(lines)
 
 
