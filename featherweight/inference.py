@@ -59,24 +59,24 @@ def validate_token_ids(token_ids, vocab_size: int) -> np.ndarray:
     return array.astype(np.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _forward_jit(params: Params, token_ids: jax.Array, config: ModelConfig) -> jax.Array:
-    return forward(params, token_ids, config)
+@functools.partial(jax.jit, static_argnames=("config", "lora"))
+def _forward_jit(params: Params, token_ids: jax.Array, config: ModelConfig, lora=None) -> jax.Array:
+    return forward(params, token_ids, config, lora=lora)
 
 
 def logits(model: Model, token_ids) -> jax.Array:
     """Float32 logits [batch, seq, vocab] of `token_ids` ([batch, seq] integers)."""
     ids = validate_token_ids(token_ids, model.config.vocab_size)
-    return _forward_jit(model.params, jnp.asarray(ids), model.config)
+    return _forward_jit(model.params, jnp.asarray(ids), model.config, model.lora)
 
 
-def _cached_block(layer, x, cos, sin, cache_k, cache_v, start, config: ModelConfig):
+def _cached_block(layer, x, cos, sin, cache_k, cache_v, start, config: ModelConfig, lora=None):
     """One layer over new tokens x [B, T, D] at positions start.., reading/writing the cache."""
     batch, new, _ = x.shape
     normed = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-    q = linear(layer, "q", normed).reshape(batch, new, config.num_heads, -1)
-    k = linear(layer, "k", normed).reshape(batch, new, config.num_kv_heads, -1)
-    v = linear(layer, "v", normed).reshape(batch, new, config.num_kv_heads, -1)
+    q = linear(layer, "q", normed, lora).reshape(batch, new, config.num_heads, -1)
+    k = linear(layer, "k", normed, lora).reshape(batch, new, config.num_kv_heads, -1)
+    v = linear(layer, "v", normed, lora).reshape(batch, new, config.num_kv_heads, -1)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, start, 0, 0))
     cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, start, 0, 0))
@@ -84,13 +84,13 @@ def _cached_block(layer, x, cos, sin, cache_k, cache_v, start, config: ModelConf
     key_pos = jnp.arange(cache_k.shape[1])
     mask = (key_pos[None, :] <= query_pos[:, None])[None, None]  # [1, 1, T, T_max]
     attended = jax.nn.dot_product_attention(q, cache_k, cache_v, mask=mask)
-    x = x + linear(layer, "o", attended.reshape(batch, new, -1))
-    x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps))
+    x = x + linear(layer, "o", attended.reshape(batch, new, -1), lora)
+    x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps), lora)
     return x, cache_k, cache_v
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def _cached_step(params: Params, token_ids, cache, start, config: ModelConfig):
+@functools.partial(jax.jit, static_argnames=("config", "lora"), donate_argnames=("cache",))
+def _cached_step(params: Params, token_ids, cache, start, config: ModelConfig, lora=None):
     """Run new tokens [B, T] at `start` through the model; returns last logits and the cache."""
     batch, new = token_ids.shape
     positions = jnp.broadcast_to(start + jnp.arange(new), (batch, new))
@@ -99,7 +99,7 @@ def _cached_step(params: Params, token_ids, cache, start, config: ModelConfig):
     def layer_step(x, per_layer):
         layer, cache_k, cache_v = per_layer
         x, cache_k, cache_v = _cached_block(
-            layer, x, inputs.cos, inputs.sin, cache_k, cache_v, start, config
+            layer, x, inputs.cos, inputs.sin, cache_k, cache_v, start, config, lora
         )
         return x, (cache_k, cache_v)
 
@@ -117,18 +117,20 @@ def _choose(
     return jax.random.categorical(sample_key, next_logits / temperature, axis=-1), key
 
 
-@functools.partial(jax.jit, static_argnames=("config", "greedy"), donate_argnames=("cache",))
-def _cached_token(params, token_ids, cache, start, key, temperature, config, greedy):
+@functools.partial(
+    jax.jit, static_argnames=("config", "greedy", "lora"), donate_argnames=("cache",)
+)
+def _cached_token(params, token_ids, cache, start, key, temperature, config, greedy, lora=None):
     """A cached step and the choice of the next token in one dispatch (no eager op per token)."""
-    next_logits, cache = _cached_step(params, token_ids, cache, start, config)
+    next_logits, cache = _cached_step(params, token_ids, cache, start, config, lora)
     token, key = _choose(next_logits, key, temperature, greedy)
     return token, key, cache
 
 
-@functools.partial(jax.jit, static_argnames=("config", "greedy"))
-def _uncached_token(params, padded_ids, length, key, temperature, config, greedy):
+@functools.partial(jax.jit, static_argnames=("config", "greedy", "lora"))
+def _uncached_token(params, padded_ids, length, key, temperature, config, greedy, lora=None):
     """The next token after `length` ids of a padded buffer, recomputing the whole prefix."""
-    all_logits = forward(params, padded_ids, config)
+    all_logits = forward(params, padded_ids, config, lora=lora)
     next_logits = jax.lax.dynamic_index_in_dim(all_logits, length - 1, axis=1, keepdims=False)
     return _choose(next_logits, key, temperature, greedy)
 
@@ -154,7 +156,12 @@ def generate_ids(
     prompt = validate_token_ids(prompt_ids, model.config.vocab_size)[:1]
     config, params = model.config, model.params
     total = prompt.shape[1] + max_new_tokens
-    choice = dict(temperature=jnp.float32(temperature), config=config, greedy=temperature == 0)
+    choice = dict(
+        temperature=jnp.float32(temperature),
+        config=config,
+        greedy=temperature == 0,
+        lora=model.lora,
+    )
     key = jax.random.PRNGKey(seed)
     stop_ids = stop_ids or set()
     new_ids: list[int] = []

@@ -2,6 +2,9 @@
 each layout, and the real SmolLM2), cached step logits equal the full forward pass, greedy output
 equals transformers', and token ids are validated."""
 
+from pathlib import Path
+
+import jax
 import numpy as np
 import pytest
 import torch
@@ -14,7 +17,11 @@ from featherweight.inference import (
     logits,
     validate_token_ids,
 )
-from featherweight.io.loader import load_model
+from featherweight.io.loader import Model, load_model
+from featherweight.models.init import init_params
+from featherweight.models.llama import merge_params
+from featherweight.peft.lora import LoraConfig, lora_spec, merge_lora_weight
+from tests.conftest import tiny_config
 from tests.tiny_checkpoints import VOCAB, hf_config, random_hf_model, save_hf
 
 PROMPT = [3, 141, 59, 26, 53, 58, 97, 93, 23, 84]
@@ -123,3 +130,42 @@ def test_smollm2_cached_generation_equals_uncached(smollm2):
     stops = tokenizer.stop_ids()
     end = next((i + 1 for i, token in enumerate(cached) if token in stops), len(cached))
     assert reply == tokenizer.decode(cached[:end]) and reply.strip()
+
+
+def test_lora_model_generates_as_its_merged_weights():
+    """A Model carrying adapters (and their LoraSpec) equals the model with them merged in."""
+    config = tiny_config()
+    base = init_params(jax.random.PRNGKey(0), config)
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "down"))
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), 6))
+    adapters = {}
+    for name in lora.targets:
+        out_features, in_features = base["layers"][name].shape[1:]
+        adapters[name] = {
+            "a": 0.1 * jax.random.normal(next(keys), (config.num_layers, lora.rank, in_features)),
+            "b": 0.1 * jax.random.normal(next(keys), (config.num_layers, out_features, lora.rank)),
+        }
+    trainable = {"layers": {"lora": adapters}}
+    with_adapters = Model(
+        config, merge_params(base, trainable), None, Path("."), lora=lora_spec(lora)
+    )
+    merged_layers = dict(base["layers"])
+    for name, pair in adapters.items():
+        merged_layers[name] = merge_lora_weight(
+            np.asarray(base["layers"][name]),
+            np.asarray(pair["a"]),
+            np.asarray(pair["b"]),
+            lora.scale,
+        )
+    merged = Model(config, {**base, "layers": merged_layers}, None, Path("."))
+    tokens = np.arange(12, dtype=np.int32)[None] % config.vocab_size
+    np.testing.assert_allclose(logits(with_adapters, tokens), logits(merged, tokens), atol=1e-5)
+    assert (
+        np.abs(
+            np.asarray(
+                logits(with_adapters, tokens) - logits(Model(config, base, None, Path(".")), tokens)
+            )
+        ).max()
+        > 1e-2
+    )
+    assert generate_ids(with_adapters, tokens[0], 6) == generate_ids(merged, tokens[0], 6)

@@ -21,7 +21,7 @@ from featherweight.io.gguf_reader import GGUFSource
 from featherweight.io.safetensors_reader import PICKLE_SUFFIXES, SafetensorsSource, refuse_pickle
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
-from featherweight.models.llama import LINEAR_NAMES, Params
+from featherweight.models.llama import LINEAR_NAMES, LoraSpec, Params
 from featherweight.models.shapes import layer_shapes, top_level_shapes
 from featherweight.quant.nf4 import BLOCK_SIZE, NF4Tensor, quantize_nf4
 
@@ -38,6 +38,7 @@ class Model:
     params: Params
     tokenizer: Tokenizer | None
     source: Path
+    lora: LoraSpec | None = None  # set when params hold LoRA adapters (layers["lora"])
 
     @property
     def dtype(self) -> jnp.dtype:

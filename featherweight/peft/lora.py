@@ -24,7 +24,7 @@ from featherweight.errors import AdapterConfigError
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LINEAR_NAMES, LoraSpec, Params
 from featherweight.models.shapes import layer_shapes
-from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
+from featherweight.quant.nf4 import quantize_nf4
 
 # featherweight's target names and the Hugging Face / PEFT module each one adapts.
 PEFT_MODULES = {
@@ -201,25 +201,3 @@ def merge_lora_weight(weight: np.ndarray, a: np.ndarray, b: np.ndarray, scale: f
     weight = np.asarray(weight, np.float32)
     update = np.asarray(b, np.float32) @ np.asarray(a, np.float32)
     return weight + np.float32(scale) * update
-
-
-def merged_params(frozen: Params, trainable: Params, lora_config: LoraConfig, dtype=None) -> Params:
-    """Dense parameters with the adapters merged in (`W + scale * B A`, NF4 bases dequantized),
-    on the device: a plain model for inference or evaluation after LoRA/QLoRA training."""
-    adapters = trainable.get("layers", {}).get("lora", {})
-    compute_dtype = jnp.dtype(dtype or frozen["final_norm"].dtype)
-    layers = dict(frozen["layers"])
-    for name in LINEAR_NAMES:
-        weight = layers[name]
-        if isinstance(weight, NF4Tensor):
-            weight = dequantize_nf4(weight, jnp.float32)
-        weight = weight.astype(jnp.float32)
-        if name in adapters:
-            pair = adapters[name]
-            weight = weight + lora_config.scale * jnp.einsum("lor,lri->loi", pair["b"], pair["a"])
-        layers[name] = weight.astype(compute_dtype)
-    top = {key: value for key, value in frozen.items() if key != "layers"}
-    for key, value in top.items():
-        if isinstance(value, NF4Tensor):
-            top[key] = dequantize_nf4(value, compute_dtype)
-    return {**top, **{k: v for k, v in trainable.items() if k != "layers"}, "layers": layers}

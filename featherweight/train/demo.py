@@ -14,7 +14,8 @@ from rich.table import Table
 from featherweight.config import TrainConfig, parse_config
 from featherweight.inference import generate
 from featherweight.io.loader import Model
-from featherweight.peft.lora import merged_params
+from featherweight.models.llama import merge_params
+from featherweight.peft.lora import lora_spec
 from featherweight.train.demo_task import accuracy, eval_prompts, first_colour, invented_world
 from featherweight.train.loop import train
 from featherweight.train.setup import lora_config_of
@@ -65,16 +66,11 @@ def run_demo(
     result = train(config, overwrite=True, console=console)
     train_seconds = time.perf_counter() - started
     run = result.run
-    base = Model(
-        run.model_config,
-        merged_params(result.frozen, {}, lora_config_of(config)),
-        run.tokenizer,
-        run.model_source,
-    )
+    base = Model(run.model_config, result.frozen, run.tokenizer, run.model_source)
     replies_before = ask_all(base, questions)
-    del base
-    tuned_params = merged_params(result.frozen, result.trainable, lora_config_of(config))
-    tuned = Model(run.model_config, tuned_params, run.tokenizer, run.model_source)
+    tuned_params = merge_params(result.frozen, result.trainable)
+    spec = lora_spec(lora_config_of(config))
+    tuned = Model(run.model_config, tuned_params, run.tokenizer, run.model_source, lora=spec)
     replies_after = ask_all(tuned, questions)
 
     table = Table(title="held-out questions: before -> after QLoRA")
