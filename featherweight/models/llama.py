@@ -161,8 +161,14 @@ def attention_qkv(
 
 
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, inputs: AttentionInputs) -> jax.Array:
-    """Causal (and segment-masked) grouped-query attention: -> [B, S, H*h]."""
+    """Causal (and segment-masked) grouped-query attention: -> [B, S, H*h].
+
+    Without segments no mask array is built (`is_causal`), so long sequences need no S x S mask
+    and fused kernels (cuDNN flash attention on GPU) can take the call.
+    """
     batch, seq = q.shape[:2]
+    if inputs.segment_ids is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(batch, seq, -1)
     mask = attention_mask(inputs.segment_ids, seq, seq)
     return jax.nn.dot_product_attention(q, k, v, mask=mask).reshape(batch, seq, -1)
 

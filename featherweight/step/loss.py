@@ -14,7 +14,8 @@ import jax.numpy as jnp
 
 from featherweight.errors import StepConfigError
 from featherweight.models.config import ModelConfig
-from featherweight.models.llama import Params, lm_head_weight, rms_norm
+from featherweight.models.llama import Params, rms_norm
+from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, take_rows_nf4
 
 
 class Batch(NamedTuple):
@@ -48,19 +49,65 @@ def resolve_chunk_size(seq_len: int, chunk_size: int | None) -> int:
     return chunk_size
 
 
+def _head_rows(head: jax.Array | NF4Tensor, row_ids: jax.Array, dtype) -> jax.Array:
+    """Rows of the [V, D] head (dequantized when NF4): only a vocab chunk is ever dense."""
+    if isinstance(head, NF4Tensor):
+        return take_rows_nf4(head, row_ids, dtype)
+    return jnp.take(head, row_ids, axis=0).astype(dtype)
+
+
+def _vocab_chunked_nll(normed, head, targets, vocab_chunk: int) -> jax.Array:
+    """Cross-entropy [B, c] with logits made `vocab_chunk` rows of the head at a time.
+
+    An online logsumexp (running max and sum) over the vocabulary chunks; rows past the end of
+    the vocabulary (last chunk) are masked out. Each chunk is rematerialized in the backward pass.
+    """
+    vocab = head.shape[0]
+    count = -(-vocab // vocab_chunk)
+
+    def body(carry, start):
+        running_max, running_sum, target_logit = carry
+        row_ids = start + jnp.arange(vocab_chunk)
+        valid = row_ids < vocab
+        rows = _head_rows(head, jnp.minimum(row_ids, vocab - 1), normed.dtype)
+        logits = jnp.einsum("bcd,vd->bcv", normed, rows).astype(jnp.float32)
+        logits = jnp.where(valid, logits, -jnp.inf)
+        new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
+        running_sum = running_sum * jnp.exp(running_max - new_max) + jnp.sum(
+            jnp.exp(logits - new_max[..., None]), axis=-1
+        )
+        hit = row_ids == targets[..., None]
+        target_logit = target_logit + jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+        return (new_max, running_sum, target_logit), None
+
+    shape = targets.shape
+    start = (
+        jnp.full(shape, -jnp.inf, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+    )
+    (running_max, running_sum, target_logit), _ = jax.lax.scan(
+        jax.checkpoint(body), start, jnp.arange(count) * vocab_chunk
+    )
+    return running_max + jnp.log(running_sum) - target_logit
+
+
 def token_losses_sum(
     hidden: jax.Array,
     final_norm: jax.Array,
-    head_weight: jax.Array,
+    head: jax.Array | NF4Tensor,
     target_ids: jax.Array,
     loss_mask: jax.Array,
     eps: float,
     chunk_size: int | None = None,
+    vocab_chunk: int | None = None,
 ) -> jax.Array:
     """Sum over tokens of mask x cross-entropy, computing logits one sequence chunk at a time.
 
-    hidden [B, S, D]; head_weight [V, D]; targets and mask [B, S]. Each chunk is rematerialized,
-    so its backward recomputes the chunk's logits instead of keeping them.
+    hidden [B, S, D]; head [V, D] (array, or NF4); targets and mask [B, S]. Each sequence chunk is
+    rematerialized, so its backward recomputes the chunk's logits instead of keeping them. With
+    `vocab_chunk`, the vocabulary is chunked too: at most B x chunk x vocab_chunk logits and
+    `vocab_chunk` dense head rows exist (an NF4 head is dequantized chunk by chunk).
     """
     batch, seq, _ = hidden.shape
     chunk = resolve_chunk_size(seq, chunk_size)
@@ -68,10 +115,14 @@ def token_losses_sum(
 
     def chunk_loss(h, targets, mask):
         normed = rms_norm(h, final_norm, eps)
-        logits = jnp.einsum("bcd,vd->bcv", normed, head_weight.astype(normed.dtype))
-        logits = logits.astype(jnp.float32)
-        target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
+        if vocab_chunk is not None and vocab_chunk < head.shape[0]:
+            nll = _vocab_chunked_nll(normed, head, targets, vocab_chunk)
+        else:
+            weight = dequantize_nf4(head, normed.dtype) if isinstance(head, NF4Tensor) else head
+            logits = jnp.einsum("bcd,vd->bcv", normed, weight.astype(normed.dtype))
+            logits = logits.astype(jnp.float32)
+            target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+            nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
         return jnp.sum(nll * mask.astype(jnp.float32))
 
     if count == 1:
@@ -97,18 +148,21 @@ def head_loss(
     batch: Batch,
     config: ModelConfig,
     chunk_size: int | None = None,
+    vocab_chunk: int | None = None,
 ) -> jax.Array:
     """Mean cross-entropy over counted tokens, from the last hidden state [B, S, D].
 
-    head_params: {"final_norm", "lm_head" or "embed" (tied)}.
+    head_params: {"final_norm", "lm_head" or "embed" (tied)}; the head may be NF4.
     """
+    head = head_params.get("lm_head")
     total = token_losses_sum(
         hidden,
         head_params["final_norm"],
-        lm_head_weight(head_params),
+        head_params["embed"] if head is None else head,
         batch.target_ids,
         batch.loss_mask,
         config.rms_norm_eps,
         chunk_size,
+        vocab_chunk,
     )
     return total / jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
