@@ -214,10 +214,30 @@ def mlp(
     normed: jax.Array,
     lora: LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
+    seq_chunk: int | None = None,
 ) -> jax.Array:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-    gate, up = mlp_gate_up(layer, normed, lora, dropout_key)
-    return mlp_down(layer, gate, up, lora, dropout_key)
+    """SwiGLU: down(silu(gate(x)) * up(x)).
+
+    With `seq_chunk`, the sequence is cut into chunks run one after another, each rematerialized:
+    the [B, S, F] hidden activations never exist, only [B, seq_chunk, F] (long context). With LoRA
+    dropout each chunk draws its own mask.
+    """
+    batch, seq, width = normed.shape
+    if seq_chunk is None or seq_chunk >= seq:
+        gate, up = mlp_gate_up(layer, normed, lora, dropout_key)
+        return mlp_down(layer, gate, up, lora, dropout_key)
+    if seq % seq_chunk:
+        raise ValueError(f"mlp seq_chunk {seq_chunk} must divide the sequence length {seq}")
+    count = seq // seq_chunk
+    chunks = jnp.moveaxis(normed.reshape(batch, count, seq_chunk, width), 1, 0)
+
+    def one_chunk(args):
+        index, chunk = args
+        key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
+        return mlp(layer, chunk, lora, key)
+
+    outputs = jax.lax.map(jax.checkpoint(one_chunk), (jnp.arange(count), chunks))
+    return jnp.moveaxis(outputs, 0, 1).reshape(batch, seq, -1)
 
 
 def split_dropout_key(dropout_key: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
@@ -235,13 +255,15 @@ def block(
     config: ModelConfig,
     lora: LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
+    mlp_chunk: int | None = None,
 ) -> jax.Array:
     """One transformer layer (pre-norm attention and MLP, each with a residual): [B,S,D]->[B,S,D]."""
     attn_key, mlp_key = split_dropout_key(dropout_key)
     x = x + self_attention(
         layer, rms_norm(x, layer["attn_norm"], config.rms_norm_eps), inputs, config, lora, attn_key
     )
-    return x + mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps), lora, mlp_key)
+    normed = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
+    return x + mlp(layer, normed, lora, mlp_key, mlp_chunk)
 
 
 def embed(params: Params, token_ids: jax.Array) -> jax.Array:
@@ -280,13 +302,14 @@ def run_layers(
     lora: LoraSpec | None = None,
     remat: bool = False,
     dropout_keys: jax.Array | None = None,
+    mlp_chunk: int | None = None,
 ) -> jax.Array:
     """Scan `block` over the stacked layers; `dropout_keys` [L, ...] gives each layer its key."""
-    layer_fn = jax.checkpoint(block, static_argnums=(3, 4)) if remat else block
+    layer_fn = jax.checkpoint(block, static_argnums=(3, 4, 6)) if remat else block
 
     def step(hidden, per_layer):
         layer, key = per_layer
-        return layer_fn(layer, hidden, inputs, config, lora, key), None
+        return layer_fn(layer, hidden, inputs, config, lora, key, mlp_chunk), None
 
     x, _ = jax.lax.scan(step, x, (layers, dropout_keys))
     return x

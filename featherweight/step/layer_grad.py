@@ -21,6 +21,7 @@ from featherweight.models.llama import (
     attention_qkv,
     block,
     linear,
+    mlp,
     mlp_down,
     mlp_gate_up,
     rms_norm,
@@ -36,11 +37,12 @@ def merge_layer(frozen_layer: Params, trainable_layer: Params) -> Params:
 class _Stages:
     """The layer as four stages: qkv -> attention residual -> gate/up -> MLP residual."""
 
-    def __init__(self, frozen_layer, inputs, config, lora, dropout_key):
+    def __init__(self, frozen_layer, inputs, config, lora, dropout_key, mlp_chunk=None):
         self.frozen_layer = frozen_layer
         self.inputs = inputs
         self.config = config
         self.lora = lora
+        self.mlp_chunk = mlp_chunk
         self.attn_key, self.mlp_key = split_dropout_key(dropout_key)
 
     def qkv(self, trainable, x):
@@ -62,6 +64,12 @@ class _Stages:
         layer = merge_layer(self.frozen_layer, trainable)
         return a + mlp_down(layer, *gate_up, self.lora, self.mlp_key)
 
+    def mlp_block(self, trainable, a):
+        """The whole MLP residual from its input (sequence-chunked when `mlp_chunk` is set)."""
+        layer = merge_layer(self.frozen_layer, trainable)
+        normed = rms_norm(a, layer["mlp_norm"], self.config.rms_norm_eps)
+        return a + mlp(layer, normed, self.lora, self.mlp_key, self.mlp_chunk)
+
 
 def layer_forward(
     frozen_layer: Params,
@@ -72,17 +80,20 @@ def layer_forward(
     lora: LoraSpec | None,
     dropout_key: jax.Array | None,
     save: tuple[str, ...],
+    mlp_chunk: int | None = None,
 ) -> tuple[jax.Array, dict[str, tuple[jax.Array, ...]]]:
     """The layer's output and the intermediates named in `save`."""
     if not save:
         layer = merge_layer(frozen_layer, trainable_layer)
-        return block(layer, x, inputs, config, lora, dropout_key), {}
-    stages = _Stages(frozen_layer, inputs, config, lora, dropout_key)
+        return block(layer, x, inputs, config, lora, dropout_key, mlp_chunk), {}
+    stages = _Stages(frozen_layer, inputs, config, lora, dropout_key, mlp_chunk)
     qkv = stages.qkv(trainable_layer, x)
     a = stages.attention_residual(trainable_layer, x, qkv)
+    saved = {"qkv": qkv} if "qkv" in save else {}
+    if "mlp_hidden" not in save:
+        return stages.mlp_block(trainable_layer, a), saved
     gate_up = stages.gate_up(trainable_layer, a)
-    saved = {"qkv": qkv, "mlp_hidden": gate_up}
-    return stages.mlp_residual(trainable_layer, a, gate_up), {name: saved[name] for name in save}
+    return stages.mlp_residual(trainable_layer, a, gate_up), {**saved, "mlp_hidden": gate_up}
 
 
 def _add_trees(*trees):
@@ -99,28 +110,33 @@ def layer_vjp(
     config: ModelConfig,
     lora: LoraSpec | None,
     dropout_key: jax.Array | None,
+    mlp_chunk: int | None = None,
 ) -> tuple[Params, jax.Array]:
     """(gradient of the trainable slice, cotangent of the layer input)."""
     if not saved:
 
         def layer_fn(trainable, hidden):
             layer = merge_layer(frozen_layer, trainable)
-            return block(layer, hidden, inputs, config, lora, dropout_key)
+            return block(layer, hidden, inputs, config, lora, dropout_key, mlp_chunk)
 
         _, vjp = jax.vjp(layer_fn, trainable_layer, x)
         return vjp(output_cotangent)
-    stages = _Stages(frozen_layer, inputs, config, lora, dropout_key)
+    stages = _Stages(frozen_layer, inputs, config, lora, dropout_key, mlp_chunk)
     qkv = saved["qkv"] if "qkv" in saved else stages.qkv(trainable_layer, x)
     a = stages.attention_residual(trainable_layer, x, qkv)
-    gate_up = saved["mlp_hidden"] if "mlp_hidden" in saved else stages.gate_up(trainable_layer, a)
-
-    _, vjp_mlp = jax.vjp(stages.mlp_residual, trainable_layer, a, gate_up)
-    grad_mlp, g_a, g_gate_up = vjp_mlp(output_cotangent)
-    _, vjp_gate_up = jax.vjp(stages.gate_up, trainable_layer, a)
-    grad_gate_up, g_a_norm = vjp_gate_up(g_gate_up)
-    g_a = g_a + g_a_norm
+    if "mlp_hidden" in saved:
+        _, vjp_mlp = jax.vjp(stages.mlp_residual, trainable_layer, a, saved["mlp_hidden"])
+        grad_mlp, g_a, g_gate_up = vjp_mlp(output_cotangent)
+        _, vjp_gate_up = jax.vjp(stages.gate_up, trainable_layer, a)
+        grad_gate_up, g_a_norm = vjp_gate_up(g_gate_up)
+        grad_mlp, g_a = _add_trees(grad_mlp, grad_gate_up), g_a + g_a_norm
+    else:
+        _, vjp_mlp = jax.vjp(stages.mlp_block, trainable_layer, a)
+        grad_mlp, g_a = vjp_mlp(output_cotangent)
     _, vjp_attention = jax.vjp(stages.attention_residual, trainable_layer, x, qkv)
     grad_attention, g_x, g_qkv = vjp_attention(g_a)
+    if "qkv" not in saved:
+        return _add_trees(grad_mlp, grad_attention), g_x
     _, vjp_qkv = jax.vjp(stages.qkv, trainable_layer, x)
     grad_qkv, g_x_norm = vjp_qkv(g_qkv)
-    return _add_trees(grad_mlp, grad_gate_up, grad_attention, grad_qkv), g_x + g_x_norm
+    return _add_trees(grad_mlp, grad_attention, grad_qkv), g_x + g_x_norm

@@ -3,6 +3,10 @@
 - residuals: where each layer's input (the residual stream, L x B x S x D) waits for the backward
   pass: "device", or "host" (pinned host memory, fetched back one layer ahead).
 - loss_chunk: sequence chunk of the LM head + cross-entropy (None = whole sequence at once).
+- vocab_chunk: vocabulary chunk of the LM head (None = all of it): logits are [B, loss_chunk,
+  vocab_chunk] at a time, and an NF4 head is dequantized one chunk at a time.
+- mlp_chunk: sequence chunk of the MLP inside each block (None = whole sequence): the [B, S, F]
+  hidden activations become [B, mlp_chunk, F] (long context).
 - save: intermediates of the block kept from the forward pass so the backward recompute skips the
   matmuls that made them. "qkv": the rotated q, k, v (skips 3 projections, costs
   B x S x (H+2K) x h per layer); "mlp_hidden": the gate and up projections (skips the two largest
@@ -25,6 +29,8 @@ class MemoryPolicy:
 
     residuals: str = "device"
     loss_chunk: int | None = None
+    vocab_chunk: int | None = None
+    mlp_chunk: int | None = None
     save: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
