@@ -9,6 +9,7 @@ from featherweight.io.convert import convert
 from featherweight.io.loader import Model, load_model, open_checkpoint, params_nbytes
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig, config_from_hf_dict
+from featherweight.optim.adamw8bit import adam_8bit_state_bytes, adamw_8bit, scale_by_adam_8bit
 from featherweight.peft.export import export_merged, export_peft
 from featherweight.peft.lora import (
     LoraConfig,
@@ -25,6 +26,8 @@ __all__ = [
     "ModelConfig",
     "NF4Tensor",
     "Tokenizer",
+    "adam_8bit_state_bytes",
+    "adamw_8bit",
     "config_from_hf_dict",
     "convert",
     "dequantize_nf4",
@@ -42,4 +45,5 @@ __all__ = [
     "params_nbytes",
     "quantize_frozen_base",
     "quantize_nf4",
+    "scale_by_adam_8bit",
 ]
