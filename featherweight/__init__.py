@@ -8,7 +8,11 @@ from featherweight.inference import generate, generate_ids, logits
 from featherweight.io.convert import convert
 from featherweight.io.loader import Model, load_model, open_checkpoint, params_nbytes
 from featherweight.io.tokenizer import Tokenizer
+from featherweight.memory.budget import fit_budget, parse_budget, plan_within_budget
+from featherweight.memory.measure import MemoryMeasurement, measure_compiled, measure_device_peak
+from featherweight.memory.plan import MemoryPlan, plan_for_config
 from featherweight.models.config import ModelConfig, config_from_hf_dict
+from featherweight.models.registry import BUILTIN_MODELS, builtin_config, model_config_from
 from featherweight.optim.adamw8bit import adam_8bit_state_bytes, adamw_8bit, scale_by_adam_8bit
 from featherweight.peft.export import export_merged, export_peft
 from featherweight.peft.lora import (
@@ -21,28 +25,39 @@ from featherweight.peft.lora import (
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
 
 __all__ = [
+    "BUILTIN_MODELS",
     "LoraConfig",
+    "MemoryMeasurement",
+    "MemoryPlan",
     "Model",
     "ModelConfig",
     "NF4Tensor",
     "Tokenizer",
     "adam_8bit_state_bytes",
     "adamw_8bit",
+    "builtin_config",
     "config_from_hf_dict",
     "convert",
     "dequantize_nf4",
     "errors",
     "export_merged",
     "export_peft",
+    "fit_budget",
     "generate",
     "generate_ids",
     "init_lora",
     "load_model",
     "logits",
     "lora_spec",
+    "measure_compiled",
+    "measure_device_peak",
     "merge_lora_weight",
+    "model_config_from",
     "open_checkpoint",
     "params_nbytes",
+    "parse_budget",
+    "plan_for_config",
+    "plan_within_budget",
     "quantize_frozen_base",
     "quantize_nf4",
     "scale_by_adam_8bit",

@@ -1,0 +1,220 @@
+"""Budgets: parse "8GiB", pick the settings that fit, or say why nothing does.
+
+`fit_budget` plans the configured step and, while the plan's device bytes exceed the budget, applies
+these changes in this order of preference (cheapest first). A change is kept only if it lowers the
+planned bytes; after a costlier change the cheaper ones are tried again (a smaller micro-batch can
+move the peak to the loss phase, where a smaller chunk then helps); changes are never undone, and
+the search stops at the first plan that fits:
+
+1. loss chunk: halve the LM-head/cross-entropy chunk (down to 64 tokens) -- same result, a little
+   slower; helps when the loss phase is the peak (large vocabularies);
+2. saved intermediates: drop them (memory.save = ()) -- the backward pass recomputes them;
+3. residual offload: memory.residuals = "host" -- same result, the residual stream waits in pinned
+   host memory (transfers overlap compute);
+4. quantized head (QLoRA): model.quantize_head = true -- the LM head (or tied embedding) in NF4;
+5. optimizer-state dtype: adamw -> adamw_8bit -- 2 bytes of state per parameter instead of 8;
+6. micro-batch: halve batch_size (down to 1) -- the streamed step updates per micro-batch, so this
+   changes the effective batch; it comes last.
+
+When the last plan still does not fit, `BudgetError` names the largest component, the shortfall in
+GiB, and the changes that would fit (shorter sequence, another method, a smaller LoRA rank).
+The trainer calls the same function (`plan_within_budget`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+
+from featherweight.config import TrainConfig
+from featherweight.errors import BudgetError, ConfigError
+from featherweight.memory.plan import MemoryPlan, plan_for_config
+from featherweight.models.config import ModelConfig
+
+GIB = 2**30
+MIN_LOSS_CHUNK = 64
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_BUDGET = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*$", re.IGNORECASE)
+
+
+def parse_budget(text: str) -> int:
+    """Bytes of a budget string: a number and a unit, e.g. "8GiB", "8 GiB", "8000MiB", "7.5GB".
+
+    KiB/MiB/GiB/TiB are powers of 1024; KB/MB/GB/TB powers of 1000; B is bytes.
+    """
+    match = _BUDGET.match(str(text))
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not match or unit is None:
+        raise ConfigError(
+            f"budget {text!r} is not a memory size; write a number and a unit, e.g. 8GiB, "
+            "8 GiB, 8000MiB or 7.5GB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    value = float(match.group(1)) * unit
+    if value <= 0:
+        raise ConfigError(f"budget {text!r} must be more than 0 bytes, e.g. 8GiB")
+    return int(value)
+
+
+def _replace(config: TrainConfig, section: str | None, **values) -> TrainConfig:
+    """A copy of `config` with fields of one section (or top-level fields) changed."""
+    if section is None:
+        return config.model_copy(update=values)
+    updated = getattr(config, section).model_copy(update=values)
+    return config.model_copy(update={section: updated})
+
+
+def _loss_chunks(config: TrainConfig) -> Iterator[TrainConfig]:
+    seq = config.data.seq_len
+    chunk = (config.memory.loss_chunk or seq) // 2
+    while chunk >= MIN_LOSS_CHUNK:
+        if seq % chunk == 0:
+            yield _replace(config, "memory", loss_chunk=chunk)
+        chunk //= 2
+
+
+def _no_saved(config: TrainConfig) -> Iterator[TrainConfig]:
+    if config.memory.save:
+        yield _replace(config, "memory", save=())
+
+
+def _offload(config: TrainConfig) -> Iterator[TrainConfig]:
+    if config.memory.residuals != "host":
+        yield _replace(config, "memory", residuals="host")
+
+
+def _quantized_head(config: TrainConfig) -> Iterator[TrainConfig]:
+    if config.method == "qlora" and not config.model.quantize_head:
+        yield _replace(config, "model", quantize_head=True)
+
+
+def _eight_bit_state(config: TrainConfig) -> Iterator[TrainConfig]:
+    if config.optimizer.name == "adamw":
+        yield _replace(config, "optimizer", name="adamw_8bit")
+
+
+def _micro_batches(config: TrainConfig) -> Iterator[TrainConfig]:
+    batch = config.batch_size // 2
+    while batch >= 1:
+        yield _replace(config, None, batch_size=batch)
+        batch //= 2
+
+
+# (name, candidates from the current config, most preferred first)
+PREFERENCE: tuple[tuple[str, Callable[[TrainConfig], Iterator[TrainConfig]]], ...] = (
+    ("loss chunk", _loss_chunks),
+    ("saved intermediates", _no_saved),
+    ("residual offload", _offload),
+    ("quantized head", _quantized_head),
+    ("8-bit optimizer state", _eight_bit_state),
+    ("micro-batch", _micro_batches),
+)
+
+
+def describe_changes(before: TrainConfig, after: TrainConfig) -> list[str]:
+    """Human-readable `setting: old -> new` lines for the fields a budget search changed."""
+    pairs = (
+        ("memory.loss_chunk", before.memory.loss_chunk, after.memory.loss_chunk),
+        ("memory.save", list(before.memory.save), list(after.memory.save)),
+        ("memory.residuals", before.memory.residuals, after.memory.residuals),
+        ("model.quantize_head", before.model.quantize_head, after.model.quantize_head),
+        ("optimizer.name", before.optimizer.name, after.optimizer.name),
+        ("batch_size", before.batch_size, after.batch_size),
+    )
+    return [f"{name}: {old} -> {new}" for name, old, new in pairs if old != new]
+
+
+def _search(
+    config: TrainConfig, model_config: ModelConfig, budget: int
+) -> tuple[TrainConfig, MemoryPlan]:
+    """Apply the preferences in order; return the first plan that fits, else the smallest.
+
+    One change at a time: the first candidate of the cheapest level that lowers the plan is
+    taken, and after a change at a costlier level the cheaper levels are tried again (a smaller
+    micro-batch can move the peak to the loss phase, where a smaller chunk then helps).
+    """
+    plan = plan_for_config(config, model_config)
+    level = 0
+    while plan.device_bytes > budget and level < len(PREFERENCE):
+        _, candidates = PREFERENCE[level]
+        for candidate in candidates(config):
+            candidate_plan = plan_for_config(candidate, model_config)
+            if candidate_plan.device_bytes < plan.device_bytes:
+                config, plan, level = candidate, candidate_plan, 0
+                break
+        else:
+            level += 1
+    return config, plan
+
+
+def _alternatives(
+    config: TrainConfig, model_config: ModelConfig, budget: int
+) -> Iterator[tuple[str, int]]:
+    """Changes outside the automatic search that fit, each with its planned bytes."""
+    seq = config.data.seq_len // 2
+    while seq >= MIN_LOSS_CHUNK:
+        shorter = _replace(config, "data", seq_len=seq)
+        if config.memory.loss_chunk and seq % config.memory.loss_chunk:
+            shorter = _replace(shorter, "memory", loss_chunk=None)
+        _, plan = _search(shorter, model_config, budget)
+        if plan.device_bytes <= budget:
+            yield f"seq {seq} fits at {plan.device_bytes / GIB:.2f} GiB", plan.device_bytes
+            break
+        seq //= 2
+    lighter = {"full": ("lora", "qlora"), "lora": ("qlora",)}.get(config.method, ())
+    for method in lighter:
+        _, plan = _search(_replace(config, None, method=method), model_config, budget)
+        if plan.device_bytes <= budget:
+            yield f"method {method} fits at {plan.device_bytes / GIB:.2f} GiB", plan.device_bytes
+            break
+    rank = config.lora.rank // 2
+    while config.method != "full" and rank >= 1:
+        _, plan = _search(_replace(config, "lora", rank=rank), model_config, budget)
+        if plan.device_bytes <= budget:
+            yield f"LoRA rank {rank} fits at {plan.device_bytes / GIB:.2f} GiB", plan.device_bytes
+            break
+        rank //= 2
+
+
+def fit_budget(
+    config: TrainConfig, model_config: ModelConfig, budget_bytes: int
+) -> tuple[TrainConfig, MemoryPlan]:
+    """(config that fits `budget_bytes` of device memory, its plan), changing settings in the
+    order of `PREFERENCE` only as far as needed. Raises `BudgetError` when nothing fits."""
+    if budget_bytes <= 0:
+        raise ConfigError(f"budget of {budget_bytes} bytes must be positive, e.g. 8GiB")
+    fitted, plan = _search(config, model_config, budget_bytes)
+    if plan.device_bytes <= budget_bytes:
+        return fitted, plan
+    largest = plan.largest_component()
+    shortfall = (plan.device_bytes - budget_bytes) / GIB
+    options = [text for text, _ in _alternatives(fitted, model_config, budget_bytes)]
+    raise BudgetError(
+        f"nothing fits {budget_bytes / GIB:.2f} GiB: the smallest plan "
+        f"({', '.join(describe_changes(config, fitted)) or 'as configured'}) needs "
+        f"{plan.device_bytes / GIB:.2f} GiB, {shortfall:.2f} GiB short; largest component: "
+        f"{largest.name} ({largest.bytes / GIB:.2f} GiB). "
+        + (
+            f"Options that fit: {'; '.join(options)}"
+            if options
+            else "No shorter sequence, lighter method or smaller rank fits; use a larger device"
+        )
+    )
+
+
+def plan_within_budget(
+    config: TrainConfig, model_config: ModelConfig
+) -> tuple[TrainConfig, MemoryPlan]:
+    """The trainer's planning step: fit `memory.budget` when set, else plan the config as is."""
+    if config.memory.budget is None:
+        return config, plan_for_config(config, model_config)
+    return fit_budget(config, model_config, parse_budget(config.memory.budget))

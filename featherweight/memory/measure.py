@@ -1,0 +1,189 @@
+"""Memory as measured: the real train step, compiled on abstract shapes, and peaks of real steps.
+
+`measure_compiled` builds exactly the step the trainer runs (`train.setup`: the abstract
+trainable/frozen split, the optimizer, `build_train_step`, `jax.eval_shape` of the optimizer
+state), lowers it on `jax.ShapeDtypeStruct`s -- so an 8B model is measured without allocating a
+byte of weights -- and reads XLA's buffer assignment from `compiled.memory_analysis()`:
+
+    total = temp + argument + output - alias
+
+Parameters and optimizer state are donated, so `alias` covers them and the total is what the
+step holds at its peak: frozen + trainable + optimizer state + batch + temporaries (+ outputs that
+alias nothing: the metrics). The argument side is split into the planner's components by the
+pytrees the step takes; XLA's temp buffer is reported as one component (`temporaries`): buffer
+assignment knows no owners inside it.
+
+XLA CPU artifacts (why CPU numbers differ from an accelerator's):
+- host memory kinds are dropped when lowering for CPU, so residuals placed on "host" count in
+  temp there: compare the plan's device + host bytes with a CPU measurement;
+- there is no native bf16 matmul or dynamic-slice on CPU: bf16 weight stacks sliced by the layer
+  loop and bf16 matmul operands are converted to float32 copies, inflating bf16 temp on CPU.
+
+`measure_device_peak` runs real steps (random weights) on the default device and reads
+`device.memory_stats()["peak_bytes_in_use"]`; accelerators report it, XLA CPU does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from featherweight.config import TrainConfig
+from featherweight.errors import ConfigError
+from featherweight.models.config import ModelConfig
+from featherweight.models.init import init_params
+from featherweight.step.loss import Batch
+from featherweight.train.setup import (
+    abstract_split,
+    build_train_step,
+    make_optimizer,
+    split_params,
+)
+
+MEASURED_COMPONENTS = (
+    "frozen_base",
+    "trainable_weights",
+    "optimizer_state",
+    "batch",
+    "temporaries",
+    "unaliased_outputs",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryMeasurement:
+    """Bytes of one compiled train step, split by owner where the owner is known.
+
+    components: {name: bytes} over `MEASURED_COMPONENTS`; they sum to `total_bytes`.
+    temp/argument/output/alias: XLA's `memory_analysis()` fields, as reported.
+    platform: the backend that compiled it ("cpu", "gpu", "tpu").
+    """
+
+    components: dict[str, int]
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    platform: str
+    compile_seconds: float
+
+    @property
+    def total_bytes(self) -> int:
+        """temp + argument + output - alias: the step's bytes at its peak."""
+        return self.temp_bytes + self.argument_bytes + self.output_bytes - self.alias_bytes
+
+
+def tree_nbytes(tree: Any) -> int:
+    """Bytes of every array (or `ShapeDtypeStruct`) leaf of a pytree."""
+    return sum(
+        math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree)
+    )
+
+
+def abstract_batch(batch_size: int, seq_len: int) -> Batch:
+    """A `Batch` of shapes as the trainer's packed batches come: ids, targets, positions and
+    segment ids int32 [B, S], loss mask float32 [B, S]."""
+    ids = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+    mask = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)
+    return Batch(ids, ids, mask, ids, ids)
+
+
+def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig):
+    """(step, (trainable, opt_state, frozen, batch, key)) as abstract shapes, from `train.setup`."""
+    trainable, frozen = abstract_split(config, model_config)
+    optimizer = make_optimizer(config.optimizer, config.steps)
+    step, init_opt_state = build_train_step(config, model_config, trainable, frozen, optimizer)
+    opt_state = jax.eval_shape(init_opt_state, trainable)
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    batch = abstract_batch(config.batch_size, config.data.seq_len)
+    return step, (trainable, opt_state, frozen, batch, key)
+
+
+def measure_compiled(config: TrainConfig, model_config: ModelConfig) -> MemoryMeasurement:
+    """Compile the configured train step on abstract shapes and read its memory analysis.
+
+    Allocates no weights; compiling a large model takes host memory and time (minutes for 8B).
+    """
+    step, arguments = abstract_step_arguments(config, model_config)
+    trainable, opt_state, frozen, _, _ = arguments
+    start = time.perf_counter()
+    compiled = step.lower(*arguments).compile()
+    seconds = time.perf_counter() - start
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        raise ConfigError(
+            f"the {jax.default_backend()} backend reports no memory analysis; measure on CPU or GPU"
+        )
+    temp, argument = analysis.temp_size_in_bytes, analysis.argument_size_in_bytes
+    output, alias = analysis.output_size_in_bytes, analysis.alias_size_in_bytes
+    persistent = {
+        "frozen_base": tree_nbytes(frozen),
+        "trainable_weights": tree_nbytes(trainable),
+        "optimizer_state": tree_nbytes(opt_state),
+    }
+    components = {
+        **persistent,
+        # the rest of the arguments: the batch, and the dropout key when used (jit drops unused
+        # arguments, such as the key without dropout)
+        "batch": argument - sum(persistent.values()),
+        "temporaries": temp,
+        "unaliased_outputs": output - alias,
+    }
+    return MemoryMeasurement(
+        components, temp, argument, output, alias, jax.default_backend(), seconds
+    )
+
+
+class DevicePeak(NamedTuple):
+    """`peak_bytes_in_use` after setting up (weights, optimizer state) and after the steps.
+
+    The device's peak is a high-water mark of the whole process: the steps' own peak shows only
+    when `after_steps` exceeds `after_setup` (`step_peak_seen`).
+    """
+
+    after_setup: int
+    after_steps: int
+
+    @property
+    def step_peak_seen(self) -> bool:
+        return self.after_steps > self.after_setup
+
+
+def measure_device_peak(
+    config: TrainConfig, model_config: ModelConfig, steps: int = 2
+) -> DevicePeak:
+    """Run `steps` real train steps on random weights on the default device and read its
+    `memory_stats()["peak_bytes_in_use"]` (GPU/TPU; XLA CPU keeps no such statistics).
+
+    Run it in a fresh process: the peak is never reset, so anything allocated before counts.
+    """
+    device = jax.devices()[0]
+    if "peak_bytes_in_use" not in (device.memory_stats() or {}):
+        raise ConfigError(
+            f"device {device.platform} reports no peak_bytes_in_use (XLA CPU does not); run on a "
+            "GPU or TPU, or use measure_compiled for the compiled step's memory analysis"
+        )
+    key = jax.random.PRNGKey(config.seed)
+    params = init_params(key, model_config, jnp.dtype(config.model.dtype))
+    trainable, frozen = split_params(params, config, model_config, key)
+    del params
+    optimizer = make_optimizer(config.optimizer, config.steps)
+    step, init_opt_state = build_train_step(config, model_config, trainable, frozen, optimizer)
+    opt_state = init_opt_state(trainable)
+    shape = (config.batch_size, config.data.seq_len)
+    ids = jax.random.randint(key, shape, 0, model_config.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(shape[1]), shape)
+    batch = Batch(ids, ids, jnp.ones(shape, jnp.float32), positions, jnp.ones(shape, jnp.int32))
+    jax.block_until_ready((trainable, opt_state, frozen, batch))
+    after_setup = device.memory_stats()["peak_bytes_in_use"]
+    for index in range(steps):
+        trainable, opt_state, metrics = step(
+            trainable, opt_state, frozen, batch, jax.random.fold_in(key, index)
+        )
+    jax.block_until_ready(metrics)
+    return DevicePeak(after_setup, device.memory_stats()["peak_bytes_in_use"])

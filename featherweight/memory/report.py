@@ -1,0 +1,226 @@
+"""Planned next to measured: a rich table, a JSON object for scripts, a stacked-bar chart.
+
+The plan names more owners than a compiled step can tell apart: XLA reports one temp buffer. So
+the table lists every planned component, and compares them with measurement where measurement
+has the same owner -- the persistent components, `temporaries` (stored activations + the peak
+phase's working set, summed) and the step's outputs -- and in total.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from featherweight.memory.measure import MemoryMeasurement
+from featherweight.memory.plan import HOST, PERSISTENT, MemoryPlan
+
+GIB = 2**30
+MIB = 2**20
+
+
+def format_bytes(value: int | None) -> str:
+    """GiB above 1 GiB, else MiB; "-" for no value."""
+    if value is None:
+        return "-"
+    return f"{value / GIB:.2f} GiB" if abs(value) >= GIB else f"{value / MIB:.2f} MiB"
+
+
+def percent_difference(planned: int, measured: int | None) -> float | None:
+    """(planned - measured) / measured in percent; None without a measurement."""
+    if measured is None or measured == 0:
+        return None
+    return 100.0 * (planned - measured) / measured
+
+
+def comparable_total(plan: MemoryPlan, measurement: MemoryMeasurement | None) -> int:
+    """The planned total to set against a measurement: device + host on CPU (one memory there),
+    device bytes otherwise."""
+    if measurement is not None and measurement.platform == "cpu":
+        return plan.cpu_comparable_bytes
+    return plan.device_bytes
+
+
+def comparison_notes(plan: MemoryPlan, measurement: MemoryMeasurement | None) -> list[str]:
+    """What a reader must know to read planned against measured."""
+    phases = ", ".join(f"{name} {format_bytes(value)}" for name, value in plan.phases.items())
+    notes = [f"peak phase: {plan.peak_phase} (working set per phase: {phases})"]
+    notes += list(plan.warnings)
+    if measurement is None:
+        return notes
+    if measurement.platform == "cpu" and plan.host_bytes:
+        notes.append(
+            "XLA CPU has one memory: host-placed residuals count in its temp, so the measured "
+            "total is compared with planned device + host bytes"
+        )
+    if measurement.platform == "cpu" and plan.settings["dtype"] == "bfloat16":
+        notes.append(
+            "bfloat16 on XLA CPU: no native bf16 matmul or dynamic-slice, so weight stacks and "
+            "matmul operands get float32 copies that inflate the measurement; the plan is for "
+            "accelerators"
+        )
+    notes.append(
+        f"measured: compiled.memory_analysis() on {measurement.platform} "
+        f"({measurement.compile_seconds:.1f} s compile)"
+    )
+    return notes
+
+
+def plan_table(plan: MemoryPlan, measurement: MemoryMeasurement | None = None) -> Table:
+    """Rows: each planned component (with its measured bytes where they are measurable), the
+    measured groups, the total, and the lower bound."""
+    measured = measurement.components if measurement else {}
+    groups = plan.measured_groups()
+    table = Table(
+        title="memory plan" + (" vs measured" if measurement else ""), title_justify="left"
+    )
+    for column, justify in (("component", "left"), ("where", "left"), ("planned", "right")):
+        table.add_column(column, justify=justify)
+    if measurement:
+        table.add_column("measured", justify="right")
+        table.add_column("diff", justify="right")
+    table.add_column("formula", style="dim")
+
+    def row(name: str, where: str, planned: int, actual: int | None, formula: str) -> None:
+        cells = [name, where, format_bytes(planned)]
+        if measurement:
+            diff = percent_difference(planned, actual)
+            cells += [format_bytes(actual), "-" if diff is None else f"{diff:+.1f}%"]
+        table.add_row(*cells, formula)
+
+    for component in plan.components:
+        if component.name in PERSISTENT or component.name == "step_outputs":
+            key = "unaliased_outputs" if component.name == "step_outputs" else component.name
+            row(
+                component.name,
+                component.placement,
+                component.bytes,
+                measured.get(key),
+                component.formula,
+            )
+        else:
+            row(
+                f"  {component.name}", component.placement, component.bytes, None, component.formula
+            )
+    if measurement:
+        row(
+            "temporaries (sum of the indented)",
+            "temp",
+            groups["temporaries"],
+            measured.get("temporaries"),
+            "XLA's temp buffer",
+        )
+    table.add_section()
+    row(
+        "total",
+        "device"
+        + (" + host" if measurement and measurement.platform == "cpu" and plan.host_bytes else ""),
+        comparable_total(plan, measurement),
+        measurement.total_bytes if measurement else None,
+        "temp + argument + output - alias",
+    )
+    if plan.host_bytes:
+        table.add_row(
+            "host (offloaded)",
+            HOST,
+            format_bytes(plan.host_bytes),
+            *(["", ""] if measurement else []),
+            "",
+        )
+    table.add_row(
+        "lower bound",
+        "device",
+        format_bytes(plan.lower_bound_bytes),
+        *(["", ""] if measurement else []),
+        "every tensor once (plan.py)",
+    )
+    return table
+
+
+def print_report(
+    plan: MemoryPlan,
+    measurement: MemoryMeasurement | None,
+    console: Console,
+    changes: list[str] | None = None,
+) -> None:
+    """The table, then the settings, any budget changes and the notes."""
+    console.print(plan_table(plan, measurement))
+    settings = ", ".join(f"{key}={value}" for key, value in plan.settings.items())
+    console.print(f"[bold]settings:[/] {settings}", highlight=False)
+    for change in changes or []:
+        console.print(f"[bold]budget changed[/] {change}", highlight=False)
+    for note in comparison_notes(plan, measurement):
+        console.print(f"[dim]note: {note}[/]", highlight=False)
+
+
+def report_json(
+    plan: MemoryPlan, measurement: MemoryMeasurement | None, changes: list[str] | None = None
+) -> dict[str, Any]:
+    """One object scripts can rely on: planned and measured component maps, totals, settings."""
+    return {
+        "planned": {c.name: c.bytes for c in plan.components},
+        "placement": {c.name: c.placement for c in plan.components},
+        "formulas": {c.name: c.formula for c in plan.components},
+        "planned_groups": plan.measured_groups(),
+        "planned_total_bytes": plan.device_bytes,
+        "planned_host_bytes": plan.host_bytes,
+        "planned_comparable_total_bytes": comparable_total(plan, measurement),
+        "lower_bound_bytes": plan.lower_bound_bytes,
+        "phases": plan.phases,
+        "peak_phase": plan.peak_phase,
+        "measured": measurement.components if measurement else None,
+        "measured_total_bytes": measurement.total_bytes if measurement else None,
+        "measured_platform": measurement.platform if measurement else None,
+        "settings": plan.settings,
+        "changes": changes or [],
+        "notes": comparison_notes(plan, measurement),
+    }
+
+
+def plot_plan(
+    plan: MemoryPlan,
+    measurement: MemoryMeasurement | None,
+    path: str | Path,
+    budget_bytes: int | None = None,
+) -> Path:
+    """A stacked bar per column (planned device, planned host, measured) of the components, in
+    GiB, with the budget as a line; written to `path` (format from its suffix)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = {
+        "planned (device)": [(c.name, c.bytes) for c in plan.components if c.placement != HOST]
+    }
+    if plan.host_bytes:
+        columns["planned (host)"] = [
+            (c.name, c.bytes) for c in plan.components if c.placement == HOST
+        ]
+    if measurement:
+        columns[f"measured ({measurement.platform})"] = list(measurement.components.items())
+    names = list(dict.fromkeys(name for parts in columns.values() for name, _ in parts))
+    colors = {name: plt.cm.tab20(index % 20) for index, name in enumerate(names)}
+    figure, axis = plt.subplots(figsize=(2.2 * len(columns) + 4, 6))
+    for x, parts in enumerate(columns.values()):
+        bottom = 0.0
+        for name, value in parts:
+            axis.bar(x, value / GIB, bottom=bottom, color=colors[name], label=name, width=0.6)
+            bottom += value / GIB
+    if budget_bytes:
+        axis.axhline(budget_bytes / GIB, color="red", linestyle="--", label="budget")
+    handles, labels = axis.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    axis.legend(
+        unique.values(), unique.keys(), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8
+    )
+    axis.set_xticks(range(len(columns)), list(columns))
+    axis.set_ylabel("GiB")
+    axis.set_title("{method} b{batch_size} x {seq_len} {dtype}".format(**plan.settings))
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path)
+    plt.close(figure)
+    return path

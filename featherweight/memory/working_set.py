@@ -1,0 +1,193 @@
+"""The working set of the streamed step's peak phase: the bytes beyond what persists and what
+the forward pass stores, per phase, from shapes and calibrated buffer counts.
+
+    backward phase: one layer's VJP and update
+      layer_weights        c_w x one layer's linear weights in the compute dtype (sliced, or
+                           dequantized from NF4: the copy the matmuls read)
+      layer_gradient       one layer's gradient of the trainable tensors (plus, for tied
+                           embeddings in full fine-tuning, the V x D embedding gradient, alive
+                           through the whole backward loop)
+      optimizer_update     c_o x one layer's optimizer state (its slices and the new state)
+      layer_activations    B S itemsize x (c_d D + c_f F + c_a (H + 2K) h): the remat forward
+                           and its cotangents
+      attention_scores     c_s x B x H x S x S x 4: float32 scores and probabilities
+    loss phase: LM head + cross-entropy over one sequence chunk, with its VJP
+      logits_chunk         c_l x B x chunk x V x 4
+      head_gradient        full fine-tuning: c_h x V x D x itemsize (gradient + update), + c_m x
+                           2 V D x 4 with 8-bit AdamW (its moments dequantized to float32)
+      dequantized_head     quantize_head: V x D x itemsize, the dense copy the head matmul reads
+
+`temporaries` (what XLA reports as temp) = the stored activations + the peak phase's working set.
+The buffer counts c_* (`CALIBRATION`) are how many such buffers XLA keeps alive at once. They were
+fitted (non-negative least squares on relative error, rounded) to `compiled.memory_analysis()` of
+the real step on XLA CPU, jax 0.10.2, float32: 90 random 2- to 6-layer configurations (every method,
+optimizer, policy) and 24 at real shapes (SmolLM2, Llama 3.2 1B/3B, Llama 3.1 8B, Mistral 7B,
+Qwen2.5 7B; weighted 2x). Temp error: 3.5% rms (11% max) at real shapes, 9% rms (23% max) on the
+toys; the test grid (tests/memory/test_measure.py) was held out. The same counts are used on every
+backend: accelerators fuse more, so the plan should err high there; attention is XLA's (scores
+materialized), a fused attention kernel would remove `attention_scores`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from featherweight.config import TrainConfig
+from featherweight.memory.state_bytes import (
+    compute_itemsize,
+    layer_optimizer_bytes,
+    trainable_tensors,
+)
+from featherweight.models.config import ModelConfig
+from featherweight.models.shapes import layer_shapes
+from featherweight.step.loss import resolve_chunk_size
+
+# Buffer counts of the working set, calibrated on XLA CPU (see the module docstring).
+CALIBRATION = {
+    "layer_weights": 1.03,
+    "optimizer_state": 0.38,
+    "activations_d": 4.34,
+    "activations_f": 10.03,
+    "activations_attention": 3.45,
+    "attention_scores": 3.16,
+    "logits": 2.08,
+    "head_gradient": 1.14,
+    "head_dequantized_moments": 1.13,
+}
+
+
+class WorkingBuffer(NamedTuple):
+    """A group of buffers of one phase: name, planned bytes, formula with this run's numbers."""
+
+    name: str
+    bytes: int
+    formula: str
+
+
+class StepShapes:
+    """The numbers the formulas use, read once from the configs."""
+
+    def __init__(self, config: TrainConfig, model_config: ModelConfig) -> None:
+        m = model_config
+        self.L, self.D, self.F = m.num_layers, m.hidden_size, m.intermediate_size
+        self.V, self.H, self.K, self.h = m.vocab_size, m.num_heads, m.num_kv_heads, m.head_dim
+        self.B, self.S = config.batch_size, config.data.seq_len
+        self.T = self.B * self.S
+        self.a = compute_itemsize(config)
+        self.chunk = resolve_chunk_size(self.S, config.memory.loss_chunk)
+        # the linear weights of one layer: its 2-D tensors (norms and biases are 1-D)
+        self.linear = sum(math.prod(shape) for shape in layer_shapes(m).values() if len(shape) == 2)
+        self.full = config.method == "full"
+        self.tied = m.tie_word_embeddings
+
+
+def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
+    """The working set's terms in bytes, each counted once (before the calibrated counts)."""
+    s = StepShapes(config, model_config)
+    stacked = [t for t in trainable_tensors(config, model_config) if t.stacked]
+    head_like = s.V * s.D * s.a
+    eight_bit = config.optimizer.name == "adamw_8bit"
+    return {
+        "layer_weights": s.linear * s.a,
+        "layer_gradient": sum(t.values * t.itemsize for t in stacked),
+        "optimizer_state": layer_optimizer_bytes(config, model_config),
+        "activations_d": s.T * s.a * s.D,
+        "activations_f": s.T * s.a * s.F,
+        "activations_attention": s.T * s.a * (s.H + 2 * s.K) * s.h,
+        "attention_scores": 4 * s.B * s.H * s.S * s.S,
+        "tied_embedding_gradient": head_like if s.full and s.tied else 0,
+        "logits": 4 * s.B * s.chunk * s.V,
+        "head_gradient": head_like if s.full else 0,
+        "head_dequantized_moments": 8 * s.V * s.D if s.full and eight_bit else 0,
+        "dequantized_head": head_like if config.model.quantize_head else 0,
+    }
+
+
+def phase_working_sets(
+    config: TrainConfig, model_config: ModelConfig
+) -> dict[str, list[WorkingBuffer]]:
+    """Each phase's working set, buffer group by buffer group, with its formula."""
+    s, t, c = StepShapes(config, model_config), raw_terms(config, model_config), CALIBRATION
+    attention_width = (s.H + 2 * s.K) * s.h
+    backward = [
+        WorkingBuffer(
+            "layer_weights",
+            round(c["layer_weights"] * t["layer_weights"]),
+            f"{c['layer_weights']} x one layer's linear weights x {s.a} B = "
+            f"{c['layer_weights']} x {s.linear} x {s.a}",
+        ),
+        WorkingBuffer(
+            "layer_gradient",
+            t["layer_gradient"] + t["tied_embedding_gradient"],
+            "one layer's trainable tensors"
+            + (" + tied embedding gradient V x D" if t["tied_embedding_gradient"] else ""),
+        ),
+        WorkingBuffer(
+            "optimizer_update",
+            round(c["optimizer_state"] * t["optimizer_state"]),
+            f"{c['optimizer_state']} x one layer's optimizer state ({t['optimizer_state']} B)",
+        ),
+        WorkingBuffer(
+            "layer_activations",
+            round(
+                c["activations_d"] * t["activations_d"]
+                + c["activations_f"] * t["activations_f"]
+                + c["activations_attention"] * t["activations_attention"]
+            ),
+            f"B x S x {s.a} x ({c['activations_d']} D + {c['activations_f']} F + "
+            f"{c['activations_attention']} (H+2K)h) = {s.B} x {s.S} x {s.a} x "
+            f"({c['activations_d']} x {s.D} + {c['activations_f']} x {s.F} + "
+            f"{c['activations_attention']} x {attention_width})",
+        ),
+        WorkingBuffer(
+            "attention_scores",
+            round(c["attention_scores"] * t["attention_scores"]),
+            f"{c['attention_scores']} x B x H x S x S x 4 = "
+            f"{c['attention_scores']} x {s.B} x {s.H} x {s.S}^2 x 4",
+        ),
+    ]
+    loss = [
+        WorkingBuffer(
+            "logits_chunk",
+            round(c["logits"] * t["logits"]),
+            f"{c['logits']} x B x chunk x V x 4 = {c['logits']} x {s.B} x {s.chunk} x {s.V} x 4",
+        ),
+    ]
+    if t["head_gradient"]:
+        moments = t["head_dequantized_moments"]
+        loss.append(
+            WorkingBuffer(
+                "head_gradient",
+                round(
+                    c["head_gradient"] * t["head_gradient"]
+                    + c["head_dequantized_moments"] * moments
+                ),
+                f"{c['head_gradient']} x V x D x {s.a} (gradient and update of the head)"
+                + (
+                    f" + {c['head_dequantized_moments']} x 2 x V x D x 4 (float32 moments)"
+                    if moments
+                    else ""
+                ),
+            )
+        )
+    if t["dequantized_head"]:
+        loss.append(WorkingBuffer("dequantized_head", t["dequantized_head"], f"V x D x {s.a}"))
+    return {"backward": backward, "loss": loss}
+
+
+def working_set_floor(config: TrainConfig, model_config: ModelConfig) -> int:
+    """The larger phase with every tensor counted once: (one layer's weights in the compute dtype
+    unless trainable, its gradient, its intermediates x, q, k, v, attended, gate, up, their
+    product and the float32 scores B x H x S x S) or (one logits chunk and the head's gradient).
+    The implementation's floor, not XLA's: every tensor it needs, each once."""
+    s, t = StepShapes(config, model_config), raw_terms(config, model_config)
+    intermediates = s.T * s.a * (2 * s.D + (2 * s.H + 2 * s.K) * s.h + 3 * s.F)
+    backward = (
+        (0 if s.full else t["layer_weights"])
+        + t["layer_gradient"]
+        + intermediates
+        + t["attention_scores"]
+    )
+    loss = t["logits"] + t["head_gradient"]
+    return max(backward, loss)

@@ -1,0 +1,108 @@
+"""Budgets: parsing, the order in which settings change, and the error when nothing fits."""
+
+import pytest
+
+from featherweight.config import parse_config
+from featherweight.errors import BudgetError, ConfigError
+from featherweight.memory.budget import (
+    describe_changes,
+    fit_budget,
+    parse_budget,
+    plan_within_budget,
+)
+from featherweight.memory.plan import plan_for_config
+from featherweight.models.registry import builtin_config
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("8GB", 8 * 10**9),
+        ("8 GiB", 8 * GIB),
+        ("8000MiB", 8000 * 2**20),
+        ("7.5gib", int(7.5 * GIB)),
+        ("512 B", 512),
+    ],
+)
+def test_budget_strings(text, expected):
+    assert parse_budget(text) == expected
+
+
+@pytest.mark.parametrize("text", ["eight", "8", "8 GiBs", "-1GiB", "0MiB", "", "GiB"])
+def test_unparseable_budgets_are_typed_errors(text):
+    with pytest.raises(ConfigError, match="budget"):
+        parse_budget(text)
+
+
+def config_of(**values):
+    return parse_config(values)
+
+
+LLAMA_QLORA = {"method": "qlora", "batch_size": 4, "data": {"seq_len": 2048}}
+SMOL_FULL = {"method": "full", "batch_size": 4, "data": {"seq_len": 1024}}
+
+
+@pytest.mark.parametrize(
+    ("model", "values"),
+    [("Llama-3.1-8B", LLAMA_QLORA), ("SmolLM2-135M", SMOL_FULL), ("Llama-3.2-1B", SMOL_FULL)],
+)
+def test_a_budget_at_the_total_keeps_the_plan_and_one_byte_less_changes_it(model, values):
+    config, model_config = config_of(**values), builtin_config(model)
+    plan = plan_for_config(config, model_config)
+    kept, kept_plan = fit_budget(config, model_config, plan.device_bytes)
+    assert kept == config and kept_plan == plan
+    try:
+        smaller, smaller_plan = fit_budget(config, model_config, plan.device_bytes - 1)
+    except BudgetError:
+        return
+    assert smaller != config
+    assert smaller_plan.device_bytes <= plan.device_bytes - 1
+    assert smaller_plan == plan_for_config(smaller, model_config)
+
+
+def test_loss_chunk_is_tried_first_when_the_logits_are_the_peak():
+    config, model = config_of(**SMOL_FULL), builtin_config("SmolLM2-135M")
+    plan = plan_for_config(config, model)
+    assert plan.peak_phase == "loss"
+    fitted, _ = fit_budget(config, model, plan.device_bytes - 1)
+    assert describe_changes(config, fitted) == [f"memory.loss_chunk: None -> {1024 // 2}"]
+
+
+def test_preferences_apply_in_order_and_micro_batch_comes_last():
+    config, model = config_of(**LLAMA_QLORA), builtin_config("Llama-3.1-8B")
+    everything_else = config_of(
+        **{**LLAMA_QLORA, "model": {"quantize_head": True}},
+        memory={"residuals": "host", "loss_chunk": 64},
+        optimizer={"name": "adamw_8bit"},
+    )
+    floor = plan_for_config(everything_else, model).device_bytes
+    fitted, plan = fit_budget(config, model, floor - 1)
+    changes = describe_changes(config, fitted)
+    assert changes[-1].startswith("batch_size: 4 -> ")
+    assert "memory.residuals: device -> host" in changes
+    assert plan.device_bytes < floor
+
+
+def test_nothing_fits_names_the_largest_component_the_shortfall_and_options():
+    config, model = config_of(**LLAMA_QLORA), builtin_config("Llama-3.1-8B")
+    with pytest.raises(BudgetError) as error:
+        fit_budget(config, model, 7 * GIB)
+    message = str(error.value)
+    assert "frozen_base" in message  # 5.3 GiB of NF4 weights: the largest part at batch 1
+    assert "GiB short" in message
+    assert "seq 1024 fits at" in message
+    with pytest.raises(BudgetError, match="No shorter sequence"):
+        fit_budget(config, model, 1 * GIB)
+
+
+def test_the_trainer_entry_point_uses_memory_budget():
+    model = builtin_config("Llama-3.1-8B")
+    unbounded = config_of(**LLAMA_QLORA)
+    same, plan = plan_within_budget(unbounded, model)
+    assert same == unbounded and plan == plan_for_config(unbounded, model)
+    bounded = config_of(**LLAMA_QLORA, memory={"budget": "12GiB"})
+    fitted, fitted_plan = plan_within_budget(bounded, model)
+    assert fitted_plan.device_bytes <= 12 * GIB < plan.device_bytes
+    assert fitted.memory.budget == "12GiB"

@@ -1,0 +1,173 @@
+"""The memory plan before compiling: exact persistent bytes, the component formulas, bad input."""
+
+import dataclasses
+import json
+import time
+
+import pytest
+
+from featherweight.config import TrainConfig, parse_config
+from featherweight.errors import CheckpointNotFoundError, ConfigError, ModelConfigError
+from featherweight.memory.measure import abstract_step_arguments, tree_nbytes
+from featherweight.memory.plan import plan_for_config
+from featherweight.models.registry import BUILTIN_MODELS, builtin_config, model_config_from
+from featherweight.models.shapes import parameter_count
+from tests.conftest import tiny_config
+
+GIB = 2**30
+
+
+def train_config(**values) -> TrainConfig:
+    """A TrainConfig from nested values, e.g. train_config(method="lora", memory={...})."""
+    values.setdefault("data", {"seq_len": 64})
+    return parse_config(values)
+
+
+PERSISTENT_CASES = [
+    ("full", "adamw", "float32", False),
+    ("full", "adamw_8bit", "bfloat16", False),
+    ("full", "adafactor", "float32", True),
+    ("lora", "sgd", "bfloat16", False),
+    ("lora", "lion", "float32", True),
+    ("qlora", "adamw", "bfloat16", False),
+    ("qlora", "adamw_8bit", "float32", True),
+]
+
+
+@pytest.mark.parametrize(("method", "optimizer", "dtype", "tied"), PERSISTENT_CASES)
+def test_persistent_bytes_equal_the_pytrees_the_trainer_builds(method, optimizer, dtype, tied):
+    model = tiny_config(tie_word_embeddings=tied, hidden_size=128, intermediate_size=256)
+    config = train_config(
+        method=method,
+        optimizer={"name": optimizer},
+        model={"dtype": dtype, "quantize_head": method == "qlora" and tied},
+    )
+    _, (trainable, opt_state, frozen, batch, _) = abstract_step_arguments(config, model)
+    plan = plan_for_config(config, model)
+    assert plan.bytes_of("frozen_base") == tree_nbytes(frozen)
+    assert plan.bytes_of("trainable_weights") == tree_nbytes(trainable)
+    assert plan.bytes_of("optimizer_state") == tree_nbytes(opt_state)
+    assert plan.bytes_of("batch") == tree_nbytes(batch)
+
+
+def test_components_sum_to_the_totals_and_offload_moves_the_residual_stream_to_host():
+    model = builtin_config("Llama-3.1-8B")
+    on_device = plan_for_config(train_config(batch_size=2, data={"seq_len": 2048}), model)
+    offloaded = plan_for_config(
+        train_config(batch_size=2, data={"seq_len": 2048}, memory={"residuals": "host"}), model
+    )
+    residual = 32 * 2 * 2048 * 4096 * 2  # L x B x S x D x bf16
+    assert on_device.bytes_of("residual_stream") == residual
+    assert sum(c.bytes for c in on_device.components) == on_device.device_bytes
+    assert on_device.host_bytes == 0
+    assert offloaded.host_bytes == residual
+    assert offloaded.device_bytes == on_device.device_bytes - residual
+    assert offloaded.cpu_comparable_bytes == on_device.device_bytes
+
+
+def test_llama_8b_qlora_plan_is_fast_and_plausible():
+    start = time.perf_counter()
+    plan = plan_for_config(
+        train_config(method="qlora", batch_size=2, data={"seq_len": 2048}),
+        model_config_from("Llama-3.1-8B"),
+    )
+    assert time.perf_counter() - start < 5.0
+    # NF4 linear weights (~0.52 B/value) + bf16 embedding and head: about 5.3 GiB
+    assert 5.2 * GIB < plan.bytes_of("frozen_base") < 5.4 * GIB
+    # rank-8 adapters on all 7 targets of 32 layers: 20.97M float32 values, AdamW 2 moments
+    assert plan.bytes_of("trainable_weights") == 20_971_520 * 4
+    assert plan.bytes_of("optimizer_state") == 2 * 20_971_520 * 4 + 32 * 14 * 8
+    assert plan.lower_bound_bytes < plan.device_bytes
+    assert plan.peak_phase in plan.phases
+    json.dumps(plan.settings)
+
+
+def test_loss_chunk_shrinks_only_the_loss_phase():
+    model = builtin_config("SmolLM2-135M")
+    whole = plan_for_config(train_config(method="full", data={"seq_len": 1024}), model)
+    chunked = plan_for_config(
+        train_config(method="full", data={"seq_len": 1024}, memory={"loss_chunk": 128}), model
+    )
+    assert whole.peak_phase == "loss"  # 49k vocabulary: the logits dominate
+    assert chunked.phases["backward"] == whole.phases["backward"]
+    logits_whole, logits_chunked = (
+        p.bytes_of("logits_chunk") if p.peak_phase == "loss" else None for p in (whole, chunked)
+    )
+    assert logits_whole is not None
+    assert chunked.phases["loss"] < whole.phases["loss"] - 0.8 * logits_whole
+    assert logits_chunked is None or logits_chunked * 8 == pytest.approx(logits_whole, rel=1e-6)
+
+
+def test_saved_intermediates_are_planned_per_layer():
+    model = tiny_config()
+    plain = plan_for_config(train_config(), model)
+    saving = plan_for_config(train_config(memory={"save": ["qkv", "mlp_hidden"]}), model)
+    width = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim + 2 * 128
+    assert plain.bytes_of("saved_intermediates") == 0
+    assert saving.bytes_of("saved_intermediates") == model.num_layers * 4 * 64 * width * 2
+
+
+# published parameter counts (model cards)
+PARAMETER_COUNTS = {
+    "Llama-3.1-8B": 8.03e9,
+    "Llama-3.2-1B": 1.24e9,
+    "Llama-3.2-3B": 3.21e9,
+    "Mistral-7B-v0.3": 7.25e9,
+    "Qwen2.5-7B": 7.62e9,
+    "SmolLM2-135M": 0.135e9,
+    "SmolLM2-360M": 0.362e9,
+    "SmolLM2-1.7B": 1.71e9,
+}
+
+
+@pytest.mark.parametrize("name", BUILTIN_MODELS)
+def test_builtin_models_have_their_published_sizes(name):
+    assert parameter_count(builtin_config(name)) == pytest.approx(PARAMETER_COUNTS[name], rel=0.01)
+
+
+def test_llama_31_8b_builtin_matches_its_config_json():
+    config = builtin_config("meta-llama/llama-3.1-8b")
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (
+        128256,
+        4096,
+        14336,
+    )
+    assert (config.num_layers, config.num_heads, config.num_kv_heads) == (32, 32, 8)
+    assert config.rope_theta == 500000.0 and not config.tie_word_embeddings
+    assert config.rope_scaling.factor == 8.0 and config.max_position_embeddings == 131072
+
+
+def test_model_sources_config_dir_gguf_and_errors(tmp_path, demo_gguf):
+    (tmp_path / "config.json").write_text(json.dumps(builtin_config("SmolLM2-135M").to_hf_dict()))
+    assert model_config_from(tmp_path) == builtin_config("SmolLM2-135M")
+    assert model_config_from(demo_gguf).hidden_size == 576
+    with pytest.raises(CheckpointNotFoundError, match=r"Llama-3\.1-8B, Llama-3\.2-1B"):
+        model_config_from("Llama-9B")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 8}))
+    with pytest.raises(ModelConfigError, match="hidden_size"):
+        model_config_from(broken)
+
+
+def test_bad_shapes_are_refused_with_typed_errors():
+    with pytest.raises(ConfigError, match="batch_size"):
+        train_config(batch_size=0)
+    with pytest.raises(ConfigError, match="seq_len"):
+        train_config(data={"seq_len": -1})
+    smol = builtin_config("SmolLM2-135M")  # 8192 positions, no rope scaling
+    with pytest.raises(ConfigError, match="max_position_embeddings=8192"):
+        plan_for_config(train_config(data={"seq_len": 16384}), smol)
+    unchecked = TrainConfig.model_construct(batch_size=0)
+    with pytest.raises(ConfigError, match="batch=0"):
+        plan_for_config(unchecked, smol)
+
+
+def test_rope_scaling_allows_a_longer_sequence_with_a_warning():
+    short_context = dataclasses.replace(
+        builtin_config("Llama-3.2-1B"), max_position_embeddings=8192
+    )
+    plan = plan_for_config(train_config(data={"seq_len": 16384}), short_context)
+    assert any("rope scaling" in warning for warning in plan.warnings)
+    with pytest.raises(ConfigError, match="rope-scaled context 262144"):
+        plan_for_config(train_config(data={"seq_len": 300000}), short_context)
