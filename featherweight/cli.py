@@ -108,6 +108,72 @@ def convert(
     console.print(f"wrote {written}")
 
 
+@app.command()
+@friendly_errors
+def plan(
+    model: Annotated[str, typer.Argument(help="dir with config.json, .gguf, or built-in name")],
+    method: Annotated[str, typer.Option(help="full, lora or qlora")] = "qlora",
+    batch: Annotated[int, typer.Option(help="micro-batch size")] = 2,
+    seq: Annotated[int, typer.Option(help="sequence length")] = 2048,
+    dtype: Annotated[str, typer.Option(help="bfloat16 or float32")] = "bfloat16",
+    budget: Annotated[str | None, typer.Option(help="device memory, e.g. 8GiB")] = None,
+    offload: Annotated[str, typer.Option(help="none, or residuals (to host)")] = "none",
+    optimizer: Annotated[
+        str, typer.Option(help="adamw, adamw_8bit, sgd, lion, adafactor")
+    ] = "adamw",
+    lora_rank: Annotated[int, typer.Option(help="LoRA rank")] = 8,
+    loss_chunk: Annotated[int | None, typer.Option(help="loss sequence chunk")] = None,
+    quantize_head: Annotated[bool, typer.Option(help="QLoRA: NF4 LM head")] = False,
+    measure: Annotated[bool, typer.Option(help="compile the step on abstract shapes")] = True,
+    json_output: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
+    plot: Annotated[Path | None, typer.Option(help="stacked bar chart, e.g. plan.png")] = None,
+) -> None:
+    """Plan every byte of a train step before compiling; measure the compiled step next to it."""
+    import json
+
+    from featherweight.config import parse_config
+    from featherweight.errors import ConfigError
+    from featherweight.memory.budget import describe_changes, fit_budget, parse_budget
+    from featherweight.memory.measure import measure_compiled
+    from featherweight.memory.plan import plan_for_config
+    from featherweight.memory.report import plot_plan, print_report, report_json
+    from featherweight.models.registry import model_config_from
+
+    if offload not in ("none", "residuals"):
+        raise ConfigError(f"--offload {offload!r} is not an option; use none or residuals")
+    budget_bytes = None if budget is None else parse_budget(budget)
+    requested = parse_config(
+        {
+            "method": method,
+            "batch_size": batch,
+            "model": {"dtype": dtype, "quantize_head": quantize_head},
+            "data": {"seq_len": seq},
+            "optimizer": {"name": optimizer},
+            "lora": {"rank": lora_rank},
+            "memory": {
+                "residuals": "host" if offload == "residuals" else "device",
+                "loss_chunk": loss_chunk,
+            },
+        },
+        source="plan options",
+    )
+    model_config = model_config_from(model)
+    if budget_bytes is None:
+        config, memory_plan = requested, plan_for_config(requested, model_config)
+    else:
+        config, memory_plan = fit_budget(requested, model_config, budget_bytes)
+    changes = describe_changes(requested, config)
+    measurement = measure_compiled(config, model_config) if measure else None
+    if plot is not None:
+        plot_plan(memory_plan, measurement, plot, budget_bytes)
+    if json_output:
+        typer.echo(json.dumps(report_json(memory_plan, measurement, changes), indent=2))
+        return
+    print_report(memory_plan, measurement, console, changes)
+    if plot is not None:
+        console.print(f"plot: {plot}")
+
+
 def main() -> None:
     import featherweight.cli_train  # noqa: F401  (registers train, demo, export)
 
