@@ -113,7 +113,14 @@ def measure_compiled(config: TrainConfig, model_config: ModelConfig) -> MemoryMe
     trainable, opt_state, frozen, _, _ = arguments
     start = time.perf_counter()
     compiled = step.lower(*arguments).compile()
-    seconds = time.perf_counter() - start
+    return measurement_of(compiled, trainable, opt_state, frozen, time.perf_counter() - start)
+
+
+def measurement_of(
+    compiled, trainable, opt_state, frozen, compile_seconds: float
+) -> MemoryMeasurement:
+    """The components of a compiled train step's `memory_analysis()` (the trainer's own, or
+    one compiled on abstract shapes)."""
     analysis = compiled.memory_analysis()
     if analysis is None:
         raise ConfigError(
@@ -135,7 +142,7 @@ def measure_compiled(config: TrainConfig, model_config: ModelConfig) -> MemoryMe
         "unaliased_outputs": output - alias,
     }
     return MemoryMeasurement(
-        components, temp, argument, output, alias, jax.default_backend(), seconds
+        components, temp, argument, output, alias, jax.default_backend(), compile_seconds
     )
 
 
