@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from featherweight.models.config import ModelConfig
+from featherweight.placement import host_rows, on_host
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, take_rows_nf4
 
 Params = dict[str, Any]
@@ -269,11 +270,14 @@ def block(
 def embed(params: Params, token_ids: jax.Array) -> jax.Array:
     """Token embeddings [B, S, D] in the compute dtype (the final norm's dtype).
 
-    An NF4 table (a quantized, tied head) is dequantized only for the looked-up rows.
+    An NF4 table (a quantized, tied head) is dequantized only for the looked-up rows; a table in
+    host memory sends only the looked-up rows to the device.
     """
     table = params["embed"]
     if isinstance(table, NF4Tensor):
         return take_rows_nf4(table, token_ids, params["final_norm"].dtype)
+    if on_host(table):  # a frozen table kept in host memory: only these rows come over
+        return host_rows(table, token_ids)
     return jnp.take(table, token_ids, axis=0)
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from featherweight.errors import StepConfigError
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params, rms_norm
+from featherweight.placement import host_rows, on_host
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, take_rows_nf4
 
 
@@ -50,9 +51,12 @@ def resolve_chunk_size(seq_len: int, chunk_size: int | None) -> int:
 
 
 def _head_rows(head: jax.Array | NF4Tensor, row_ids: jax.Array, dtype) -> jax.Array:
-    """Rows of the [V, D] head (dequantized when NF4): only a vocab chunk is ever dense."""
+    """Rows of the [V, D] head (dequantized when NF4, fetched when in host memory): only a
+    vocabulary chunk is ever dense on the device."""
     if isinstance(head, NF4Tensor):
         return take_rows_nf4(head, row_ids, dtype)
+    if on_host(head):  # a tied, frozen table in host memory: the chunk's rows come over
+        return host_rows(head, row_ids).astype(dtype)
     return jnp.take(head, row_ids, axis=0).astype(dtype)
 
 
