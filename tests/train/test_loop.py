@@ -80,12 +80,14 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(tiny_model_dir, demo_dat
         _train_command(config_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     checkpoint_5 = tmp_path / "killed" / "checkpoints" / "5"
-    deadline = time.time() + 300
-    while not checkpoint_5.exists() and time.time() < deadline and process.poll() is None:
-        time.sleep(0.05)
-    assert checkpoint_5.exists(), "the run never wrote checkpoint 5"
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    try:
+        deadline = time.time() + 300
+        while not checkpoint_5.exists() and time.time() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert checkpoint_5.exists(), "the run never wrote checkpoint 5"
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
     assert not (tmp_path / "killed" / "checkpoints" / str(steps)).exists()
     subprocess.run(_train_command(config_path), check=True, capture_output=True)
 
@@ -134,12 +136,14 @@ def test_kill_during_a_checkpoint_write_keeps_the_previous_one(tiny_model_dir, d
     script.write_text(KILL_DURING_SAVE)
     marker = tmp_path / "renaming"
     process = subprocess.Popen([sys.executable, str(script), str(config_path), str(marker)])
-    deadline = time.time() + 300
-    while not marker.exists() and time.time() < deadline and process.poll() is None:
-        time.sleep(0.05)
-    assert marker.exists(), "the save of step 4 never reached its final rename"
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    try:
+        deadline = time.time() + 300
+        while not marker.exists() and time.time() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert marker.exists(), "the save of step 4 never reached its final rename"
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
     checkpoints = tmp_path / "run" / "checkpoints"
     assert not (checkpoints / "4").exists()  # nothing partial under a final name
     assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["2"]
@@ -162,11 +166,14 @@ def test_sigterm_saves_and_exits_with_143(tiny_model_dir, demo_data, tmp_path):
         _train_command(config_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while (not metrics.exists() or not metrics.read_text()) and time.time() < deadline:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=120) == 143
+    try:
+        deadline = time.time() + 300
+        while (not metrics.exists() or not metrics.read_text()) and time.time() < deadline:
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) == 143
+    finally:
+        process.kill()
     saved = Checkpointer(tmp_path / "run" / "checkpoints", keep=10, read_only=True).latest_step()
     assert saved is not None and saved >= 1  # a clean save at the step where it stopped
     assert saved == max(r["step"] for r in read_metrics(metrics))
