@@ -127,9 +127,18 @@ def plan(
     measure: Annotated[bool, typer.Option(help="compile the step on abstract shapes")] = True,
     json_output: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
     plot: Annotated[Path | None, typer.Option(help="stacked bar chart, e.g. plan.png")] = None,
+    mesh: Annotated[
+        str | None, typer.Option(help="devices, e.g. fsdp=8 or data=2,fsdp=4: bytes per device")
+    ] = None,
 ) -> None:
     """Plan every byte of a train step before compiling; measure the compiled step next to it."""
     import json
+
+    from featherweight.sharding import parse_mesh, request_cpu_devices, requested_devices
+
+    mesh_settings = None if mesh is None else parse_mesh(mesh)
+    if mesh_settings is not None and requested_devices(mesh_settings):
+        request_cpu_devices(requested_devices(mesh_settings))  # a CPU-only machine compiles it too
 
     from featherweight.config import parse_config
     from featherweight.errors import ConfigError
@@ -150,6 +159,7 @@ def plan(
             "data": {"seq_len": seq},
             "optimizer": {"name": optimizer},
             "lora": {"rank": lora_rank},
+            "mesh": None if mesh_settings is None else mesh_settings.model_dump(),
             "memory": {
                 "residuals": "host" if offload == "residuals" else "device",
                 "loss_chunk": loss_chunk,
@@ -175,9 +185,11 @@ def plan(
 
 
 def main() -> None:
-    import featherweight.cli_train  # noqa: F401  (registers train, demo, export)
+    from featherweight import cli_train  # registers train, demo, export
 
-    app(prog_name="featherweight")
+    # cli_train's app, not this module's: run as `python -m featherweight.cli`, this module is
+    # __main__, a second copy whose app never sees the commands registered on featherweight.cli
+    cli_train.app(prog_name="featherweight")
 
 
 if __name__ == "__main__":

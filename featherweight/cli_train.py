@@ -22,16 +22,24 @@ def train(
         bool, typer.Option("--skip-bad", help="skip (and count) bad JSONL lines")
     ] = False,
 ) -> None:
-    """Fine-tune as CONFIG says: memory plan first, then training with checkpoints (resumable)."""
+    """Fine-tune as CONFIG says: memory plan first, then training with checkpoints (resumable).
+
+    On several hosts, run it on each with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID set (or under srun / mpirun): the processes join one run.
+    """
     from featherweight.config import load_config
+    from featherweight.distributed import initialize_from_env, is_primary
     from featherweight.train.loop import EXIT_CODES
     from featherweight.train.loop import train as run_training
 
+    initialize_from_env()
     overrides = list(set_ or []) + (["data.skip_bad=true"] if skip_bad else [])
     settings = load_config(config, overrides)
     result = run_training(settings, overwrite=overwrite, console=console)
     if result.stopped_by_signal is not None:
         raise typer.Exit(code=EXIT_CODES.get(result.stopped_by_signal, 1))
+    if not is_primary():
+        return
     out = result.output_dir
     console.print(f"done: step {result.step}, loss {result.loss}, eval loss {result.eval_loss}")
     console.print(f"metrics: {out / 'metrics.jsonl'}  loss curve: {out / 'loss.png'}")

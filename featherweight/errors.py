@@ -23,7 +23,7 @@ class UnsafeCheckpointError(FeatherweightError):
 
 
 class CorruptCheckpointError(FeatherweightError):
-    """A safetensors or GGUF file that is truncated or whose header cannot be parsed."""
+    """A safetensors or GGUF file, or a run's checkpoint or config, that is truncated or damaged."""
 
 
 class OutputExistsError(FeatherweightError, FileExistsError):
@@ -31,7 +31,13 @@ class OutputExistsError(FeatherweightError, FileExistsError):
 
 
 class OutputNotWritableError(FeatherweightError, PermissionError):
-    """An output location that cannot be written (read-only, or escaping its directory)."""
+    """An output location that cannot be written: read-only, escaping its directory, or holding
+    an input (model, dataset, run) that writing it would destroy."""
+
+
+class DiskFullError(FeatherweightError, OSError):
+    """The disk filled up while a checkpoint, an export or the metrics log was written; what
+    existed before is intact."""
 
 
 # --- models -----------------------------------------------------------------------------------

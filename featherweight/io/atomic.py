@@ -2,21 +2,68 @@
 
 A directory is written into a hidden temporary sibling (same filesystem), fsynced, and renamed into
 place; a crash leaves only the temporary, which the next write removes. A replaced directory is
-moved aside first and deleted only after the new one is in place.
+moved aside first and deleted only after the new one is in place (a crash between the two renames
+is undone by the next write, which puts the previous directory back).
+
+A write that fails for lack of space or permission becomes a typed error that says what was being
+written and what is intact (`write_failure`); the partial temporary is removed first, so the space
+it took is free again. Where an output may go at all is checked up front by `check_output_dir`
+with a real write probe (it sees read-only mounts, permissions and quotas as the writer will).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from featherweight.errors import OutputExistsError, OutputNotWritableError
+from featherweight.errors import (
+    DiskFullError,
+    FeatherweightError,
+    OutputExistsError,
+    OutputNotWritableError,
+)
 
 TEMP_PREFIX = ".fw-tmp-"
+DISK_FULL_CODES = (errno.ENOSPC, errno.EDQUOT)
+NOT_WRITABLE_CODES = (errno.EROFS, errno.EACCES, errno.EPERM)
+# native writers put the OS error code in their messages: safetensors (Rust) "(os error 28)",
+# tensorstore (orbax) "[os_error_code='28']", Python "[Errno 28]"
+_CODE_IN_MESSAGE = re.compile(r"(?:\[Errno |os error |os_error_code=')(\d+)")
+
+
+def _error_code(error: BaseException) -> int | None:
+    if isinstance(error, OSError) and error.errno is not None:
+        return error.errno
+    match = _CODE_IN_MESSAGE.search(str(error))
+    return int(match.group(1)) if match else None
+
+
+def write_failure(error: BaseException, writing: str, kept: str) -> FeatherweightError | None:
+    """The typed error for a write that failed because the disk is full or not writable, else None.
+
+    `writing` names what was being written ("checkpoint 4 in runs/a/checkpoints"), `kept` what
+    became of the partial write and what is intact.
+    """
+    if isinstance(error, FeatherweightError):
+        return None  # already says what happened (e.g. a source file that cannot be read)
+    code = _error_code(error)
+    if code in DISK_FULL_CODES:
+        return DiskFullError(
+            f"no space left on the device while writing {writing} ({os.strerror(code)}); {kept}. "
+            "Free space on that disk (or choose another location) and run the same command again"
+        )
+    if code in NOT_WRITABLE_CODES:
+        return OutputNotWritableError(
+            f"cannot write {writing} ({os.strerror(code)}); {kept}. Make the location writable "
+            "(or choose another) and run the same command again"
+        )
+    return None
 
 
 def _fsync_tree(directory: Path) -> None:
@@ -31,24 +78,47 @@ def _fsync_tree(directory: Path) -> None:
         os.close(descriptor)
 
 
+def probe_writable(location: Path, what: str = "output directory") -> None:
+    """Refuse `location` unless a file can be created in it (or its nearest existing parent)."""
+    parent = Path(location)
+    while not parent.exists():
+        parent = parent.parent
+    try:
+        descriptor, probe = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}probe-", dir=parent)
+        os.close(descriptor)
+        os.unlink(probe)
+    except OSError as error:
+        raise OutputNotWritableError(
+            f"cannot write under {parent} ({error.strerror or error}); choose a writable {what}"
+        ) from None
+
+
 def check_output_dir(out: Path, overwrite: bool) -> Path:
-    """Refuse an existing output without `overwrite`, or a parent that cannot be written."""
+    """Refuse an existing output without `overwrite`, or a location that cannot be written."""
     out = Path(out).expanduser().resolve()
     if out.exists() and not overwrite:
         raise OutputExistsError(
             f"output directory {out} already exists; choose another path or pass --overwrite"
         )
-    parent = out.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not os.access(parent, os.W_OK):
-        raise OutputNotWritableError(f"cannot write under {parent} (read-only or no permission)")
+    probe_writable(out.parent)
     return out
+
+
+def _undo_interrupted_replace(out: Path) -> None:
+    """Put back a previous `out` that a replacement moved aside but was killed before renaming the
+    new one into place."""
+    if out.exists() or not out.parent.is_dir():
+        return
+    for aside in out.parent.glob(f"{TEMP_PREFIX}{out.name}-old-*"):
+        if (aside / "old").exists():
+            os.replace(aside / "old", out)
+            return
 
 
 @contextlib.contextmanager
 def atomic_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that becomes `out` when the block finishes without error."""
+    _undo_interrupted_replace(Path(out).expanduser().resolve())
     out = check_output_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f"{TEMP_PREFIX}{out.name}-*"):
@@ -64,8 +134,14 @@ def atomic_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.replace(temporary, out)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(temporary, ignore_errors=True)
+        kept = "the partial copy was removed; " + (
+            f"the previous {out} is intact" if out.exists() else f"nothing was written to {out}"
+        )
+        typed = write_failure(error, str(out), kept)
+        if typed is not None:
+            raise typed from None
         raise
 
 

@@ -9,6 +9,7 @@ from featherweight.io.atomic import check_output_dir
 from featherweight.io.hf_writer import DEFAULT_SHARD_BYTES, save_hf_checkpoint
 from featherweight.io.loader import open_checkpoint
 from featherweight.io.names import expected_shapes, hf_name
+from featherweight.io.output_paths import refuse_overlap
 
 
 def convert(
@@ -20,6 +21,7 @@ def convert(
 ) -> Path:
     """Convert `source_path` to an HF directory at `out`; `dtype` casts (e.g. "bfloat16")."""
     check_output_dir(Path(out), overwrite)
+    refuse_overlap(Path(out), {"source checkpoint": source_path}, "convert --out")
     source = open_checkpoint(source_path)
     try:
         tensors = ((hf_name(key), source.read(key)) for key in expected_shapes(source.config))

@@ -9,6 +9,8 @@ rotary layout; they are permuted back to Hugging Face's half-split layout on rea
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,22 @@ def _field_value(field: Any) -> Any:
     return field.contents()
 
 
+@functools.cache
+def _known_keys(architecture: str) -> frozenset[str]:
+    """Every metadata key the gguf package defines, for this architecture."""
+    keys: list[str] = []
+
+    def collect(namespace: type) -> None:
+        for name, value in vars(namespace).items():
+            if isinstance(value, str) and not name.startswith("_"):
+                keys.append(value.replace("{arch}", architecture))
+            elif inspect.isclass(value):
+                collect(value)
+
+    collect(gguf.Keys)
+    return frozenset(key for key in keys if "{" not in key)
+
+
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation: per head, interleaved pairs back to two halves."""
     rows = weight.shape[0]
@@ -66,7 +84,9 @@ class GGUFSource:
                 f"{self.path}: GGUF architecture {self.architecture!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        self._check_keys()
         self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
+        self._check_tensor_layout()
         for tensor in self.tensors.values():
             if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES and tensor.name not in _IGNORED:
                 supported = ", ".join(sorted(kind.name for kind in SUPPORTED_TENSOR_TYPES))
@@ -90,6 +110,36 @@ class GGUFSource:
             shapes[key] = tuple(int(size) for size in reversed(tensor.shape.tolist()))
         validate_tensors(self.config, shapes, unknown, str(self.path), spell=gguf_name)
         self.shapes = shapes
+
+    def _check_keys(self) -> None:
+        """Refuse a metadata key one byte away from a key GGUF defines: a damaged name would
+        otherwise leave its setting at a default silently (e.g. the context length)."""
+        known = _known_keys(self.architecture)
+        for name in self.fields:
+            if name in known or name.startswith("GGUF."):
+                continue
+            for key in known:
+                if len(key) == len(name) and sum(a != b for a, b in zip(key, name)) == 1:
+                    raise CorruptCheckpointError(
+                        f"{self.path}: metadata key {name!r} is one byte away from GGUF's {key!r}; "
+                        "the file is damaged -- download it again"
+                    )
+
+    def _check_tensor_layout(self) -> None:
+        """Tensors lie one after another from the start of the data section, each aligned, up to
+        the end of the file: a damaged offset, dimension or type in the tensor table shows up as a
+        gap or an overlap instead of silently reading another tensor's bytes."""
+        size = self.path.stat().st_size
+        expected = self.reader.data_offset
+        for tensor in sorted(self.reader.tensors, key=lambda tensor: tensor.data_offset):
+            end = int(tensor.data_offset) + int(tensor.n_bytes)
+            if tensor.data_offset != expected or end > size:
+                where = f"bytes {tensor.data_offset}-{end}, expected from {expected}"
+                raise CorruptCheckpointError(
+                    f"{self.path}: tensor {tensor.name!r} lies at {where} in a file of {size} "
+                    "bytes; the tensor table is damaged or the file truncated -- download it again"
+                )
+            expected = end + (-end) % self.reader.alignment
 
     def _get(self, name: str, default: Any = None) -> Any:
         field = self.fields.get(name)

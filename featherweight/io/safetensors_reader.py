@@ -17,6 +17,7 @@ from featherweight.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnsafeCheckpointError,
+    UnsupportedModelError,
 )
 from featherweight.io.names import HF_IGNORED, TensorKey, hf_name, parse_hf_name, validate_tensors
 from featherweight.io.tokenizer import Tokenizer, load_hf_tokenizer
@@ -109,8 +110,8 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
             continue
         try:
             dtype = _SAFETENSORS_DTYPES[info["dtype"]]
-            shape = tuple(int(dim) for dim in info["shape"])
-            begin, end = (int(offset) for offset in info["data_offsets"])
+            shape = tuple(_count(dim) for dim in info["shape"])
+            begin, end = (_count(offset) for offset in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as error:
             raise _corrupt(
                 path, f"tensor {name!r} has a malformed header entry ({error!r})"
@@ -155,6 +156,7 @@ class SafetensorsSource:
                     continue
                 if key == ("lm_head", None) and self.config.tie_word_embeddings:
                     continue  # a tied model may also save the (shared) head; the embedding rules
+                _check_float(path, name, entry)
                 self._where[key] = (path, entry)
                 shapes[key] = entry.shape
         validate_tensors(self.config, shapes, unknown, str(self.path), spell=hf_name)
@@ -202,6 +204,23 @@ class SafetensorsSource:
         """Nothing stays open between reads."""
 
 
+def _count(value: object) -> int:
+    """A size or offset from the header: a JSON integer >= 0 (not 64.0, 1e999 or true)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{value!r} is not a non-negative integer")
+    return value
+
+
+def _check_float(path: Path, name: str, entry: TensorEntry) -> None:
+    """Model weights are floating point: an integer tensor would be cast into garbage silently."""
+    if entry.dtype not in _FLOAT_DTYPES:
+        raise UnsupportedModelError(
+            f"{path}: tensor {name!r} is stored as {entry.dtype.name}, but model weights must be "
+            f"floating point ({', '.join(sorted(dtype.name for dtype in _FLOAT_DTYPES))}); a "
+            "quantized checkpoint needs its original safetensors, a damaged one a new download"
+        )
+
+
 def _dtype_table() -> dict[str, np.dtype]:
     import ml_dtypes
 
@@ -220,3 +239,4 @@ def _dtype_table() -> dict[str, np.dtype]:
 
 
 _SAFETENSORS_DTYPES = _dtype_table()
+_FLOAT_DTYPES = {np.dtype(_SAFETENSORS_DTYPES[name]) for name in ("F64", "F32", "F16", "BF16")}

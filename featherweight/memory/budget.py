@@ -26,10 +26,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 
+import jax
+
 from featherweight.config import TrainConfig
 from featherweight.errors import BudgetError, ConfigError
 from featherweight.memory.plan import MemoryPlan, plan_for_config
 from featherweight.models.config import ModelConfig
+from featherweight.sharding import planning_mesh
 
 GIB = 2**30
 MIN_LOSS_CHUNK = 64
@@ -103,9 +106,12 @@ def _eight_bit_state(config: TrainConfig) -> Iterator[TrainConfig]:
 
 
 def _micro_batches(config: TrainConfig) -> Iterator[TrainConfig]:
+    # on a mesh only batches whose global rows split over data x fsdp can run
+    rows = 1 if config.mesh is None else planning_mesh(config.mesh).size
     batch = config.batch_size // 2
     while batch >= 1:
-        yield _replace(config, None, batch_size=batch)
+        if batch * jax.process_count() % rows == 0:
+            yield _replace(config, None, batch_size=batch)
         batch //= 2
 
 

@@ -37,6 +37,7 @@ from featherweight.config import TrainConfig
 from featherweight.errors import ConfigError
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
+from featherweight.sharding import per_device_bytes
 from featherweight.step.loss import Batch
 from featherweight.train.setup import (
     abstract_split,
@@ -128,10 +129,12 @@ def measurement_of(
         )
     temp, argument = analysis.temp_size_in_bytes, analysis.argument_size_in_bytes
     output, alias = analysis.output_size_in_bytes, analysis.alias_size_in_bytes
+    # per device: on a mesh each argument counts with its shard (featherweight/sharding.py)
+    trainable_s, state_s, frozen_s = compiled.input_shardings[0][:3]
     persistent = {
-        "frozen_base": tree_nbytes(frozen),
-        "trainable_weights": tree_nbytes(trainable),
-        "optimizer_state": tree_nbytes(opt_state),
+        "frozen_base": per_device_bytes(frozen, frozen_s),
+        "trainable_weights": per_device_bytes(trainable, trainable_s),
+        "optimizer_state": per_device_bytes(opt_state, state_s),
     }
     components = {
         **persistent,

@@ -243,7 +243,13 @@ def plan_settings(config: TrainConfig) -> dict[str, Any]:
 
 def plan_for_config(config: TrainConfig, model_config: ModelConfig) -> MemoryPlan:
     """The memory plan of the train step `config` describes for `model_config` (no weights read,
-    nothing compiled). Raises `ConfigError` for inputs that cannot be planned."""
+    nothing compiled). Raises `ConfigError` for inputs that cannot be planned. With `config.mesh`
+    it is the plan of one device of that mesh (featherweight/memory/mesh_plan.py)."""
+    if config.mesh is not None:
+        from featherweight.memory.mesh_plan import plan_for_mesh  # it builds on this module
+        from featherweight.sharding import planning_mesh
+
+        return plan_for_mesh(config, model_config, planning_mesh(config.mesh))
     warnings = check_plan_inputs(config, model_config)
     phases = phase_working_sets(config, model_config)
     phase_bytes = {name: sum(b.bytes for b in buffers) for name, buffers in phases.items()}

@@ -58,6 +58,15 @@ def adapter_stacks(
     return jax.device_get(adapters)
 
 
+def check_merged_dtype(dtype: str | None) -> None:
+    """Refuse a merged-export dtype that is not a float type (an int8 cast would ruin weights)."""
+    if dtype not in MERGED_DTYPES:
+        raise ExportError(
+            f"merged export dtype {dtype!r} is not supported; use 'bfloat16' (default), "
+            "'float16', 'float32', or None to keep the stored dtypes"
+        )
+
+
 def export_merged(
     frozen: Params,
     adapters: Params,
@@ -75,11 +84,7 @@ def export_merged(
     cast to `dtype` on its own, so host memory holds one shard at most and the device nothing new.
     Shards hold at most `max_shard_bytes` each (with an index file when there are several).
     """
-    if dtype not in MERGED_DTYPES:
-        raise ExportError(
-            f"merged export dtype {dtype!r} is not supported; use 'bfloat16' (default), "
-            "'float16', 'float32', or None to keep the stored dtypes"
-        )
+    check_merged_dtype(dtype)
     stacks = adapter_stacks(adapters, model_config, lora_config, "merged")
     check_output_dir(Path(out), overwrite)
     scale = lora_config.scale

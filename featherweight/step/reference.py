@@ -69,10 +69,12 @@ def build_reference_step(
     chunk_size: int | None = None,
     remat: bool = True,
     donate: bool = True,
+    shardings: Any = None,
 ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """A jitted `step(trainable, opt_state, frozen, batch, key) -> (trainable, opt_state, metrics)`.
 
-    `trainable` and `opt_state` are donated: the caller must use the returned ones.
+    `trainable` and `opt_state` are donated: the caller must use the returned ones. `shardings`
+    (`featherweight.sharding.StepShardings`) compiles for a device mesh; None for one device.
     """
     check_optimizer(optimizer)
 
@@ -84,4 +86,11 @@ def build_reference_step(
         trainable = optax.apply_updates(trainable, updates)
         return trainable, opt_state, {"loss": loss, "tokens": jnp.sum(batch.loss_mask)}
 
-    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    return jax.jit(step, donate_argnums=(0, 1) if donate else (), **jit_shardings(shardings))
+
+
+def jit_shardings(shardings: Any) -> dict[str, Any]:
+    """`jax.jit`'s in/out shardings of a step on a mesh (`StepShardings`); none for one device."""
+    if shardings is None:
+        return {}
+    return {"in_shardings": shardings.inputs, "out_shardings": shardings.outputs}

@@ -30,7 +30,7 @@ temp memory with Adam).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,7 @@ from featherweight.models.llama import LoraSpec, Params, attention_inputs, embed
 from featherweight.step.layer_grad import layer_forward, layer_vjp
 from featherweight.step.loss import Batch, head_loss
 from featherweight.step.policy import MemoryPolicy
-from featherweight.step.reference import layer_dropout_keys
+from featherweight.step.reference import jit_shardings, layer_dropout_keys
 from featherweight.step.validate import check_optimizer
 
 HEAD_GROUP = ("final_norm", "lm_head")
@@ -162,6 +162,13 @@ def _residual_store(placement: str) -> tuple[Callable, Callable]:
     return (lambda x: x), (lambda x: x)
 
 
+def activation_constraint(shardings: Any) -> Callable[[jax.Array], jax.Array]:
+    """Pins an activation [B, ...] to the batch layout of `shardings` (identity without a mesh)."""
+    if shardings is None:
+        return lambda x: x
+    return lambda x: jax.lax.with_sharding_constraint(x, shardings.activations)
+
+
 def build_streamed_step(
     config: ModelConfig,
     optimizer: optax.GradientTransformation,
@@ -171,13 +178,17 @@ def build_streamed_step(
     policy: MemoryPolicy | None = None,
     accumulation_steps: int = 1,
     donate: bool = True,
+    shardings: Any = None,
 ) -> Callable[..., tuple[Params, StreamedOptState, dict[str, jax.Array]]]:
     """A jitted `step(trainable, opt_state, frozen, batch, key) -> (trainable, opt_state, metrics)`.
 
     `trainable` and `frozen` (arrays or abstract shapes) fix the structure; `trainable` and
     `opt_state` are donated, so the caller keeps exactly one copy (the returned one). Works for
     full fine-tuning (trainable = all parameters), LoRA (trainable = adapters) and QLoRA (LoRA
-    over an NF4 frozen base).
+    over an NF4 frozen base). `shardings` (`featherweight.sharding.StepShardings`) compiles for a
+    device mesh: the arguments and results keep their layouts, and the residual stream and its
+    cotangent stay split over the batch (so XLA gathers each layer's weights, FSDP-style, rather
+    than resharding activations); None compiles for one device.
     """
     policy = policy or MemoryPolicy()
     check_optimizer(optimizer)
@@ -185,6 +196,7 @@ def build_streamed_step(
     _check_uniform_layers(frozen, trainable, config.num_layers)
     put, fetch = _residual_store(policy.residuals)
     num_layers = config.num_layers
+    constrain = activation_constraint(shardings)
 
     def update_tensor(ok, grad, state, param):
         return _guarded_update(optimizer, ok, grad, state, param)
@@ -200,6 +212,7 @@ def build_streamed_step(
         # 1. forward: keep each layer's input (and saved intermediates) at the policy's placement
         def forward_layer(x, per_layer):
             frozen_l, trainable_l, key_l = per_layer
+            x = constrain(x)
             y, saved = layer_forward(
                 frozen_l, trainable_l, x, inputs, config, lora, key_l, policy.save
             )
@@ -217,7 +230,7 @@ def build_streamed_step(
         def head_fn(head_params, h):
             return head_loss({**head_frozen, **head_params}, h, batch, config, policy.loss_chunk)
 
-        loss, head_vjp = jax.vjp(head_fn, head_trainable, hidden)
+        loss, head_vjp = jax.vjp(head_fn, head_trainable, constrain(hidden))
         head_grads, cotangent = head_vjp(jnp.ones((), loss.dtype))
         ok = jnp.isfinite(loss)
         new_trainable, new_top_state = dict(trainable), dict(opt_state.top)
@@ -230,6 +243,7 @@ def build_streamed_step(
         # 3. backward over the layers, last to first: VJP, then each tensor's update, in place
         def backward_layer(i, carry):
             cotangent, stacks, states, grad_sq, current = carry
+            cotangent = constrain(cotangent)
             index = num_layers - 1 - i
             upcoming = jax.tree.map(fetch, _slice(stored, jnp.maximum(index - 1, 0)))
             x, saved = current
@@ -289,4 +303,4 @@ def build_streamed_step(
         }
         return new_trainable, StreamedOptState(layer_states, new_top_state), metrics
 
-    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    return jax.jit(step, donate_argnums=(0, 1) if donate else (), **jit_shardings(shardings))

@@ -2,8 +2,11 @@
 
 Orbax writes each checkpoint into a temporary directory and renames it into place when complete,
 so a kill at any moment leaves the previous checkpoints loadable and no partial checkpoint under a
-final name. The last `keep` are kept. Saves are synchronous: the next (donating) step cannot start
-while a save still reads the buffers.
+final name. The last `keep` are kept; an older one is first renamed into `.deleting/` and only then
+removed, so a kill during the removal leaves no half-deleted checkpoint under its name either.
+Saves are synchronous: the next (donating) step cannot start while a save still reads the buffers.
+A save that fails for lack of space or permission removes its partial temporary and raises a typed
+error naming the checkpoint that is intact.
 
 The array state is stored as a flat list of leaves; the structure comes back from the abstract
 state the run builds anyway (any optax state, NF4 or not, restores without registration).
@@ -11,6 +14,7 @@ state the run builds anyway (any optax state, NF4 or not, restores without regis
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from featherweight.errors import CorruptCheckpointError
+from featherweight.io.atomic import write_failure
+
+DELETING_DIR = ".deleting"  # old checkpoints are renamed here, then removed
 
 
 class Checkpointer:
@@ -32,8 +39,11 @@ class Checkpointer:
             create=not read_only,
             read_only=read_only,
             cleanup_tmp_directories=not read_only,
+            todelete_subdir=None if read_only else DELETING_DIR,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        if not read_only:
+            self._remove_deleted()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -44,14 +54,36 @@ class Checkpointer:
     def save(self, step: int, arrays: Any, metadata: dict[str, Any]) -> None:
         """Write checkpoint `step` (atomically) and drop the oldest beyond `keep`."""
         leaves = {f"{index:05d}": leaf for index, leaf in enumerate(jax.tree.leaves(arrays))}
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                arrays=ocp.args.StandardSave(leaves), metadata=ocp.args.JsonSave(metadata)
-            ),
-            force=True,
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    arrays=ocp.args.StandardSave(leaves), metadata=ocp.args.JsonSave(metadata)
+                ),
+                force=True,
+            )
+            self.manager.wait_until_finished()
+        except Exception as error:
+            for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)  # frees the space a full disk needs
+            typed = write_failure(error, f"checkpoint {step} in {self.directory}", self._kept())
+            if typed is None:
+                raise
+            raise typed from None
+        self._remove_deleted()
+
+    def _kept(self) -> str:
+        self.manager.reload()
+        latest = self.manager.latest_step()
+        if latest is None:
+            return "the partial checkpoint was removed; no earlier checkpoint exists yet"
+        return (
+            f"the partial checkpoint was removed; the previous checkpoint (step {latest}) is "
+            "intact and the run resumes from it"
         )
-        self.manager.wait_until_finished()
+
+    def _remove_deleted(self) -> None:
+        shutil.rmtree(self.directory / DELETING_DIR, ignore_errors=True)
 
     def restore(self, step: int, abstract_arrays: Any) -> tuple[Any, dict[str, Any]]:
         """Checkpoint `step` with the structure (and shardings) of `abstract_arrays`."""

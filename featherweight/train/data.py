@@ -92,7 +92,16 @@ def _describe(error: ValueError) -> str:
         return f"not valid JSON ({error.msg}: column {error.colno})"
     if isinstance(error, UnicodeDecodeError):
         return f"not valid UTF-8 ({error.reason} at byte {error.start})"
+    if isinstance(error, UnicodeEncodeError):
+        half = error.object[error.start : error.end].encode("unicode_escape").decode()
+        return f'holds "{half}", half of a UTF-16 surrogate pair, which is not text'
     return str(error)
+
+
+def _check_text(fields: Any) -> None:
+    """Raise UnicodeEncodeError for a string that is not valid Unicode: JSON's "\\ud800" escape
+    decodes to a lone surrogate, which no tokenizer can encode."""
+    json.dumps(fields, ensure_ascii=False).encode("utf-8")
 
 
 def load_jsonl(path: str | Path, skip_bad: bool = False) -> tuple[list[Record], int]:
@@ -115,6 +124,7 @@ def load_jsonl(path: str | Path, skip_bad: bool = False) -> tuple[list[Record], 
             location = f"{path}:{number}"
             try:
                 fields = json.loads(raw.strip().decode("utf-8"))
+                _check_text(fields)
                 records.append(Record(fields, record_shape(fields), location))
             except ValueError as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                 if not skip_bad:

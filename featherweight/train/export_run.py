@@ -14,10 +14,11 @@ import jax
 import yaml
 
 from featherweight.config import TrainConfig
-from featherweight.errors import CheckpointNotFoundError, ExportError
+from featherweight.errors import CheckpointNotFoundError, CorruptCheckpointError, ExportError
 from featherweight.io.atomic import check_output_dir
 from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint
-from featherweight.peft.export import export_merged, export_peft
+from featherweight.io.output_paths import refuse_inside, refuse_overlap
+from featherweight.peft.export import check_merged_dtype, export_merged, export_peft
 from featherweight.train.checkpoint import Checkpointer
 from featherweight.train.run import (
     CHECKPOINT_DIR,
@@ -59,6 +60,18 @@ def locate(run_or_checkpoint: str | Path) -> tuple[Path, int]:
     return path, max(steps)
 
 
+def read_run_config(run_dir: Path) -> TrainConfig:
+    """The settings a run was trained with (its config.yaml)."""
+    path = run_dir / CONFIG_FILE
+    try:
+        return TrainConfig.model_validate(yaml.safe_load(path.read_text()))
+    except (yaml.YAMLError, ValueError) as error:  # pydantic's ValidationError is a ValueError
+        raise CorruptCheckpointError(
+            f"{path} cannot be read ({type(error).__name__}); the run's record of its settings is "
+            "damaged -- restore it from the YAML config the run was trained with"
+        ) from None
+
+
 def export_run(
     run_or_checkpoint: str | Path,
     export_format: str,
@@ -71,15 +84,19 @@ def export_run(
         raise ExportError(
             f"export format {export_format!r} is unknown; use one of {', '.join(FORMATS)}"
         )
+    if export_format == "merged":
+        check_merged_dtype(dtype)
     run_dir, step = locate(run_or_checkpoint)
-    config = TrainConfig.model_validate(yaml.safe_load((run_dir / CONFIG_FILE).read_text()))
+    config = read_run_config(run_dir)
     lora = lora_config_of(config)
     if lora is None and export_format == "peft":
         raise ExportError(
             f"run {run_dir} is a full fine-tune: it has no adapters for the PEFT format; use --format merged"
         )
-    check_output_dir(Path(out), overwrite)
+    out = check_output_dir(Path(out), overwrite)
+    refuse_inside(out, run_dir / CHECKPOINT_DIR, "export --out", "holds the run's checkpoints")
     model_path = resolve_model_path(config)
+    refuse_overlap(out, {"run": run_dir, "base model": model_path}, "export --out")
     model_config, tokenizer = read_header(model_path)
 
     abstract_trainable, _ = abstract_split(config, model_config)

@@ -2,6 +2,10 @@
 
 The step donates parameters and optimizer state, and the loop rebinds them to the step's results:
 no previous copy, no host mirror stays alive (keras-core #888). Evaluation reads the same buffers.
+
+On a device mesh each process reads its own rows and the global batch is assembled from them;
+with several processes only process 0 writes metrics, plots and progress (checkpoints are written
+by all of them, through orbax's multi-host support).
 """
 
 from __future__ import annotations
@@ -19,8 +23,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from featherweight.config import TrainConfig
+from featherweight.distributed import any_process, is_primary
 from featherweight.errors import TrainingDivergedError
 from featherweight.models.llama import Params
+from featherweight.sharding import place_batch
+from featherweight.step.loss import Batch
 from featherweight.train.iterator import eval_batches
 from featherweight.train.metrics import MetricsLog, plot_loss_curve
 from featherweight.train.run import METRICS_FILE, Run, prepare_run
@@ -53,16 +60,24 @@ def save(run: Run, step: int, trainable: Params, opt_state) -> None:
     run.checkpointer.save(step, (trainable, opt_state), metadata)
 
 
+def global_batch(run: Run, batch: Batch) -> Batch:
+    """This process's rows as (part of) the global batch on the mesh; unchanged on one device."""
+    return batch if run.mesh is None else place_batch(batch, run.mesh)
+
+
 def evaluate(run: Run, trainable: Params) -> float | None:
     """Mean loss over the eval rows (token-weighted), on the live buffers; None without eval data."""
     if run.dataset.eval is None:
         return None
     loss_fn = evaluation_fn(run.config, run.model_config)
     total, count = 0.0, 0.0
-    for index, batch in enumerate(eval_batches(run.dataset.eval, run.config.batch_size)):
+    batches = eval_batches(
+        run.dataset.eval, run.config.batch_size, jax.process_index(), jax.process_count()
+    )
+    for index, batch in enumerate(batches):
         if index >= run.config.eval_batches:
             break
-        batch_loss, batch_count = loss_fn(trainable, run.frozen, batch)
+        batch_loss, batch_count = loss_fn(trainable, run.frozen, global_batch(run, batch))
         total, count = total + float(batch_loss) * float(batch_count), count + float(batch_count)
     return total / max(count, 1.0)
 
@@ -86,21 +101,23 @@ def train(
     `on_step(step, trainable, opt_state, metrics)`, when given, sees the live state after every
     step (monitoring, tests); it must not keep references to it.
     """
-    console = console or Console()
+    console = (console or Console()) if is_primary() else Console(quiet=True)
     run = prepare_run(config, overwrite, plan_fn)
     config = run.config
     trainable, opt_state = run.trainable, run.opt_state
     run.trainable = run.opt_state = None  # the loop holds the only references from here on
     base_key = jax.random.PRNGKey(config.seed)
-    metrics_log = MetricsLog(run.output_dir / METRICS_FILE, run.start_step)
+    metrics_log = (
+        MetricsLog(run.output_dir / METRICS_FILE, run.start_step) if is_primary() else None
+    )
     loss = eval_loss = None
-    step = run.start_step
+    step, stopping = run.start_step, False
     if run.start_step:
         console.print(f"resuming {run.output_dir} at step {run.start_step}")
     with StopRequest() as stop, _progress(console) as progress:
         task = progress.add_task("train", total=config.steps, completed=run.start_step, status="")
         for step in range(run.start_step + 1, config.steps + 1):
-            batch = next(run.data)
+            batch = global_batch(run, next(run.data))
             started = time.perf_counter()
             trainable, opt_state, metrics = run.step_fn(
                 trainable, opt_state, run.frozen, batch, jax.random.fold_in(base_key, step)
@@ -121,7 +138,8 @@ def train(
             }  # fmt: skip
             if config.eval_every and step % config.eval_every == 0:
                 record["eval_loss"] = eval_loss = evaluate(run, trainable)
-            metrics_log.write(record)
+            if metrics_log is not None:
+                metrics_log.write(record)
             if on_step is not None:
                 on_step(step, trainable, opt_state, metrics)
             memory = (
@@ -131,20 +149,22 @@ def train(
             )
             status = f"loss {loss:.4f} | {record['tokens_per_second']:.0f} tok/s{memory}"
             progress.update(task, advance=1, status=status)
-            if step % config.checkpoint.every_steps == 0 or step == config.steps or stop.requested:
+            stopping = any_process(stop.requested)
+            if step % config.checkpoint.every_steps == 0 or step == config.steps or stopping:
                 save(run, step, trainable, opt_state)
-            if stop.requested:
-                console.print(
-                    f"stopped by signal {stop.signal_number} after step {step}; checkpoint saved"
-                )
+            if stopping:
+                by = stop.signal_number or "on another process"
+                console.print(f"stopped by signal {by} after step {step}; checkpoint saved")
                 break
-    if not stop.requested and not (config.eval_every and config.steps % config.eval_every == 0):
+    stopping = stopping or any_process(stop.requested)  # a signal during the last save
+    if not stopping and not (config.eval_every and config.steps % config.eval_every == 0):
         eval_loss = evaluate(run, trainable)
-        if eval_loss is not None:
+        if eval_loss is not None and metrics_log is not None:
             metrics_log.write({"step": config.steps, "eval_loss": eval_loss})
-    metrics_log.close()
     run.checkpointer.close()
-    plot_loss_curve(run.output_dir / METRICS_FILE, run.output_dir / "loss.png")
+    if metrics_log is not None:
+        metrics_log.close()
+        plot_loss_curve(run.output_dir / METRICS_FILE, run.output_dir / "loss.png")
     return TrainResult(
         run.output_dir, step, loss, eval_loss, stop.signal_number, trainable, run.frozen, run
     )

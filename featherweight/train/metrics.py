@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from featherweight.io.atomic import atomic_write_text
+from featherweight.io.atomic import atomic_write_text, write_failure
 
 
 class MetricsLog:
@@ -26,8 +26,15 @@ class MetricsLog:
         self._handle = open(path, "a")  # noqa: SIM115 (closed by close())
 
     def write(self, record: dict[str, Any]) -> None:
-        self._handle.write(json.dumps(record) + "\n")
-        self._handle.flush()
+        try:
+            self._handle.write(json.dumps(record) + "\n")
+            self._handle.flush()
+        except OSError as error:
+            kept = "the checkpoints are intact and the run resumes from the latest one"
+            typed = write_failure(error, str(self.path), kept)
+            if typed is None:
+                raise
+            raise typed from None
 
     def close(self) -> None:
         self._handle.flush()

@@ -5,11 +5,13 @@
 3. the memory plan (and the budget, which may change settings) -- before any weight is read;
 4. the dataset (typed errors with file and line);
 5. the weights (NF4-quantized on load for QLoRA), the trainable/frozen split, the step;
+   with a device mesh, the weights are read to host memory and placed shard by shard;
 6. the latest checkpoint when the run resumes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -21,19 +23,26 @@ import yaml
 
 from featherweight.config import TrainConfig
 from featherweight.demo_model import cache_dir, require_demo_model
-from featherweight.errors import OutputExistsError, OutputNotWritableError
+from featherweight.distributed import is_primary, sync_processes
+from featherweight.errors import OutputExistsError
+from featherweight.io.atomic import atomic_write_text, probe_writable
 from featherweight.io.loader import Model, load_model, open_checkpoint
+from featherweight.io.output_paths import refuse_escape, refuse_overlap
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params
+from featherweight.sharding import check_layout, mesh_from_settings, parameter_spec, shard_tree
+from featherweight.step.loss import resolve_chunk_size
 from featherweight.train.checkpoint import Checkpointer
 from featherweight.train.data import Dataset, prepare_dataset
 from featherweight.train.demo_task import invented_world, write_training_data
 from featherweight.train.iterator import DataIterator
 from featherweight.train.setup import (
+    abstract_split,
     build_train_step,
     check_method_settings,
     make_optimizer,
+    memory_policy_of,
     split_params,
 )
 
@@ -41,6 +50,7 @@ CONFIG_FILE = "config.yaml"
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
+RUN_ENTRIES = (CONFIG_FILE, RUN_FILE, METRICS_FILE, CHECKPOINT_DIR, "loss.png")  # what a run writes
 
 
 @dataclasses.dataclass
@@ -61,6 +71,7 @@ class Run:
     checkpointer: Checkpointer
     start_step: int
     plan: Any = None
+    mesh: Any = None  # the device mesh (jax.sharding.Mesh), None on one device
 
 
 def _comparable(config: TrainConfig) -> dict[str, Any]:
@@ -77,12 +88,13 @@ def check_output_dir(config: TrainConfig, overwrite: bool) -> tuple[Path, bool]:
     run's settings, model header and data have all been checked.
     """
     out = Path(config.output_dir).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError(f"output_dir {out} is a file; choose a directory for output_dir")
+    refuse_escape(out, RUN_ENTRIES)
     resuming = False
     if out.exists() and not overwrite:
         saved = out / CONFIG_FILE
-        if saved.is_file() and _comparable(
-            TrainConfig.model_validate(yaml.safe_load(saved.read_text()))
-        ) == _comparable(config):
+        if saved.is_file() and _comparable(_saved_config(saved)) == _comparable(config):
             resuming = True
         elif any(out.iterdir()):
             what = (
@@ -94,18 +106,20 @@ def check_output_dir(config: TrainConfig, overwrite: bool) -> tuple[Path, bool]:
                 f"output_dir {out} holds {what}; pass --overwrite to replace it, or choose a new "
                 "output_dir (an identical config resumes automatically)"
             )
-    parent = out
-    while not parent.exists():
-        parent = parent.parent
-    probe = parent / f".fw-write-probe-{jax.process_index()}"
-    try:
-        probe.touch()
-        probe.unlink()
-    except OSError:
-        raise OutputNotWritableError(
-            f"cannot write under {parent}: choose a writable output_dir"
-        ) from None
+    probe_writable(out, "output_dir")
     return out, resuming
+
+
+def _saved_config(saved: Path) -> TrainConfig:
+    """The config of the run already in output_dir; a damaged file is named, not a crash."""
+    try:
+        return TrainConfig.model_validate(yaml.safe_load(saved.read_text()))
+    except (yaml.YAMLError, ValueError) as error:  # pydantic's ValidationError is a ValueError
+        raise OutputExistsError(
+            f"output_dir {saved.parent} holds a run whose {saved.name} cannot be read "
+            f"({type(error).__name__}); pass --overwrite to replace that run, or choose a new "
+            "output_dir"
+        ) from None
 
 
 def resolve_model_path(config: TrainConfig) -> Path:
@@ -142,6 +156,14 @@ def load_weights(config: TrainConfig, model_path: Path) -> Model:
     )
 
 
+def loading_device(mesh) -> contextlib.AbstractContextManager:
+    """Where weights are read to before they are sharded: host memory when a mesh will hold the
+    model (it may not fit one accelerator), else the default device."""
+    if mesh is None:
+        return contextlib.nullcontext()
+    return jax.default_device(jax.local_devices(backend="cpu")[0])
+
+
 def write_run_files(
     output_dir: Path, config: TrainConfig, model_path: Path, model_config: ModelConfig, clear: bool
 ) -> None:
@@ -149,15 +171,22 @@ def write_run_files(
     if clear and output_dir.exists():
         shutil.rmtree(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / CONFIG_FILE).write_text(
-        yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    atomic_write_text(
+        output_dir / CONFIG_FILE, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
     )
     run = {
         "model_path": str(model_path),
         "method": config.method,
         "model_config": model_config.to_hf_dict(),
     }
-    (output_dir / RUN_FILE).write_text(json.dumps(run, indent=2))
+    atomic_write_text(output_dir / RUN_FILE, json.dumps(run, indent=2))
+
+
+def check_step_settings(config: TrainConfig) -> None:
+    """The step's memory settings, checked before anything is written: the step itself meets them
+    only when it is first traced, after the run's files exist."""
+    memory_policy_of(config)
+    resolve_chunk_size(config.data.seq_len, config.memory.loss_chunk)
 
 
 def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> Run:
@@ -168,11 +197,22 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     """
     output_dir, resuming = check_output_dir(config, overwrite)
     model_path = resolve_model_path(config)
+    inputs = {
+        "model": model_path,
+        "dataset": None if config.data.train == "demo" else config.data.train,
+        "eval dataset": config.data.eval,
+    }
+    refuse_overlap(output_dir, inputs, "output_dir")
     model_config, tokenizer = read_header(model_path)
     check_method_settings(config, model_config)
     plan = None
     if plan_fn is not None:
         config, plan = plan_fn(config, model_config)
+    check_step_settings(config)
+    mesh = mesh_from_settings(config.mesh)
+    if mesh is not None:
+        global_batch = config.batch_size * jax.process_count()
+        check_layout(mesh, *abstract_split(config, model_config), global_batch)
     if tokenizer is None:
         from featherweight.errors import DataError
 
@@ -196,7 +236,9 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
             overflow=data_settings.overflow,
         )
         dataset = dataset._replace(eval=eval_set.train, eval_stats=eval_set.train_stats)
-    write_run_files(output_dir, config, model_path, model_config, clear=overwrite)
+    if is_primary():
+        write_run_files(output_dir, config, model_path, model_config, clear=overwrite)
+    sync_processes("run files written")
     data = DataIterator(
         dataset.train,
         config.batch_size,
@@ -205,11 +247,15 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
         jax.process_count(),
     )
 
-    model = load_weights(config, model_path)
-    trainable, frozen = split_params(
-        model.params, config, model_config, jax.random.PRNGKey(config.seed)
-    )
+    with loading_device(mesh):
+        model = load_weights(config, model_path)
+        trainable, frozen = split_params(
+            model.params, config, model_config, jax.random.PRNGKey(config.seed)
+        )
     del model
+    if mesh is not None:
+        trainable = shard_tree(trainable, mesh, parameter_spec)
+        frozen = shard_tree(frozen, mesh, parameter_spec)
     optimizer = make_optimizer(config.optimizer, config.steps)
     step_fn, init_opt_state = build_train_step(config, model_config, trainable, frozen, optimizer)
     opt_state = init_opt_state(trainable)
@@ -222,5 +268,5 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
         start_step = int(metadata["step"])
     return Run(
         config, output_dir, model_config, tokenizer, model_path, dataset, data, trainable, frozen,
-        opt_state, step_fn, checkpointer, start_step, plan,
+        opt_state, step_fn, checkpointer, start_step, plan, mesh,
     )  # fmt: skip

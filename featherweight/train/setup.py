@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
 from featherweight.config import OptimizerSettings, TrainConfig
 from featherweight.errors import ConfigError
@@ -27,6 +28,7 @@ from featherweight.peft.lora import (
     quantize_frozen_base,
 )
 from featherweight.quant.nf4 import NF4Tensor, abstract_nf4
+from featherweight.sharding import mesh_from_settings, step_shardings
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.reference import build_reference_step, model_loss
 from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
@@ -148,20 +150,32 @@ def build_train_step(
     trainable: Params,
     frozen: Params,
     optimizer: optax.GradientTransformation,
+    mesh: Mesh | None = None,
 ) -> tuple[Callable, Callable[[Params], Any]]:
-    """(jitted donated step, init_opt_state) for the configured step kind and memory policy."""
+    """(jitted donated step, init_opt_state) for the configured step kind and memory policy.
+
+    With a device mesh (`mesh`, default: the one `config.mesh` describes, which several
+    processes always have) both are compiled for it: the step with the partition rules of
+    `featherweight.sharding`, and init_opt_state creates the state directly in its shards.
+    """
     lora = lora_config_of(config)
     spec: LoraSpec | None = None if lora is None else lora_spec(lora)
     policy = memory_policy_of(config)
+    init_opt_state = opt_state_initializer(config, optimizer)
+    if config.memory.step == "reference" and config.memory.accumulation_steps > 1:
+        optimizer = optax.MultiSteps(
+            optimizer, config.memory.accumulation_steps
+        ).gradient_transformation()
+    mesh, shardings = mesh or mesh_from_settings(config.mesh), None
+    if mesh is not None:
+        opt_state = jax.eval_shape(init_opt_state, trainable)
+        shardings = step_shardings(mesh, trainable, opt_state, frozen)
+        init_opt_state = jax.jit(init_opt_state, out_shardings=shardings.inputs[1])
     if config.memory.step == "reference":
-        if config.memory.accumulation_steps > 1:
-            optimizer = optax.MultiSteps(
-                optimizer, config.memory.accumulation_steps
-            ).gradient_transformation()
         step = build_reference_step(
-            model_config, optimizer, lora=spec, chunk_size=policy.loss_chunk
+            model_config, optimizer, lora=spec, chunk_size=policy.loss_chunk, shardings=shardings
         )
-        return step, optimizer.init
+        return step, init_opt_state
     step = build_streamed_step(
         model_config,
         optimizer,
@@ -170,8 +184,9 @@ def build_train_step(
         lora=spec,
         policy=policy,
         accumulation_steps=config.memory.accumulation_steps,
+        shardings=shardings,
     )
-    return step, opt_state_initializer(config, optimizer)
+    return step, init_opt_state
 
 
 def check_method_settings(config: TrainConfig, model_config: ModelConfig) -> None:

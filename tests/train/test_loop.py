@@ -110,9 +110,9 @@ KILL_DURING_SAVE = textwrap.dedent(
     import os, sys, time, pathlib
     from featherweight.train import checkpoint
     original = checkpoint.Checkpointer.save
+    marker = pathlib.Path(sys.argv[2])  # read now: sys.argv is replaced below
     def slow_save(self, step, arrays, metadata):
         if step == 4:
-            marker = pathlib.Path(sys.argv[2])
             real_rename = os.rename
             def stalled_rename(src, dst, *a, **k):
                 marker.write_text(str(src))

@@ -1,0 +1,112 @@
+"""The per-device plan on a mesh against `memory_analysis()` of the sharded step (XLA CPU)."""
+
+import json
+
+import jax
+import pytest
+from typer.testing import CliRunner
+
+from featherweight.cli import app
+from featherweight.config import MeshSettings, parse_config
+from featherweight.errors import ShardingError
+from featherweight.memory.measure import abstract_batch, measure_compiled, measurement_of
+from featherweight.memory.mesh_plan import plan_for_mesh
+from featherweight.memory.plan import plan_for_config
+from featherweight.memory.report import percent_difference
+from featherweight.sharding import abstract_mesh, make_mesh
+from featherweight.train.setup import abstract_split, build_train_step, make_optimizer
+from tests.conftest import tiny_config
+
+SMALL = tiny_config(
+    vocab_size=1024, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
+    num_kv_heads=4, head_dim=32,
+)  # fmt: skip
+# SmolLM2's vocabulary and width (tied), two layers: where the LM head dominates the loss phase
+SMOL_HEAD = tiny_config(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=2, num_heads=9,
+    num_kv_heads=3, head_dim=64, tie_word_embeddings=True,
+)  # fmt: skip
+PERSISTENT = ("frozen_base", "trainable_weights", "optimizer_state", "batch")
+
+
+def _config(method, **settings):
+    values = {"method": method, "batch_size": 8, "model": {"dtype": "float32"}}
+    return parse_config({**values, "data": {"seq_len": 128}, **settings})
+
+
+def _measure_on(config, model, devices):
+    """The compiled step on a mesh of the first `devices` devices (FSDP over all of them)."""
+    mesh = make_mesh(MeshSettings(data=1, fsdp=devices), jax.devices()[:devices])
+    trainable, frozen = abstract_split(config, model)
+    optimizer = make_optimizer(config.optimizer, config.steps)
+    step, init_opt_state = build_train_step(config, model, trainable, frozen, optimizer, mesh)
+    opt_state = jax.eval_shape(init_opt_state, trainable)
+    batch = abstract_batch(config.batch_size, config.data.seq_len)
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    compiled = step.lower(trainable, opt_state, frozen, batch, key).compile()
+    return measurement_of(compiled, trainable, opt_state, frozen, 0.0)
+
+
+def _check(method, devices):
+    config = _config(method)
+    plan = plan_for_mesh(config, SMALL, abstract_mesh({"data": 1, "fsdp": devices}))
+    measured = _measure_on(config, SMALL, devices)
+    for name in PERSISTENT:  # this device's shards, exactly
+        assert plan.bytes_of(name) == measured.components[name], name
+    difference = percent_difference(plan.device_bytes, measured.total_bytes)
+    assert abs(difference) <= 10.0, (method, devices, difference)
+    return plan, measured
+
+
+CASES = [("full", 2), ("lora", 4), ("qlora", 8)]
+MORE_CASES = [(m, d) for m in ("full", "lora", "qlora") for d in (2, 4, 8) if (m, d) not in CASES]
+
+
+@pytest.mark.parametrize(("method", "devices"), CASES)
+def test_per_device_plan_is_within_10_percent_of_the_sharded_step(method, devices):
+    plan, measured = _check(method, devices)
+    single = plan_for_config(_config(method), SMALL)
+    assert plan.device_bytes < single.device_bytes / devices * 1.5  # it really is split
+    assert measured.total_bytes < single.device_bytes / devices * 1.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("method", "devices"), MORE_CASES)
+def test_per_device_plan_on_every_method_and_mesh_size(method, devices):
+    _check(method, devices)
+
+
+def test_a_large_vocabulary_head_on_a_data_and_fsdp_mesh():
+    """QLoRA with SmolLM2's head over data=2 x fsdp=4: the partitioner gathers the head and
+    reshards a logits chunk; the plan names both, and the total holds."""
+    config = _config("qlora", memory={"loss_chunk": 64}, mesh={"data": 2, "fsdp": 4})
+    plan = plan_for_config(config, SMOL_HEAD)  # config.mesh: the plan of one device
+    assert plan.settings["mesh"] == {"data": 2, "fsdp": 4}
+    assert plan.settings["per_device_batch"] == 1
+    assert plan.bytes_of("gathered_head") == 49152 * 576 * 4
+    measured = measure_compiled(config, SMOL_HEAD)
+    assert abs(percent_difference(plan.device_bytes, measured.total_bytes)) <= 10.0
+
+
+def test_cli_plans_per_device_for_a_mesh(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config().to_hf_dict()))
+    arguments = ["plan", str(tmp_path), "--method", "qlora", "--batch", "8", "--seq", "32",
+                 "--dtype", "float32", "--mesh", "fsdp=8", "--json"]  # fmt: skip
+    result = CliRunner().invoke(app, arguments)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["settings"]["mesh"] == {"data": 1, "fsdp": 8}
+    single = json.loads(CliRunner().invoke(app, [*arguments[:-3], "--no-measure", "--json"]).output)
+    assert report["planned"]["batch"] * 8 == single["planned"]["batch"]
+    difference = percent_difference(report["planned_total_bytes"], report["measured_total_bytes"])
+    assert abs(difference) <= 10.0
+
+
+def test_cli_refuses_a_mesh_it_cannot_read_or_fill(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config().to_hf_dict()))
+    for mesh, message in (("fsdb=8", "cannot be read"), ("data=3,fsdp=2", "does not fill")):
+        result = CliRunner().invoke(app, ["plan", str(tmp_path), "--mesh", mesh, "--no-measure"])
+        assert result.exit_code == 2
+        assert result.output.startswith("error: ShardingError") and message in result.output
+    with pytest.raises(ShardingError, match="global batch of 6 rows"):
+        plan_for_mesh(_config("lora", batch_size=6), SMALL, abstract_mesh({"data": 1, "fsdp": 4}))

@@ -1,0 +1,80 @@
+"""Every bad input of the catalogue (featherweight/errors_catalogue.py, docs/errors.md) is fed to
+featherweight: it raises exactly the catalogued error, whose one-line message names the offending
+value and the fix, and nothing is written. The catalogue, these tests and docs/errors.md agree."""
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from featherweight import errors
+from featherweight.errors_catalogue import (
+    CATALOGUE,
+    DOCS_PAGE,
+    RUNTIME_ERRORS,
+    error_classes,
+    generated_part,
+    render,
+)
+from tests.reliability.catalogue_cases import CASES, Env
+
+ENTRIES = {entry.name: entry for entry in CATALOGUE}
+
+
+def snapshot(*directories: Path) -> dict[str, bytes]:
+    """Every entry under `directories` with its content (a link: its target)."""
+    entries = {}
+    for directory in directories:
+        for path in sorted(directory.rglob("*")):
+            if path.is_symlink():
+                entries[str(path)] = os.readlink(path).encode()
+            elif path.is_file():
+                entries[str(path)] = path.read_bytes()
+            else:
+                entries[str(path)] = b"<directory>"
+    return entries
+
+
+@pytest.fixture
+def env(tmp_path, small_model_dir, demo_data, trained_run, tiny_gguf, read_only_dir, monkeypatch):
+    return Env(
+        tmp_path, small_model_dir, demo_data, trained_run, tiny_gguf, read_only_dir, monkeypatch
+    )
+
+
+@pytest.mark.parametrize("name", list(ENTRIES))
+def test_bad_input(name, env):
+    build, patterns = CASES[name]
+    action = build(env)
+    before = snapshot(env.tmp, env.run)
+    with pytest.raises(errors.FeatherweightError) as raised:
+        action()
+    assert type(raised.value).__name__ == ENTRIES[name].error, raised.value
+    message = str(raised.value)
+    assert "\n" not in message
+    for pattern in patterns:
+        assert re.search(pattern, message), f"{pattern!r} not in: {message}"
+    assert snapshot(env.tmp, env.run) == before  # nothing written, nothing changed
+
+
+def test_the_catalogue_and_its_tests_agree():
+    assert set(CASES) == set(ENTRIES)
+    assert len(CATALOGUE) == len(ENTRIES) >= 25  # names are unique
+    assert {entry.area for entry in CATALOGUE} >= {
+        "config", "paths", "checkpoints", "data", "budgets", "meshes", "exports"
+    }  # fmt: skip
+
+
+def test_every_error_class_has_a_catalogued_bad_input():
+    abstract = {"FeatherweightError", "TensorMismatchError"}
+    caught = {entry.error for entry in CATALOGUE}
+    classes = {error_class.__name__ for error_class in error_classes()}
+    assert caught <= classes
+    assert classes - caught - abstract - set(RUNTIME_ERRORS) == set()
+
+
+def test_docs_page_matches_the_catalogue():
+    assert generated_part(DOCS_PAGE.read_text()) == render(), (
+        "docs/errors.md is out of date: run python -m featherweight.errors_catalogue"
+    )
