@@ -93,7 +93,26 @@ class MemorySettings(_Section):
 
     budget: str | None = Field(None, description="e.g. '8GiB'; the planner picks settings that fit")
     residuals: Literal["device", "host"] = "device"
-    loss_chunk: int | None = Field(None, gt=0)
+    loss_chunk: int | None = Field(None, gt=0, description="sequence chunk of LM head + loss")
+    vocab_chunk: int | None = Field(
+        None, gt=0, description="vocabulary chunk of the LM head (rows of the head at a time)"
+    )
+    mlp_chunk: int | None = Field(
+        None, gt=0, description="sequence chunk of each block's MLP (long context)"
+    )
+    optimizer_state: Literal["device", "host"] = Field(
+        "device", description="host: each layer's state comes over for its update only"
+    )
+    embed: Literal["device", "host"] = Field(
+        "device", description="host: a frozen embedding table sends only the rows a batch uses"
+    )
+    attention: Literal["auto", "materialized", "flash"] = Field(
+        "auto",
+        description=(
+            "for the plan: how jax.nn.dot_product_attention runs; flash (cuDNN on GPU, bf16) "
+            "keeps no S x S scores; auto: flash on a GPU in bf16, materialized otherwise"
+        ),
+    )
     save: tuple[str, ...] = ()
     step: Literal["streamed", "reference"] = Field(
         "streamed", description="fused-update or jax.grad step"

@@ -71,3 +71,17 @@ def host_rows(table: jax.Array, row_ids: jax.Array) -> jax.Array:
     with compute_on("device_host"):
         rows = table.at[ids].get(mode="promise_in_bounds")
     return jax.device_put(rows, DEVICE)
+
+
+def host_row_slice(leaf, start, size: int):
+    """Rows [start, start + size) of a host-resident array, taken on the host, on the device."""
+    with compute_on("device_host"):
+        part = jax.lax.dynamic_slice_in_dim(leaf, jax.device_put(start, HOST), size, 0)
+    return jax.device_put(part, DEVICE)
+
+
+def host_row_write(leaf, value, start):
+    """`value` (on the device) written into a host-resident array from row `start`, on the host."""
+    value = jax.device_put(value, HOST)
+    with compute_on("device_host"):
+        return jax.lax.dynamic_update_slice_in_dim(leaf, value, jax.device_put(start, HOST), 0)

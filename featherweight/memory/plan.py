@@ -37,11 +37,17 @@ from featherweight.config import TrainConfig
 from featherweight.errors import ConfigError
 from featherweight.memory.state_bytes import (
     frozen_base_bytes,
+    host_embedding_bytes,
     optimizer_state_bytes,
     trainable_bytes,
     trainable_tensors,
 )
-from featherweight.memory.working_set import StepShapes, phase_working_sets, working_set_floor
+from featherweight.memory.working_set import (
+    StepShapes,
+    attention_of,
+    phase_working_sets,
+    working_set_floor,
+)
 from featherweight.models.config import ModelConfig
 from featherweight.optim.adamw8bit import MIN_8BIT_SIZE
 from featherweight.train.setup import check_method_settings
@@ -49,6 +55,7 @@ from featherweight.train.setup import check_method_settings
 DEVICE, HOST = "device", "host"
 PERSISTENT = ("frozen_base", "trainable_weights", "optimizer_state", "batch")
 OUTPUTS = "step_outputs"
+HOST_EMBEDDING = "embedding_table"  # the frozen embedding with memory.embed: host
 METRIC_BYTES = 13  # loss, tokens, grad_norm (float32) and updated (bool)
 
 
@@ -89,7 +96,7 @@ class MemoryPlan:
 
     @property
     def host_bytes(self) -> int:
-        """Planned bytes in (pinned) host memory: offloaded residuals."""
+        """Planned bytes in (pinned) host memory: offloaded residuals, optimizer state, embedding."""
         return sum(c.bytes for c in self.components if c.placement == HOST)
 
     @property
@@ -109,8 +116,9 @@ class MemoryPlan:
         (featherweight/memory/measure.py): the persistent components, `temporaries` (stored
         activations, wherever placed, and the working set) and `unaliased_outputs`."""
         groups = {name: self.bytes_of(name) for name in PERSISTENT}
+        groups["frozen_base"] += self.bytes_of(HOST_EMBEDDING)  # an argument like the rest
         groups["temporaries"] = sum(
-            c.bytes for c in self.components if c.name not in (*PERSISTENT, OUTPUTS)
+            c.bytes for c in self.components if c.name not in (*PERSISTENT, OUTPUTS, HOST_EMBEDDING)
         )
         groups["unaliased_outputs"] = self.bytes_of(OUTPUTS)
         return groups
@@ -135,10 +143,11 @@ def _output_buffers(config: TrainConfig, model_config: ModelConfig) -> int:
 def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
     s = StepShapes(config, model_config)
     uses_key = config.method != "full" and config.lora.dropout > 0
-    return [
+    host_embedding = host_embedding_bytes(config, model_config)
+    components = [
         PlanComponent(
             "frozen_base",
-            frozen_base_bytes(config, model_config),
+            frozen_base_bytes(config, model_config) - host_embedding,
             DEVICE,
             {"full": "none (everything trains)", "lora": f"all weights x {s.a} B"}.get(
                 config.method, f"linear weights NF4 (~0.52 B/value), the rest x {s.a} B"
@@ -155,7 +164,7 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
         PlanComponent(
             "optimizer_state",
             optimizer_state_bytes(config, model_config),
-            DEVICE,
+            config.memory.optimizer_state,
             f"{config.optimizer.name} state per tensor and layer (see state_bytes)",
         ),
         PlanComponent(
@@ -165,6 +174,16 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
             f"5 x B x S x 4 = 5 x {s.B} x {s.S} x 4" + (" + dropout key" if uses_key else ""),
         ),
     ]
+    if host_embedding:
+        components.append(
+            PlanComponent(
+                "embedding_table",
+                host_embedding,
+                HOST,
+                f"frozen V x D x {s.a} = {s.V} x {s.D} x {s.a}; only a batch's rows come over",
+            )
+        )
+    return components
 
 
 def _stored(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
@@ -236,6 +255,11 @@ def plan_settings(config: TrainConfig) -> dict[str, Any]:
         "quantize_head": config.model.quantize_head,
         "residuals": memory.residuals,
         "loss_chunk": memory.loss_chunk,
+        "vocab_chunk": memory.vocab_chunk,
+        "mlp_chunk": memory.mlp_chunk,
+        "optimizer_state": memory.optimizer_state,
+        "embed": memory.embed,
+        "attention": attention_of(config),
         "save": list(memory.save),
         "step": memory.step,
     }

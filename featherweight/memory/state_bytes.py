@@ -90,6 +90,36 @@ def frozen_base_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
     return total
 
 
+def host_embedding_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
+    """The frozen token-embedding table kept in host memory (`memory.embed: host`), else 0."""
+    if config.memory.embed != "host" or config.method == "full":
+        return 0
+    return math.prod(top_level_shapes(model_config)["embed"]) * compute_itemsize(config)
+
+
+ROW_CHUNKED_OPTIMIZERS = ("adamw", "sgd", "lion")  # every state leaf shaped like its parameter
+
+
+def top_optimizer_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
+    """Optimizer state of a trainable tensor outside the layer stack (embedding or LM head) that
+    is on the device at once for its update when the state lives on the host: a row chunk of it
+    for elementwise optimizers (featherweight/step/streamed.py `top_row_chunk`), all of it else."""
+    from featherweight.step.streamed import TOP_ROW_CHUNK, top_row_chunk
+
+    name, momentum = config.optimizer.name, config.optimizer.b1 > 0
+    target = config.memory.vocab_chunk or TOP_ROW_CHUNK
+    largest = 0
+    for tensor in trainable_tensors(config, model_config):
+        if tensor.stacked:
+            continue
+        state = optimizer_tensor_bytes(name, momentum, tensor)
+        chunk = top_row_chunk(tensor.shape, target)
+        if chunk is not None and name in ROW_CHUNKED_OPTIMIZERS:
+            state = state * chunk // tensor.shape[0]
+        largest = max(largest, state)
+    return largest
+
+
 def trainable_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
     """Sum of `trainable_tensors`."""
     return sum(tensor.nbytes for tensor in trainable_tensors(config, model_config))

@@ -12,10 +12,15 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
                            and its cotangents
       attention_scores     c_s x B x H x S x S x 4: float32 scores and probabilities
     loss phase: LM head + cross-entropy over one sequence chunk, with its VJP
-      logits_chunk         c_l x B x chunk x V x 4
+      logits_chunk         c_l x B x chunk x V x 4 (V: vocab_chunk when the head is chunked)
       head_gradient        full fine-tuning: c_h x V x D x itemsize (gradient + update), + c_m x
                            2 V D x 4 with 8-bit AdamW (its moments dequantized to float32)
-      dequantized_head     quantize_head: V x D x itemsize, the dense copy the head matmul reads
+      dequantized_head     quantize_head: V (or vocab_chunk) x D x itemsize, the dense copy the
+                           head matmul reads
+      head_rows_from_host  tied embedding on the host: the vocab_chunk rows brought over
+      head_optimizer_state optimizer state on the host: the largest head/embedding state, on
+                           the device for its one update
+    (mlp_chunk replaces S by the chunk in the F term of layer_activations)
 
 `temporaries` (what XLA reports as temp) = the stored activations + the peak phase's working set.
 The buffer counts c_* (`CALIBRATION`) are how many such buffers XLA keeps alive at once. They were
@@ -37,6 +42,7 @@ from featherweight.config import TrainConfig
 from featherweight.memory.state_bytes import (
     compute_itemsize,
     layer_optimizer_bytes,
+    top_optimizer_bytes,
     trainable_tensors,
 )
 from featherweight.models.config import ModelConfig
@@ -55,6 +61,18 @@ CALIBRATION = {
     "head_gradient": 1.14,
     "head_dequantized_moments": 1.13,
 }
+
+
+def attention_of(config: TrainConfig) -> str:
+    """ "materialized" (XLA: float32 B x H x S x S scores) or "flash" (cuDNN's fused kernel, which
+    `jax.nn.dot_product_attention` picks on a GPU for 16-bit inputs: B x H x S log-sum-exps)."""
+    chosen = config.memory.attention
+    if chosen != "auto":
+        return chosen
+    import jax
+
+    on_gpu = jax.default_backend() == "gpu"
+    return "flash" if on_gpu and config.model.dtype == "bfloat16" else "materialized"
 
 
 class WorkingBuffer(NamedTuple):
@@ -76,9 +94,14 @@ class StepShapes:
         self.T = self.B * self.S
         self.a = compute_itemsize(config)
         self.chunk = resolve_chunk_size(self.S, config.memory.loss_chunk)
+        # vocabulary rows of the head at a time, and the MLP's sequence chunk
+        vocab_chunk, mlp_chunk = config.memory.vocab_chunk, config.memory.mlp_chunk
+        self.Vc = self.V if vocab_chunk is None else min(self.V, vocab_chunk)
+        self.Sm = self.S if mlp_chunk is None else min(self.S, mlp_chunk)
         # the linear weights of one layer: its 2-D tensors (norms and biases are 1-D)
         self.linear = sum(math.prod(shape) for shape in layer_shapes(m).values() if len(shape) == 2)
         self.full = config.method == "full"
+        self.scores_materialized = attention_of(config) == "materialized"
         self.tied = m.tie_word_embeddings
 
 
@@ -93,14 +116,22 @@ def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
         "layer_gradient": sum(t.values * t.itemsize for t in stacked),
         "optimizer_state": layer_optimizer_bytes(config, model_config),
         "activations_d": s.T * s.a * s.D,
-        "activations_f": s.T * s.a * s.F,
+        "activations_f": s.B * s.Sm * s.a * s.F,
         "activations_attention": s.T * s.a * (s.H + 2 * s.K) * s.h,
-        "attention_scores": 4 * s.B * s.H * s.S * s.S,
+        "attention_scores": 4 * s.B * s.H * s.S * (s.S if s.scores_materialized else 1),
         "tied_embedding_gradient": head_like if s.full and s.tied else 0,
-        "logits": 4 * s.B * s.chunk * s.V,
+        "logits": 4 * s.B * s.chunk * s.Vc,
         "head_gradient": head_like if s.full else 0,
         "head_dequantized_moments": 8 * s.V * s.D if s.full and eight_bit else 0,
-        "dequantized_head": head_like if config.model.quantize_head else 0,
+        "dequantized_head": s.Vc * s.D * s.a if config.model.quantize_head else 0,
+        "head_rows_from_host": (
+            s.Vc * s.D * s.a if config.memory.embed == "host" and s.tied and not s.full else 0
+        ),
+        "top_state_on_device": (
+            top_optimizer_bytes(config, model_config)
+            if config.memory.optimizer_state == "host"
+            else 0
+        ),
     }
 
 
@@ -144,14 +175,17 @@ def phase_working_sets(
             "attention_scores",
             round(c["attention_scores"] * t["attention_scores"]),
             f"{c['attention_scores']} x B x H x S x S x 4 = "
-            f"{c['attention_scores']} x {s.B} x {s.H} x {s.S}^2 x 4",
+            f"{c['attention_scores']} x {s.B} x {s.H} x {s.S}^2 x 4"
+            if s.scores_materialized
+            else f"flash attention: {c['attention_scores']} x B x H x S x 4 (log-sum-exps)",
         ),
     ]
     loss = [
         WorkingBuffer(
             "logits_chunk",
             round(c["logits"] * t["logits"]),
-            f"{c['logits']} x B x chunk x V x 4 = {c['logits']} x {s.B} x {s.chunk} x {s.V} x 4",
+            f"{c['logits']} x B x chunk x V x 4 = {c['logits']} x {s.B} x {s.chunk} x {s.Vc} x 4"
+            + ("" if s.Vc == s.V else " (vocab_chunk)"),
         ),
     ]
     if t["head_gradient"]:
@@ -172,7 +206,25 @@ def phase_working_sets(
             )
         )
     if t["dequantized_head"]:
-        loss.append(WorkingBuffer("dequantized_head", t["dequantized_head"], f"V x D x {s.a}"))
+        rows = "V" if s.Vc == s.V else f"vocab_chunk {s.Vc}"
+        loss.append(WorkingBuffer("dequantized_head", t["dequantized_head"], f"{rows} x D x {s.a}"))
+    if t["head_rows_from_host"]:
+        loss.append(
+            WorkingBuffer(
+                "head_rows_from_host",
+                t["head_rows_from_host"],
+                f"vocab_chunk x D x {s.a}: the tied table's rows brought from the host",
+            )
+        )
+    if t["top_state_on_device"]:
+        loss.append(
+            WorkingBuffer(
+                "head_optimizer_state",
+                t["top_state_on_device"],
+                "the head's/embedding's optimizer state (a row chunk of it for elementwise "
+                "optimizers), brought from the host for its update",
+            )
+        )
     return {"backward": backward, "loss": loss}
 
 

@@ -45,6 +45,8 @@ def model_loss(
     key: jax.Array | None = None,
     chunk_size: int | None = None,
     remat: bool = True,
+    vocab_chunk: int | None = None,
+    mlp_chunk: int | None = None,
 ) -> jax.Array:
     """Mean next-token cross-entropy of the model given by frozen + trainable parameters."""
     params = merge_params(frozen, trainable)
@@ -57,9 +59,10 @@ def model_loss(
         lora,
         remat=remat,
         dropout_keys=layer_dropout_keys(key, lora, config.num_layers),
+        mlp_chunk=mlp_chunk,
     )
     head_params = {name: params[name] for name in HEAD_KEYS if name in params}
-    return head_loss(head_params, hidden, batch, config, chunk_size)
+    return head_loss(head_params, hidden, batch, config, chunk_size, vocab_chunk)
 
 
 def build_reference_step(
@@ -84,7 +87,14 @@ def build_reference_step(
         )
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
-        return trainable, opt_state, {"loss": loss, "tokens": jnp.sum(batch.loss_mask)}
+        metrics = {
+            "loss": loss,
+            "tokens": jnp.sum(batch.loss_mask),
+            "params_finite": jnp.all(
+                jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(trainable)])
+            ),
+        }
+        return trainable, opt_state, metrics
 
     return jax.jit(step, donate_argnums=(0, 1) if donate else (), **jit_shardings(shardings))
 

@@ -39,6 +39,15 @@ import optax
 from featherweight.errors import StepConfigError
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LoraSpec, Params, attention_inputs, embed, merge_params
+from featherweight.placement import (
+    host_row_slice,
+    host_row_write,
+    host_slice,
+    host_write,
+    on_host,
+    to_device,
+    to_host,
+)
 from featherweight.step.layer_grad import layer_forward, layer_vjp
 from featherweight.step.loss import Batch, head_loss
 from featherweight.step.policy import MemoryPolicy
@@ -83,6 +92,35 @@ def init_streamed_opt_state(
     )
 
 
+TOP_ROW_CHUNK = 8192  # rows of a host-state head/embedding updated at a time (vocab_chunk if set)
+
+
+def top_row_chunk(shape: tuple[int, ...], target: int) -> int | None:
+    """Rows per chunk for a row-chunked update of a [V, D] tensor: the size of the fewest equal
+    chunks of at most `target` rows (None when the tensor is 1-D or fits in one chunk)."""
+    if len(shape) < 2 or shape[0] <= target:
+        return None
+    count = -(-shape[0] // target)
+    while shape[0] % count:
+        count += 1
+    return shape[0] // count
+
+
+def place_opt_state(state: StreamedOptState, placement: str) -> StreamedOptState:
+    """The optimizer state in "device" or (pinned) "host" memory.
+
+    On the host, the streamed step brings each layer's slice of each tensor's state to the device
+    for that tensor's update and writes it back (the slicing runs on the host), and the head's and
+    embedding's states come over whole for their single update: the device holds one tensor's
+    state at a time instead of all of it. Works for any optax transformation.
+    """
+    if placement == "device":
+        return state
+    if placement != "host":
+        raise StepConfigError(f"optimizer state placement {placement!r}: use 'device' or 'host'")
+    return jax.tree.map(lambda leaf: jax.device_put(leaf, jax.memory.Space.Host), state)
+
+
 def _refuse_accumulation(optimizer, trainable: Params, accumulation_steps: int) -> None:
     state_shape = jax.eval_shape(
         optimizer.init,
@@ -125,17 +163,25 @@ def _slice(tree, index):
     )
 
 
-def _write(tree, values, index):
-    return jax.tree.map(
-        lambda leaf, value: jax.lax.dynamic_update_index_in_dim(leaf, value, index, 0), tree, values
-    )
-
-
 def _squared_norm(tree) -> jax.Array:
     return sum(
         (jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree.leaves(tree)),
         jnp.float32(0),
     )
+
+
+def all_finite(tree) -> jax.Array:
+    """Whether every value of every floating-point leaf is finite (one reduction per tensor).
+
+    A finite loss does not make a finite update: an absurd learning rate can overflow the
+    parameters themselves, and a checkpoint of them would not be a good one.
+    """
+    flags = [
+        jnp.all(jnp.isfinite(leaf))
+        for leaf in jax.tree.leaves(tree)
+        if jnp.issubdtype(leaf.dtype, jnp.floating)
+    ]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
 
 
 def _guarded_update(optimizer, ok, grads, state, params):
@@ -201,6 +247,54 @@ def build_streamed_step(
     def update_tensor(ok, grad, state, param):
         return _guarded_update(optimizer, ok, grad, state, param)
 
+    def update_top(ok, grad, state, param):
+        """A head or embedding update. A host-resident state comes over in row chunks (elementwise
+        optimizers: every state leaf has the parameter's shape, or is a scalar), else whole."""
+        leaves, treedef = jax.tree.flatten(state)
+        if not any(on_host(leaf) for leaf in leaves):
+            return update_tensor(ok, grad, state, param)
+        row_shaped = [leaf.shape == param.shape for leaf in leaves]
+        chunk = top_row_chunk(param.shape, policy.vocab_chunk or TOP_ROW_CHUNK)
+        if chunk is None or not all(r or leaf.ndim == 0 for r, leaf in zip(row_shaped, leaves)):
+            param, new_state = update_tensor(ok, grad, to_device(state), param)
+            new_leaves = jax.tree.leaves(new_state)
+            placed = [to_host(n) if on_host(o) else n for n, o in zip(new_leaves, leaves)]
+            return param, jax.tree.unflatten(treedef, placed)
+
+        def chunk_update(index, carry):
+            param, state_leaves, _ = carry
+            start = index * chunk
+            part = [
+                host_row_slice(leaf, start, chunk) if r else to_device(leaf)
+                for leaf, r in zip(state_leaves, row_shaped)
+            ]
+            new_param, new_state = update_tensor(
+                ok,
+                jax.lax.dynamic_slice_in_dim(grad, start, chunk),
+                jax.tree.unflatten(treedef, part),
+                jax.lax.dynamic_slice_in_dim(param, start, chunk),
+            )
+            new_leaves = jax.tree.leaves(new_state)
+            written = [
+                host_row_write(leaf, new, start) if r else leaf
+                for leaf, new, r in zip(state_leaves, new_leaves, row_shaped)
+            ]
+            scalars = [new for new, r in zip(new_leaves, row_shaped) if not r]
+            param = jax.lax.dynamic_update_slice_in_dim(param, new_param, start, 0)
+            return param, written, scalars
+
+        scalars = [to_device(leaf) for leaf, r in zip(leaves, row_shaped) if not r]
+        param, leaves_out, scalars = jax.lax.fori_loop(
+            0, param.shape[0] // chunk, chunk_update, (param, leaves, scalars)
+        )
+        # scalar leaves (step counts) are the same from every chunk: the last one's
+        scalars = iter(scalars)
+        merged = [
+            leaf if r else (to_host(next(scalars)) if on_host(old) else next(scalars))
+            for leaf, old, r in zip(leaves_out, leaves, row_shaped)
+        ]
+        return param, jax.tree.unflatten(treedef, merged)
+
     def step(trainable, opt_state: StreamedOptState, frozen, batch: Batch, key):
         top = merge_params(frozen, trainable)
         inputs = attention_inputs(config, batch.positions, batch.segment_ids)
@@ -214,7 +308,7 @@ def build_streamed_step(
             frozen_l, trainable_l, key_l = per_layer
             x = constrain(x)
             y, saved = layer_forward(
-                frozen_l, trainable_l, x, inputs, config, lora, key_l, policy.save
+                frozen_l, trainable_l, x, inputs, config, lora, key_l, policy.save, policy.mlp_chunk
             )
             return y, jax.tree.map(put, (x, saved))
 
@@ -228,7 +322,14 @@ def build_streamed_step(
         head_frozen = {name: top[name] for name in head_names if name not in trainable}
 
         def head_fn(head_params, h):
-            return head_loss({**head_frozen, **head_params}, h, batch, config, policy.loss_chunk)
+            return head_loss(
+                {**head_frozen, **head_params},
+                h,
+                batch,
+                config,
+                policy.loss_chunk,
+                policy.vocab_chunk,
+            )
 
         loss, head_vjp = jax.vjp(head_fn, head_trainable, constrain(hidden))
         head_grads, cotangent = head_vjp(jnp.ones((), loss.dtype))
@@ -236,7 +337,7 @@ def build_streamed_step(
         new_trainable, new_top_state = dict(trainable), dict(opt_state.top)
         for name in HEAD_GROUP:
             if name in trainable:
-                new_trainable[name], new_top_state[name] = update_tensor(
+                new_trainable[name], new_top_state[name] = update_top(
                     ok, head_grads[name], opt_state.top[name], trainable[name]
                 )
 
@@ -258,12 +359,13 @@ def build_streamed_step(
                 config,
                 lora,
                 None if keys is None else keys[index],
+                policy.mlp_chunk,
             )
             new_stacks, new_states = [], []
             for stack, state, grad in zip(stacks, states, jax.tree.leaves(grads), strict=True):
-                param, state_l = update_tensor(ok, grad, _slice(state, index), stack[index])
+                param, state_l = update_tensor(ok, grad, host_slice(state, index), stack[index])
                 new_stacks.append(jax.lax.dynamic_update_index_in_dim(stack, param, index, 0))
-                new_states.append(_write(state, state_l, index))
+                new_states.append(host_write(state, state_l, index))
             return (
                 cotangent,
                 new_stacks,
@@ -291,7 +393,7 @@ def build_streamed_step(
             grad_sq = (
                 grad_sq - _squared_norm(head_grads.get("embed", {})) + _squared_norm(embed_grad)
             )
-            new_trainable["embed"], new_top_state["embed"] = update_tensor(
+            new_trainable["embed"], new_top_state["embed"] = update_top(
                 ok, embed_grad, opt_state.top["embed"], table
             )
 
@@ -300,6 +402,7 @@ def build_streamed_step(
             "tokens": jnp.sum(batch.loss_mask),
             "grad_norm": jnp.sqrt(grad_sq),
             "updated": ok,
+            "params_finite": all_finite(new_trainable),
         }
         return new_trainable, StreamedOptState(layer_states, new_top_state), metrics
 

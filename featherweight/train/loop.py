@@ -25,6 +25,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from featherweight.config import TrainConfig
 from featherweight.distributed import any_process, is_primary
 from featherweight.errors import TrainingDivergedError
+from featherweight.memory.budget import describe_changes, plan_within_budget
+from featherweight.memory.measure import abstract_batch, measurement_of
+from featherweight.memory.plan import MemoryPlan
+from featherweight.memory.report import format_bytes, print_report
 from featherweight.models.llama import Params
 from featherweight.sharding import place_batch
 from featherweight.step.loss import Batch
@@ -65,6 +69,41 @@ def global_batch(run: Run, batch: Batch) -> Batch:
     return batch if run.mesh is None else place_batch(batch, run.mesh)
 
 
+def printing_planner(console: Console) -> Callable:
+    """The trainer's `plan_fn`: fit `memory.budget` (or plan the config as it is) and print the
+    plan's headline, before any weight is read."""
+
+    def plan(config: TrainConfig, model_config) -> tuple[TrainConfig, MemoryPlan]:
+        planned_config, memory_plan = plan_within_budget(config, model_config)
+        host = memory_plan.host_bytes
+        console.print(
+            f"memory plan: {format_bytes(memory_plan.device_bytes)} on the device"
+            + (f" + {format_bytes(host)} in host memory" if host else "")
+            + f" (peak phase: {memory_plan.peak_phase}; largest: "
+            f"{memory_plan.largest_component().name})",
+            highlight=False,
+        )
+        for change in describe_changes(config, planned_config):
+            console.print(f"budget changed {change}", highlight=False)
+        return planned_config, memory_plan
+
+    return plan
+
+
+def compile_step(run: Run, trainable: Params, opt_state: Any, console: Console) -> Callable:
+    """Compile the step ahead of the first batch and print its measured memory next to the plan
+    (`compiled.memory_analysis()`, per device); the compiled step is what the loop runs."""
+    batch = abstract_batch(run.config.batch_size * jax.process_count(), run.config.data.seq_len)
+    started = time.perf_counter()
+    lowered = run.step_fn.lower(trainable, opt_state, run.frozen, batch, jax.random.PRNGKey(0))
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - started
+    if run.plan is not None and compiled.memory_analysis() is not None:
+        measurement = measurement_of(compiled, trainable, opt_state, run.frozen, seconds)
+        print_report(run.plan, measurement, console)
+    return compiled
+
+
 def evaluate(run: Run, trainable: Params) -> float | None:
     """Mean loss over the eval rows (token-weighted), on the live buffers; None without eval data."""
     if run.dataset.eval is None:
@@ -102,9 +141,10 @@ def train(
     step (monitoring, tests); it must not keep references to it.
     """
     console = (console or Console()) if is_primary() else Console(quiet=True)
-    run = prepare_run(config, overwrite, plan_fn)
+    run = prepare_run(config, overwrite, plan_fn or printing_planner(console))
     config = run.config
     trainable, opt_state = run.trainable, run.opt_state
+    run.step_fn = compile_step(run, trainable, opt_state, console)
     run.trainable = run.opt_state = None  # the loop holds the only references from here on
     base_key = jax.random.PRNGKey(config.seed)
     metrics_log = (
@@ -124,12 +164,22 @@ def train(
             )
             loss = float(metrics["loss"])
             seconds = time.perf_counter() - started
-            if not math.isfinite(loss):
+            if not math.isfinite(loss) or not bool(metrics.get("params_finite", True)):
                 last = run.checkpointer.latest_step()
+                what = (
+                    f"loss became {loss}"
+                    if not math.isfinite(loss)
+                    else "the update made parameters non-finite (inf or nan)"
+                )
                 raise TrainingDivergedError(
-                    f"loss became {loss} at step {step}; stopped, keeping the last good checkpoint "
-                    f"(step {last}) in {run.checkpointer.directory}. Lower optimizer.learning_rate "
-                    "or check the data"
+                    f"{what} at step {step}; stopped, "
+                    + (
+                        "before any checkpoint was written"
+                        if last is None
+                        else f"keeping the last good checkpoint (step {last}) in "
+                        f"{run.checkpointer.directory}"
+                    )
+                    + ". Lower optimizer.learning_rate or check the data"
                 )
             record = {
                 "step": step, "loss": loss, "tokens": int(metrics["tokens"]),

@@ -31,6 +31,7 @@ from featherweight.io.output_paths import refuse_escape, refuse_overlap
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params
+from featherweight.placement import to_host
 from featherweight.sharding import check_layout, mesh_from_settings, parameter_spec, shard_tree
 from featherweight.step.loss import resolve_chunk_size
 from featherweight.train.checkpoint import Checkpointer
@@ -256,6 +257,8 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     if mesh is not None:
         trainable = shard_tree(trainable, mesh, parameter_spec)
         frozen = shard_tree(frozen, mesh, parameter_spec)
+    if config.memory.embed == "host":  # the step brings over only the rows a batch uses
+        frozen = {**frozen, "embed": to_host(frozen["embed"])}
     optimizer = make_optimizer(config.optimizer, config.steps)
     step_fn, init_opt_state = build_train_step(config, model_config, trainable, frozen, optimizer)
     opt_state = init_opt_state(trainable)

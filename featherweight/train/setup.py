@@ -31,7 +31,11 @@ from featherweight.quant.nf4 import NF4Tensor, abstract_nf4
 from featherweight.sharding import mesh_from_settings, step_shardings
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.reference import build_reference_step, model_loss
-from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
+from featherweight.step.streamed import (
+    build_streamed_step,
+    init_streamed_opt_state,
+    place_opt_state,
+)
 
 ADAPTER_DTYPE = jnp.float32  # adapters train in float32 over a bf16 or NF4 base (as PEFT does)
 
@@ -126,7 +130,13 @@ def abstract_split(config: TrainConfig, model_config: ModelConfig) -> tuple[Para
 
 def memory_policy_of(config: TrainConfig) -> MemoryPolicy:
     memory = config.memory
-    return MemoryPolicy(residuals=memory.residuals, loss_chunk=memory.loss_chunk, save=memory.save)
+    return MemoryPolicy(
+        residuals=memory.residuals,
+        loss_chunk=memory.loss_chunk,
+        vocab_chunk=memory.vocab_chunk,
+        mlp_chunk=memory.mlp_chunk,
+        save=memory.save,
+    )
 
 
 def opt_state_initializer(
@@ -141,7 +151,8 @@ def opt_state_initializer(
                 .init
             )
         return optimizer.init
-    return lambda params: init_streamed_opt_state(optimizer, params)
+    placement = config.memory.optimizer_state
+    return lambda params: place_opt_state(init_streamed_opt_state(optimizer, params), placement)
 
 
 def build_train_step(
@@ -196,11 +207,51 @@ def check_method_settings(config: TrainConfig, model_config: ModelConfig) -> Non
         lora.check_model(model_config)
     if config.model.quantize_head and config.method != "qlora":
         raise ConfigError("model.quantize_head=true needs method: qlora (the head is frozen there)")
+    _check_placements(config, model_config)
     if config.memory.accumulation_steps > 1 and config.memory.step == "streamed":
         raise ConfigError(
             "memory.accumulation_steps > 1 needs a full gradient buffer, which the streamed step "
             "never builds; set memory.step: reference, or raise batch_size instead"
         )
+
+
+def _check_placements(config: TrainConfig, model_config: ModelConfig) -> None:
+    """Host placements need the streamed step on one device; a host embedding must be frozen,
+    and when it is also the (tied) LM head, the head must read it in vocabulary chunks."""
+    memory = config.memory
+    on_host = [
+        f"memory.{name}: host"
+        for name in ("optimizer_state", "embed")
+        if getattr(memory, name) == "host"
+    ]
+    if not on_host:
+        return
+    if memory.step == "reference":
+        raise ConfigError(
+            f"{', '.join(on_host)} needs the streamed step (it moves one layer at a time); "
+            "set memory.step: streamed"
+        )
+    if config.mesh is not None:
+        raise ConfigError(
+            f"{', '.join(on_host)} is supported on one device only; on a mesh FSDP divides that "
+            "memory instead: drop the host placement, or set mesh: null"
+        )
+    if memory.embed == "host" and config.method == "full":
+        raise ConfigError(
+            "memory.embed: host keeps a frozen embedding table on the host, but method: full "
+            "trains it; use method lora or qlora, or memory.embed: device"
+        )
+    if memory.embed == "host" and model_config.tie_word_embeddings:
+        if config.model.quantize_head:
+            raise ConfigError(
+                "memory.embed: host and model.quantize_head: true both claim the tied embedding "
+                "table; choose one"
+            )
+        if memory.vocab_chunk is None:
+            raise ConfigError(
+                "memory.embed: host with tied embeddings: the LM head reads the table from the "
+                "host chunk by chunk; set memory.vocab_chunk (e.g. 8192)"
+            )
 
 
 @functools.lru_cache(maxsize=4)
@@ -211,7 +262,15 @@ def evaluation_fn(config: TrainConfig, model_config: ModelConfig) -> Callable:
 
     def evaluate(trainable, frozen, batch):
         loss = model_loss(
-            trainable, frozen, batch, model_config, spec, None, config.memory.loss_chunk
+            trainable,
+            frozen,
+            batch,
+            model_config,
+            spec,
+            None,
+            config.memory.loss_chunk,
+            vocab_chunk=config.memory.vocab_chunk,
+            mlp_chunk=config.memory.mlp_chunk,
         )
         return loss, jnp.sum(batch.loss_mask)
 
