@@ -85,3 +85,20 @@ def host_row_write(leaf, value, start):
     value = jax.device_put(value, HOST)
     with compute_on("device_host"):
         return jax.lax.dynamic_update_slice_in_dim(leaf, value, jax.device_put(start, HOST), 0)
+
+
+def abstract_on_host(tree):
+    """Abstract shapes (`jax.ShapeDtypeStruct`) of `tree` placed in pinned host memory, for
+    compiling a step on abstract arguments as it will run with host-resident state."""
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def host_resident_bytes(tree, shardings) -> int:
+    """Bytes of the leaves of `tree` whose sharding (a matching tree) places them on the host."""
+    leaves, layouts = jax.tree.leaves(tree), jax.tree.leaves(shardings)
+    return sum(
+        leaf.size * leaf.dtype.itemsize
+        for leaf, layout in zip(leaves, layouts, strict=True)
+        if getattr(layout, "memory_kind", None) == "pinned_host"
+    )

@@ -37,6 +37,7 @@ from featherweight.config import TrainConfig
 from featherweight.errors import ConfigError
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
+from featherweight.placement import abstract_on_host, host_resident_bytes
 from featherweight.sharding import per_device_bytes
 from featherweight.step.loss import Batch
 from featherweight.train.setup import (
@@ -72,11 +73,19 @@ class MemoryMeasurement:
     alias_bytes: int
     platform: str
     compile_seconds: float
+    host_argument_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         """temp + argument + output - alias: the step's bytes at its peak."""
         return self.temp_bytes + self.argument_bytes + self.output_bytes - self.alias_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """`total_bytes` less the arguments the compiled program keeps in pinned host memory
+        (optimizer state, embedding table): on CPU, with one memory for both, the analysis
+        counts them with the rest; the program's input layouts tell them apart."""
+        return self.total_bytes - self.host_argument_bytes
 
 
 def tree_nbytes(tree: Any) -> int:
@@ -100,6 +109,10 @@ def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig):
     optimizer = make_optimizer(config.optimizer, config.steps)
     step, init_opt_state = build_train_step(config, model_config, trainable, frozen, optimizer)
     opt_state = jax.eval_shape(init_opt_state, trainable)
+    if config.memory.optimizer_state == "host":
+        opt_state = abstract_on_host(opt_state)
+    if config.memory.embed == "host":
+        frozen = {**frozen, "embed": abstract_on_host(frozen["embed"])}
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     batch = abstract_batch(config.batch_size, config.data.seq_len)
     return step, (trainable, opt_state, frozen, batch, key)
@@ -144,8 +157,20 @@ def measurement_of(
         "temporaries": temp,
         "unaliased_outputs": output - alias,
     }
+    host_arguments = host_resident_bytes(
+        (trainable, opt_state, frozen), (trainable_s, state_s, frozen_s)
+    )
+    if getattr(analysis, "host_argument_size_in_bytes", 0):
+        host_arguments = 0  # the backend already leaves host arguments out of argument_size
     return MemoryMeasurement(
-        components, temp, argument, output, alias, jax.default_backend(), compile_seconds
+        components,
+        temp,
+        argument,
+        output,
+        alias,
+        jax.default_backend(),
+        compile_seconds,
+        host_arguments,
     )
 
 

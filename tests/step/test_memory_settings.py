@@ -1,0 +1,205 @@
+"""The small-memory settings (vocabulary and MLP chunks, optimizer state and embedding on the
+host): each leaves the training result unchanged, lowers the compiled step's measured bytes, and
+is planned within 15% of that measurement."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from featherweight.config import parse_config
+from featherweight.errors import ConfigError
+from featherweight.memory.measure import measure_compiled
+from featherweight.memory.plan import plan_for_config
+from featherweight.models.init import init_params
+from featherweight.peft.lora import LoraConfig, init_lora, lora_spec, quantize_frozen_base
+from featherweight.placement import to_host
+from featherweight.quant.nf4 import quantize_nf4
+from featherweight.step.loss import batch_from_tokens
+from featherweight.step.policy import MemoryPolicy
+from featherweight.step.streamed import (
+    build_streamed_step,
+    init_streamed_opt_state,
+    place_opt_state,
+    top_row_chunk,
+)
+from featherweight.train.setup import check_method_settings
+from tests.conftest import tiny_config
+
+UNTIED = tiny_config(vocab_size=512, tie_word_embeddings=False)
+TIED = tiny_config(vocab_size=512, tie_word_embeddings=True)
+BATCH = batch_from_tokens(jax.random.randint(jax.random.PRNGKey(3), (2, 33), 0, 512))
+
+
+def _case(config, method):
+    params = init_params(jax.random.PRNGKey(0), config)
+    if method == "full":
+        return params, {}, None
+    lora = LoraConfig(rank=4, alpha=8)
+    adapters = init_lora(jax.random.PRNGKey(1), config, lora)
+    keys = iter(jax.random.split(jax.random.PRNGKey(2), len(jax.tree.leaves(adapters))))
+    adapters = jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape), adapters)
+    frozen = params if method == "lora" else quantize_frozen_base(params)
+    return adapters, frozen, lora_spec(lora)
+
+
+def _train(config, method, optimizer, policy=None, state_on="device", embed_on="device",
+           quantize_head=False, steps=3):  # fmt: skip
+    policy = policy or MemoryPolicy()
+    trainable, frozen, lora = _case(config, method)
+    if quantize_head:
+        frozen = {**frozen, "lm_head": quantize_nf4(frozen["lm_head"])}
+    if embed_on == "host":
+        frozen = {**frozen, "embed": to_host(frozen["embed"])}
+    state = place_opt_state(init_streamed_opt_state(optimizer, trainable), state_on)
+    step = build_streamed_step(config, optimizer, trainable, frozen, lora, policy=policy)
+    losses = []
+    for index in range(steps):
+        trainable, state, metrics = step(trainable, state, frozen, BATCH, jax.random.PRNGKey(index))
+        losses.append(float(metrics["loss"]))
+    kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state)}
+    return np.array(losses), jax.tree.map(np.asarray, trainable), kinds
+
+
+def _assert_same(reference, candidate, tolerance=1e-5):
+    """Same losses, and the same parameters norm-wise: AdamW divides each gradient element by
+    its own RMS, so a different float32 summation order (chunks) moves an element whose gradient
+    nearly cancels by up to lr x its rounding error; the whole tensor agrees to `tolerance`."""
+    np.testing.assert_allclose(candidate[0], reference[0], rtol=tolerance)
+    for expected, actual in zip(
+        jax.tree.leaves(reference[1]), jax.tree.leaves(candidate[1]), strict=True
+    ):
+        difference = float(np.linalg.norm((expected - actual).ravel()))
+        assert difference <= tolerance * max(float(np.linalg.norm(expected.ravel())), 1e-12)
+
+
+ADAMW = optax.adamw(1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("config", [UNTIED, TIED], ids=["untied", "tied"])
+def test_vocab_chunk_gives_the_same_training(config):
+    """SGD: the update is linear in the gradient, so this compares the gradients themselves (AdamW
+    would magnify the float32 reordering of the chunked logsumexp in near-zero gradients)."""
+    sgd = optax.sgd(0.5, momentum=0.9)
+    reference = _train(config, "full", sgd)
+    _assert_same(reference, _train(config, "full", sgd, MemoryPolicy(vocab_chunk=128)))
+
+
+def test_vocab_chunk_over_an_nf4_head_gives_the_same_training():
+    reference = _train(UNTIED, "qlora", ADAMW, quantize_head=True)
+    chunked = _train(UNTIED, "qlora", ADAMW, MemoryPolicy(vocab_chunk=128), quantize_head=True)
+    _assert_same(reference, chunked)
+
+
+def test_mlp_chunk_gives_the_same_training():
+    reference = _train(UNTIED, "lora", ADAMW)
+    _assert_same(reference, _train(UNTIED, "lora", ADAMW, MemoryPolicy(mlp_chunk=8)))
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [ADAMW, optax.adafactor(1e-2), optax.sgd(0.1, momentum=0.9)],
+    ids=["adamw", "adafactor", "sgd"],
+)
+def test_optimizer_state_on_the_host_gives_the_same_training(optimizer):
+    """adamw and sgd update the head and embedding in row chunks (vocab_chunk=128: 4 chunks);
+    adafactor's factored state cannot be cut in rows, so those come over whole."""
+    policy = MemoryPolicy(vocab_chunk=128)
+    reference = _train(UNTIED, "full", optimizer, policy)
+    losses, params, kinds = _train(UNTIED, "full", optimizer, policy, state_on="host")
+    _assert_same(reference, (losses, params), tolerance=0.0)  # the same arithmetic, bit for bit
+    assert reference[2] == {"device"} and kinds == {"pinned_host"}
+
+
+@pytest.mark.parametrize(
+    ("config", "method"), [(TIED, "lora"), (UNTIED, "qlora")], ids=["tied-lora", "untied-qlora"]
+)
+def test_an_embedding_on_the_host_gives_the_same_training(config, method):
+    policy = MemoryPolicy(vocab_chunk=128)  # a tied head reads the host table chunk by chunk
+    reference = _train(config, method, ADAMW, policy)
+    _assert_same(reference, _train(config, method, ADAMW, policy, embed_on="host"))
+
+
+def test_top_row_chunks_divide_the_rows():
+    assert top_row_chunk((128256, 4096), 8192) == 8016  # Llama 3: 16 equal chunks
+    assert top_row_chunk((49152, 576), 8192) == 8192
+    assert top_row_chunk((1000, 8), 8192) is None and top_row_chunk((50000,), 10) is None
+
+
+# --- memory: measured lower, planned within 15% ---------------------------------------------------
+
+MEMORY_MODEL = dataclasses.replace(
+    tiny_config(), vocab_size=8192, intermediate_size=1024, tie_word_embeddings=False
+)
+
+
+def _config(method="full", **memory):
+    return parse_config(
+        {
+            "method": method,
+            "model": {"path": "unused", "dtype": "float32"},
+            "data": {"train": "unused", "seq_len": 128},
+            "batch_size": 2,
+            "memory": memory,
+        }
+    )
+
+
+SETTINGS = {
+    "vocab_chunk": ("full", {}, {"vocab_chunk": 1024}),
+    "mlp_chunk": ("full", {"loss_chunk": 32}, {"loss_chunk": 32, "mlp_chunk": 16}),
+    "optimizer_state": ("full", {}, {"optimizer_state": "host"}),
+    "embed": ("lora", {}, {"embed": "host"}),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_each_setting_lowers_the_measured_bytes_as_planned(setting):
+    method, before, after = SETTINGS[setting]
+    results = []
+    for memory in (before, after):
+        config = _config(method, **memory)
+        plan, measured = (
+            plan_for_config(config, MEMORY_MODEL),
+            measure_compiled(config, MEMORY_MODEL),
+        )
+        assert abs(plan.device_bytes - measured.device_bytes) <= 0.15 * measured.device_bytes
+        results.append((plan.device_bytes, measured.device_bytes))
+    (planned_before, measured_before), (planned_after, measured_after) = results
+    assert measured_after < measured_before and planned_after < planned_before
+    measured_drop, planned_drop = measured_before - measured_after, planned_before - planned_after
+    assert abs(planned_drop - measured_drop) <= 0.15 * measured_before
+
+
+def test_host_state_and_embedding_are_host_arguments_of_the_compiled_step():
+    config = _config("lora", embed="host", optimizer_state="host")
+    measured = measure_compiled(config, MEMORY_MODEL)
+    plan = plan_for_config(config, MEMORY_MODEL)
+    on_host = plan.bytes_of("optimizer_state") + plan.bytes_of("embedding_table")
+    assert measured.host_argument_bytes == on_host  # the program's layouts, byte for byte
+
+
+# --- refused combinations ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "model", "memory", "message"),
+    [
+        ("full", UNTIED, {"embed": "host"}, "method: full trains it"),
+        ("lora", TIED, {"embed": "host"}, "set memory.vocab_chunk"),
+        ("lora", UNTIED, {"optimizer_state": "host", "step": "reference"}, "streamed step"),
+    ],
+)
+def test_host_placements_that_cannot_work_are_refused(method, model, memory, message):
+    with pytest.raises(ConfigError, match=message):
+        check_method_settings(_config(method, **memory), model)
+
+
+def test_host_placement_on_a_mesh_is_refused():
+    config = _config("lora", optimizer_state="host").model_copy(
+        update={"mesh": parse_config({"mesh": {"data": 1, "fsdp": 8}}).mesh}
+    )
+    with pytest.raises(ConfigError, match="one device only"):
+        check_method_settings(config, UNTIED)
