@@ -111,7 +111,9 @@ def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig):
     opt_state = jax.eval_shape(init_opt_state, trainable)
     if config.memory.optimizer_state == "host":
         opt_state = abstract_on_host(opt_state)
-    if config.memory.embed == "host":
+    if config.memory.embed == "host" and "embed" in trainable:
+        trainable = {**trainable, "embed": abstract_on_host(trainable["embed"])}
+    elif config.memory.embed == "host":
         frozen = {**frozen, "embed": abstract_on_host(frozen["embed"])}
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     batch = abstract_batch(config.batch_size, config.data.seq_len)

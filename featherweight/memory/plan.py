@@ -116,7 +116,9 @@ class MemoryPlan:
         (featherweight/memory/measure.py): the persistent components, `temporaries` (stored
         activations, wherever placed, and the working set) and `unaliased_outputs`."""
         groups = {name: self.bytes_of(name) for name in PERSISTENT}
-        groups["frozen_base"] += self.bytes_of(HOST_EMBEDDING)  # an argument like the rest
+        # an argument like the rest: trainable with full fine-tuning, frozen otherwise
+        owner = "trainable_weights" if self.settings["method"] == "full" else "frozen_base"
+        groups[owner] += self.bytes_of(HOST_EMBEDDING)
         groups["temporaries"] = sum(
             c.bytes for c in self.components if c.name not in (*PERSISTENT, OUTPUTS, HOST_EMBEDDING)
         )
@@ -147,7 +149,7 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
     components = [
         PlanComponent(
             "frozen_base",
-            frozen_base_bytes(config, model_config) - host_embedding,
+            frozen_base_bytes(config, model_config) - (0 if s.full else host_embedding),
             DEVICE,
             {"full": "none (everything trains)", "lora": f"all weights x {s.a} B"}.get(
                 config.method, f"linear weights NF4 (~0.52 B/value), the rest x {s.a} B"
@@ -155,7 +157,7 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
         ),
         PlanComponent(
             "trainable_weights",
-            trainable_bytes(config, model_config),
+            trainable_bytes(config, model_config) - (host_embedding if s.full else 0),
             DEVICE,
             f"all weights x {s.a} B"
             if s.full
@@ -180,7 +182,8 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
                 "embedding_table",
                 host_embedding,
                 HOST,
-                f"frozen V x D x {s.a} = {s.V} x {s.D} x {s.a}; only a batch's rows come over",
+                f"V x D x {s.a} = {s.V} x {s.D} x {s.a}; only a batch's rows come over"
+                + (" (updated in row chunks)" if s.full else " (frozen)"),
             )
         )
     return components

@@ -91,8 +91,9 @@ def frozen_base_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
 
 
 def host_embedding_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
-    """The frozen token-embedding table kept in host memory (`memory.embed: host`), else 0."""
-    if config.memory.embed != "host" or config.method == "full":
+    """The token-embedding table kept in host memory (`memory.embed: host`; frozen, or trained
+    in row chunks with full fine-tuning), else 0."""
+    if config.memory.embed != "host":
         return 0
     return math.prod(top_level_shapes(model_config)["embed"]) * compute_itemsize(config)
 

@@ -247,53 +247,101 @@ def build_streamed_step(
     def update_tensor(ok, grad, state, param):
         return _guarded_update(optimizer, ok, grad, state, param)
 
+    def row_chunked_update(ok, grad_rows, state, param, chunk):
+        """Update `param` [V, D] `chunk` rows at a time; `grad_rows(start)` gives the gradient of
+        rows [start, start + chunk). Parameter and row-shaped state leaves may be on the host
+        (their rows come over and go back); scalar leaves (step counts) come out the same from
+        every chunk, so the last chunk's are kept. Elementwise optimizers only."""
+        leaves, treedef = jax.tree.flatten(state)
+        row_shaped = [leaf.shape == param.shape for leaf in leaves]
+
+        def rows(leaf, start):
+            if on_host(leaf):
+                return host_row_slice(leaf, start, chunk)
+            return jax.lax.dynamic_slice_in_dim(leaf, start, chunk)
+
+        def write(leaf, value, start):
+            if on_host(leaf):
+                return host_row_write(leaf, value, start)
+            return jax.lax.dynamic_update_slice_in_dim(leaf, value, start, 0)
+
+        def chunk_update(index, carry):
+            param, state_leaves, _, grad_sq = carry
+            start = index * chunk
+            part = [
+                rows(leaf, start) if r else to_device(leaf)
+                for leaf, r in zip(state_leaves, row_shaped)
+            ]
+            grad = grad_rows(start)
+            new_param, new_state = update_tensor(
+                ok, grad, jax.tree.unflatten(treedef, part), rows(param, start)
+            )
+            new_leaves = jax.tree.leaves(new_state)
+            written = [
+                write(leaf, new, start) if r else leaf
+                for leaf, new, r in zip(state_leaves, new_leaves, row_shaped)
+            ]
+            scalars = [new for new, r in zip(new_leaves, row_shaped) if not r]
+            return write(param, new_param, start), written, scalars, grad_sq + _squared_norm(grad)
+
+        scalars = [to_device(leaf) for leaf, r in zip(leaves, row_shaped) if not r]
+        param, leaves_out, scalars, grad_sq = jax.lax.fori_loop(
+            0,
+            param.shape[0] // chunk,
+            chunk_update,
+            (param, leaves, scalars, jnp.float32(0)),
+        )
+        scalars = iter(scalars)
+        merged = [
+            leaf if r else (to_host(next(scalars)) if on_host(old) else next(scalars))
+            for leaf, old, r in zip(leaves_out, leaves, row_shaped)
+        ]
+        return param, jax.tree.unflatten(treedef, merged), grad_sq
+
+    def row_chunkable(state, param) -> bool:
+        return all(leaf.shape == param.shape or leaf.ndim == 0 for leaf in jax.tree.leaves(state))
+
     def update_top(ok, grad, state, param):
         """A head or embedding update. A host-resident state comes over in row chunks (elementwise
         optimizers: every state leaf has the parameter's shape, or is a scalar), else whole."""
         leaves, treedef = jax.tree.flatten(state)
         if not any(on_host(leaf) for leaf in leaves):
             return update_tensor(ok, grad, state, param)
-        row_shaped = [leaf.shape == param.shape for leaf in leaves]
         chunk = top_row_chunk(param.shape, policy.vocab_chunk or TOP_ROW_CHUNK)
-        if chunk is None or not all(r or leaf.ndim == 0 for r, leaf in zip(row_shaped, leaves)):
+        if chunk is None or not row_chunkable(state, param):
             param, new_state = update_tensor(ok, grad, to_device(state), param)
             new_leaves = jax.tree.leaves(new_state)
             placed = [to_host(n) if on_host(o) else n for n, o in zip(new_leaves, leaves)]
             return param, jax.tree.unflatten(treedef, placed)
 
-        def chunk_update(index, carry):
-            param, state_leaves, _ = carry
-            start = index * chunk
-            part = [
-                host_row_slice(leaf, start, chunk) if r else to_device(leaf)
-                for leaf, r in zip(state_leaves, row_shaped)
-            ]
-            new_param, new_state = update_tensor(
-                ok,
-                jax.lax.dynamic_slice_in_dim(grad, start, chunk),
-                jax.tree.unflatten(treedef, part),
-                jax.lax.dynamic_slice_in_dim(param, start, chunk),
-            )
-            new_leaves = jax.tree.leaves(new_state)
-            written = [
-                host_row_write(leaf, new, start) if r else leaf
-                for leaf, new, r in zip(state_leaves, new_leaves, row_shaped)
-            ]
-            scalars = [new for new, r in zip(new_leaves, row_shaped) if not r]
-            param = jax.lax.dynamic_update_slice_in_dim(param, new_param, start, 0)
-            return param, written, scalars
+        def grad_rows(start):
+            return jax.lax.dynamic_slice_in_dim(grad, start, chunk)
 
-        scalars = [to_device(leaf) for leaf, r in zip(leaves, row_shaped) if not r]
-        param, leaves_out, scalars = jax.lax.fori_loop(
-            0, param.shape[0] // chunk, chunk_update, (param, leaves, scalars)
-        )
-        # scalar leaves (step counts) are the same from every chunk: the last one's
-        scalars = iter(scalars)
-        merged = [
-            leaf if r else (to_host(next(scalars)) if on_host(old) else next(scalars))
-            for leaf, old, r in zip(leaves_out, leaves, row_shaped)
-        ]
-        return param, jax.tree.unflatten(treedef, merged)
+        param, new_state, _ = row_chunked_update(ok, grad_rows, state, param, chunk)
+        return param, new_state
+
+    def update_host_table(ok, token_ids, cotangent, state, table):
+        """Update an embedding table kept in host memory, chunk by chunk: each chunk's gradient
+        is the batch's input cotangent rows that fall in it (zero elsewhere), so no [V, D]
+        gradient and no whole table or state ever sits on the device. Returns the new table,
+        state and the squared gradient norm."""
+        if not row_chunkable(state, table):
+            raise StepConfigError(
+                "an embedding trained in host memory is updated in row chunks, which needs an "
+                "elementwise optimizer (adamw, sgd, lion); use one, or memory.embed: device"
+            )
+        rows, width = table.shape
+        chunk = top_row_chunk(table.shape, policy.vocab_chunk or TOP_ROW_CHUNK) or rows
+        flat_ids = token_ids.reshape(-1)
+        flat_cotangent = cotangent.reshape(-1, width).astype(table.dtype)
+
+        def grad_rows(start):
+            local = flat_ids - start
+            local = jnp.where((local >= 0) & (local < chunk), local, chunk)  # chunk: dropped
+            grad = jnp.zeros((chunk, width), table.dtype)
+            return grad.at[local].add(flat_cotangent, mode="drop")
+
+        return row_chunked_update(ok, grad_rows, state, table, chunk)
 
     def step(trainable, opt_state: StreamedOptState, frozen, batch: Batch, key):
         top = merge_params(frozen, trainable)
@@ -317,7 +365,8 @@ def build_streamed_step(
         )
 
         # 2. head: loss and its VJP; the head's own parameters are updated right away
-        head_names = [name for name in (*HEAD_GROUP, "embed") if name in top]
+        tied = ("embed",) if config.tie_word_embeddings else ()  # the table is the head
+        head_names = [name for name in (*HEAD_GROUP, *tied) if name in top]
         head_trainable = {name: trainable[name] for name in head_names if name in trainable}
         head_frozen = {name: top[name] for name in head_names if name not in trainable}
 
@@ -385,7 +434,17 @@ def build_streamed_step(
             new_trainable["layers"] = jax.tree.unflatten(layer_treedef, layer_stacks)
 
         # 4. embedding: scatter the input cotangent (plus the tied head's gradient), update once
-        if "embed" in trainable:
+        if "embed" in trainable and on_host(trainable["embed"]) and config.tie_word_embeddings:
+            raise StepConfigError(
+                "a tied embedding is also the LM head, whose gradient covers every row; train it "
+                "on the device (memory.embed: device), or freeze it (LoRA/QLoRA)"
+            )
+        if "embed" in trainable and on_host(trainable["embed"]):
+            new_trainable["embed"], new_top_state["embed"], embed_sq = update_host_table(
+                ok, batch.input_ids, cotangent, opt_state.top["embed"], trainable["embed"]
+            )
+            grad_sq = grad_sq + embed_sq
+        elif "embed" in trainable:
             table = trainable["embed"]
             # tied: the head's gradient of the table is the buffer the input cotangent adds into
             embed_grad = head_grads.get("embed", jnp.zeros_like(table))

@@ -110,6 +110,7 @@ class Checkpointer:
                 f"checkpoint {self.directory / str(step)} holds {len(leaves)} arrays, this run "
                 f"expects {len(abstract_leaves)}; it belongs to another configuration"
             )
+        leaves = [_place_like(value, leaf) for value, leaf in zip(leaves, abstract_leaves)]
         return jax.tree.unflatten(treedef, leaves), dict(restored["metadata"])
 
     def close(self) -> None:
@@ -117,8 +118,19 @@ class Checkpointer:
 
 
 def _restore_target(leaf: Any) -> Any:
-    """A restore target for one leaf: its shape, dtype and (single-device default) sharding."""
+    """A restore target for one leaf: its shape, dtype and (single-device default) sharding, in
+    device memory (host-resident leaves are moved to the host after reading: see `restore`)."""
     sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
         jax.devices()[0]
     )
+    if getattr(sharding, "memory_kind", None) not in (None, "device"):
+        sharding = sharding.with_memory_kind("device")
     return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
+
+
+def _place_like(restored: Any, leaf: Any) -> Any:
+    """`restored` moved to the memory `leaf` lives in (pinned host for host-resident state)."""
+    sharding = getattr(leaf, "sharding", None)
+    if getattr(sharding, "memory_kind", None) in (None, "device"):
+        return restored
+    return jax.device_put(restored, sharding)

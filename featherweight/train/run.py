@@ -257,11 +257,14 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     if mesh is not None:
         trainable = shard_tree(trainable, mesh, parameter_spec)
         frozen = shard_tree(frozen, mesh, parameter_spec)
-    if config.memory.embed == "host":  # the step brings over only the rows a batch uses
-        frozen = {**frozen, "embed": to_host(frozen["embed"])}
     optimizer = make_optimizer(config.optimizer, config.steps)
     step_fn, init_opt_state = build_train_step(config, model_config, trainable, frozen, optimizer)
-    opt_state = init_opt_state(trainable)
+    opt_state = init_opt_state(trainable)  # placed as memory.optimizer_state says
+    if config.memory.embed == "host":  # the step brings over only the rows a batch uses
+        if "embed" in trainable:  # full fine-tuning: updated on the host, in row chunks
+            trainable = {**trainable, "embed": to_host(trainable["embed"])}
+        else:
+            frozen = {**frozen, "embed": to_host(frozen["embed"])}
     checkpointer = Checkpointer(output_dir / CHECKPOINT_DIR, keep=config.checkpoint.keep)
     start_step = 0
     latest = checkpointer.latest_step() if resuming else None

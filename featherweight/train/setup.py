@@ -237,11 +237,19 @@ def _check_placements(config: TrainConfig, model_config: ModelConfig) -> None:
             "memory instead: drop the host placement, or set mesh: null"
         )
     if memory.embed == "host" and config.method == "full":
-        raise ConfigError(
-            "memory.embed: host keeps a frozen embedding table on the host, but method: full "
-            "trains it; use method lora or qlora, or memory.embed: device"
-        )
-    if memory.embed == "host" and model_config.tie_word_embeddings:
+        if model_config.tie_word_embeddings:
+            raise ConfigError(
+                "memory.embed: host with method: full needs untied embeddings: a tied table is "
+                "also the LM head, whose gradient covers every row; use memory.embed: device, "
+                "or method lora/qlora (the table is frozen there)"
+            )
+        if config.optimizer.name not in ("adamw", "sgd", "lion"):
+            raise ConfigError(
+                f"memory.embed: host with method: full updates the table in row chunks, which "
+                f"optimizer {config.optimizer.name!r} cannot (its state is not elementwise); use "
+                "optimizer adamw, sgd or lion, or memory.embed: device"
+            )
+    elif memory.embed == "host" and model_config.tie_word_embeddings:
         if config.model.quantize_head:
             raise ConfigError(
                 "memory.embed: host and model.quantize_head: true both claim the tied embedding "

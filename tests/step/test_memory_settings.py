@@ -46,7 +46,7 @@ def _case(config, method):
 
 
 def _train(config, method, optimizer, policy=None, state_on="device", embed_on="device",
-           quantize_head=False, steps=3):  # fmt: skip
+           quantize_head=False, steps=3, train_embed_on="device"):  # fmt: skip
     policy = policy or MemoryPolicy()
     trainable, frozen, lora = _case(config, method)
     if quantize_head:
@@ -54,6 +54,8 @@ def _train(config, method, optimizer, policy=None, state_on="device", embed_on="
     if embed_on == "host":
         frozen = {**frozen, "embed": to_host(frozen["embed"])}
     state = place_opt_state(init_streamed_opt_state(optimizer, trainable), state_on)
+    if train_embed_on == "host":
+        trainable = {**trainable, "embed": to_host(trainable["embed"])}
     step = build_streamed_step(config, optimizer, trainable, frozen, lora, policy=policy)
     losses = []
     for index in range(steps):
@@ -122,6 +124,17 @@ def test_an_embedding_on_the_host_gives_the_same_training(config, method):
     _assert_same(reference, _train(config, method, ADAMW, policy, embed_on="host"))
 
 
+@pytest.mark.parametrize("state_on", ["device", "host"])
+def test_a_trained_embedding_on_the_host_gives_the_same_training(state_on):
+    """Full fine-tuning, untied: the table stays on the host, each row chunk's gradient is built
+    from the batch's rows in it, and chunk, state and update come over one chunk at a time."""
+    policy, sgd = MemoryPolicy(vocab_chunk=128), optax.sgd(0.5, momentum=0.9)
+    reference = _train(UNTIED, "full", sgd, policy)
+    losses, params, kinds = _train(UNTIED, "full", sgd, policy, state_on, train_embed_on="host")
+    _assert_same(reference, (losses, params), tolerance=0.0)
+    assert kinds == {"device" if state_on == "device" else "pinned_host"}
+
+
 def test_top_row_chunks_divide_the_rows():
     assert top_row_chunk((128256, 4096), 8192) == 8016  # Llama 3: 16 equal chunks
     assert top_row_chunk((49152, 576), 8192) == 8192
@@ -135,10 +148,11 @@ MEMORY_MODEL = dataclasses.replace(
 )
 
 
-def _config(method="full", **memory):
+def _config(method="full", optimizer="adamw", **memory):
     return parse_config(
         {
             "method": method,
+            "optimizer": {"name": optimizer},
             "model": {"path": "unused", "dtype": "float32"},
             "data": {"train": "unused", "seq_len": 128},
             "batch_size": 2,
@@ -152,6 +166,7 @@ SETTINGS = {
     "mlp_chunk": ("full", {"loss_chunk": 32}, {"loss_chunk": 32, "mlp_chunk": 16}),
     "optimizer_state": ("full", {}, {"optimizer_state": "host"}),
     "embed": ("lora", {}, {"embed": "host"}),
+    "trained_embed": ("full", {}, {"embed": "host"}),
 }
 
 
@@ -187,7 +202,8 @@ def test_host_state_and_embedding_are_host_arguments_of_the_compiled_step():
 @pytest.mark.parametrize(
     ("method", "model", "memory", "message"),
     [
-        ("full", UNTIED, {"embed": "host"}, "method: full trains it"),
+        ("full", TIED, {"embed": "host"}, "needs untied embeddings"),
+        ("full", UNTIED, {"embed": "host", "optimizer": "adafactor"}, "cannot"),
         ("lora", TIED, {"embed": "host"}, "set memory.vocab_chunk"),
         ("lora", UNTIED, {"optimizer_state": "host", "step": "reference"}, "streamed step"),
     ],
