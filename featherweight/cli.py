@@ -117,12 +117,20 @@ def plan(
     seq: Annotated[int, typer.Option(help="sequence length")] = 2048,
     dtype: Annotated[str, typer.Option(help="bfloat16 or float32")] = "bfloat16",
     budget: Annotated[str | None, typer.Option(help="device memory, e.g. 8GiB")] = None,
-    offload: Annotated[str, typer.Option(help="none, or residuals (to host)")] = "none",
+    offload: Annotated[
+        str,
+        typer.Option(help="to host memory: none, or any of residuals,optimizer_state,embed"),
+    ] = "none",
     optimizer: Annotated[
         str, typer.Option(help="adamw, adamw_8bit, sgd, lion, adafactor")
     ] = "adamw",
     lora_rank: Annotated[int, typer.Option(help="LoRA rank")] = 8,
     loss_chunk: Annotated[int | None, typer.Option(help="loss sequence chunk")] = None,
+    vocab_chunk: Annotated[int | None, typer.Option(help="LM-head vocabulary chunk")] = None,
+    mlp_chunk: Annotated[int | None, typer.Option(help="MLP sequence chunk")] = None,
+    attention: Annotated[
+        str, typer.Option(help="auto, materialized or flash (cuDNN on a GPU)")
+    ] = "auto",
     quantize_head: Annotated[bool, typer.Option(help="QLoRA: NF4 LM head")] = False,
     measure: Annotated[bool, typer.Option(help="compile the step on abstract shapes")] = True,
     json_output: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
@@ -148,8 +156,13 @@ def plan(
     from featherweight.memory.report import plot_plan, print_report, report_json
     from featherweight.models.registry import model_config_from
 
-    if offload not in ("none", "residuals"):
-        raise ConfigError(f"--offload {offload!r} is not an option; use none or residuals")
+    offloaded = set() if offload == "none" else {part.strip() for part in offload.split(",")}
+    unknown = offloaded - {"residuals", "optimizer_state", "embed"}
+    if unknown:
+        raise ConfigError(
+            f"--offload {offload!r}: {sorted(unknown)} cannot go to the host; use none, or any of "
+            "residuals,optimizer_state,embed"
+        )
     budget_bytes = None if budget is None else parse_budget(budget)
     requested = parse_config(
         {
@@ -161,8 +174,13 @@ def plan(
             "lora": {"rank": lora_rank},
             "mesh": None if mesh_settings is None else mesh_settings.model_dump(),
             "memory": {
-                "residuals": "host" if offload == "residuals" else "device",
+                "residuals": "host" if "residuals" in offloaded else "device",
+                "optimizer_state": "host" if "optimizer_state" in offloaded else "device",
+                "embed": "host" if "embed" in offloaded else "device",
                 "loss_chunk": loss_chunk,
+                "vocab_chunk": vocab_chunk,
+                "mlp_chunk": mlp_chunk,
+                "attention": attention,
             },
         },
         source="plan options",

@@ -8,13 +8,18 @@ the search stops at the first plan that fits:
 
 1. loss chunk: halve the LM-head/cross-entropy chunk (down to 64 tokens) -- same result, a little
    slower; helps when the loss phase is the peak (large vocabularies);
-2. saved intermediates: drop them (memory.save = ()) -- the backward pass recomputes them;
-3. residual offload: memory.residuals = "host" -- same result, the residual stream waits in pinned
+2. vocabulary chunk: the LM head 16384 rows at a time, then halved (down to 2048) -- same result;
+3. saved intermediates: drop them (memory.save = ()) -- the backward pass recomputes them;
+4. MLP chunk: halve the MLP's sequence chunk (down to 256) -- same result; long context;
+5. residual offload: memory.residuals = "host" -- same result, the residual stream waits in pinned
    host memory (transfers overlap compute);
-4. quantized head (QLoRA): model.quantize_head = true -- the LM head (or tied embedding) in NF4;
-5. optimizer-state dtype: adamw -> adamw_8bit -- 2 bytes of state per parameter instead of 8;
-6. micro-batch: halve batch_size (down to 1) -- the streamed step updates per micro-batch, so this
-   changes the effective batch; it comes last.
+6. embedding on host: memory.embed = "host" -- same result, only a batch's rows come over;
+7. quantized head (QLoRA): model.quantize_head = true -- the LM head (or tied embedding) in NF4;
+8. optimizer state on host: memory.optimizer_state = "host" -- same result, one layer's state on
+   the device at a time (one device only, like 6);
+9. optimizer-state dtype: adamw -> adamw_8bit -- 2 bytes of state per parameter instead of 8;
+10. micro-batch: halve batch_size (down to 1) -- the streamed step updates per micro-batch, so
+   this changes the effective batch; it comes last.
 
 When the last plan still does not fit, `BudgetError` names the largest component, the shortfall in
 GiB, and the changes that would fit (shorter sequence, another method, a smaller LoRA rank).
@@ -36,6 +41,9 @@ from featherweight.sharding import planning_mesh
 
 GIB = 2**30
 MIN_LOSS_CHUNK = 64
+MAX_VOCAB_CHUNK, MIN_VOCAB_CHUNK = 16384, 2048  # rows of the LM head at a time
+MIN_MLP_CHUNK = 256
+ROW_CHUNKED = ("adamw", "sgd", "lion")  # optimizers whose state updates in row chunks
 _UNITS = {
     "b": 1,
     "kb": 10**3,
@@ -85,6 +93,46 @@ def _loss_chunks(config: TrainConfig) -> Iterator[TrainConfig]:
         chunk //= 2
 
 
+def _vocab_chunks(config: TrainConfig, vocab_size: int) -> Iterator[TrainConfig]:
+    chunk = min(config.memory.vocab_chunk or vocab_size, MAX_VOCAB_CHUNK)
+    if chunk >= vocab_size:
+        chunk //= 2
+    while chunk >= MIN_VOCAB_CHUNK:
+        yield _replace(config, "memory", vocab_chunk=chunk)
+        chunk //= 2
+
+
+def _mlp_chunks(config: TrainConfig) -> Iterator[TrainConfig]:
+    seq = config.data.seq_len
+    chunk = (config.memory.mlp_chunk or seq) // 2
+    while chunk >= MIN_MLP_CHUNK:
+        if seq % chunk == 0:
+            yield _replace(config, "memory", mlp_chunk=chunk)
+        chunk //= 2
+
+
+def _host_placement_possible(config: TrainConfig) -> bool:
+    return config.mesh is None and config.memory.step == "streamed"
+
+
+def _embedding_on_host(config: TrainConfig, tied: bool) -> Iterator[TrainConfig]:
+    if config.memory.embed == "host" or not _host_placement_possible(config):
+        return
+    if config.method == "full" and (tied or config.optimizer.name not in ROW_CHUNKED):
+        return
+    if tied and config.model.quantize_head:
+        return
+    changed = _replace(config, "memory", embed="host")
+    if tied and changed.memory.vocab_chunk is None:
+        changed = _replace(changed, "memory", vocab_chunk=MAX_VOCAB_CHUNK)
+    yield changed
+
+
+def _optimizer_state_on_host(config: TrainConfig) -> Iterator[TrainConfig]:
+    if config.memory.optimizer_state != "host" and _host_placement_possible(config):
+        yield _replace(config, "memory", optimizer_state="host")
+
+
 def _no_saved(config: TrainConfig) -> Iterator[TrainConfig]:
     if config.memory.save:
         yield _replace(config, "memory", save=())
@@ -115,14 +163,18 @@ def _micro_batches(config: TrainConfig) -> Iterator[TrainConfig]:
         batch //= 2
 
 
-# (name, candidates from the current config, most preferred first)
-PREFERENCE: tuple[tuple[str, Callable[[TrainConfig], Iterator[TrainConfig]]], ...] = (
-    ("loss chunk", _loss_chunks),
-    ("saved intermediates", _no_saved),
-    ("residual offload", _offload),
-    ("quantized head", _quantized_head),
-    ("8-bit optimizer state", _eight_bit_state),
-    ("micro-batch", _micro_batches),
+# (name, candidates from the current config and model, most preferred first)
+PREFERENCE: tuple[tuple[str, Callable[[TrainConfig, ModelConfig], Iterator[TrainConfig]]], ...] = (
+    ("loss chunk", lambda c, m: _loss_chunks(c)),
+    ("vocabulary chunk", lambda c, m: _vocab_chunks(c, m.vocab_size)),
+    ("saved intermediates", lambda c, m: _no_saved(c)),
+    ("MLP chunk", lambda c, m: _mlp_chunks(c)),
+    ("residual offload", lambda c, m: _offload(c)),
+    ("embedding on host", lambda c, m: _embedding_on_host(c, m.tie_word_embeddings)),
+    ("quantized head", lambda c, m: _quantized_head(c)),
+    ("optimizer state on host", lambda c, m: _optimizer_state_on_host(c)),
+    ("8-bit optimizer state", lambda c, m: _eight_bit_state(c)),
+    ("micro-batch", lambda c, m: _micro_batches(c)),
 )
 
 
@@ -131,7 +183,11 @@ def describe_changes(before: TrainConfig, after: TrainConfig) -> list[str]:
     pairs = (
         ("memory.loss_chunk", before.memory.loss_chunk, after.memory.loss_chunk),
         ("memory.save", list(before.memory.save), list(after.memory.save)),
+        ("memory.vocab_chunk", before.memory.vocab_chunk, after.memory.vocab_chunk),
+        ("memory.mlp_chunk", before.memory.mlp_chunk, after.memory.mlp_chunk),
         ("memory.residuals", before.memory.residuals, after.memory.residuals),
+        ("memory.embed", before.memory.embed, after.memory.embed),
+        ("memory.optimizer_state", before.memory.optimizer_state, after.memory.optimizer_state),
         ("model.quantize_head", before.model.quantize_head, after.model.quantize_head),
         ("optimizer.name", before.optimizer.name, after.optimizer.name),
         ("batch_size", before.batch_size, after.batch_size),
@@ -152,7 +208,7 @@ def _search(
     level = 0
     while plan.device_bytes > budget and level < len(PREFERENCE):
         _, candidates = PREFERENCE[level]
-        for candidate in candidates(config):
+        for candidate in candidates(config, model_config):
             candidate_plan = plan_for_config(candidate, model_config)
             if candidate_plan.device_bytes < plan.device_bytes:
                 config, plan, level = candidate, candidate_plan, 0

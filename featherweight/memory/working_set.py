@@ -234,7 +234,7 @@ def working_set_floor(config: TrainConfig, model_config: ModelConfig) -> int:
     product and the float32 scores B x H x S x S) or (one logits chunk and the head's gradient).
     The implementation's floor, not XLA's: every tensor it needs, each once."""
     s, t = StepShapes(config, model_config), raw_terms(config, model_config)
-    intermediates = s.T * s.a * (2 * s.D + (2 * s.H + 2 * s.K) * s.h + 3 * s.F)
+    intermediates = s.T * s.a * (2 * s.D + (2 * s.H + 2 * s.K) * s.h) + s.B * s.Sm * s.a * 3 * s.F
     backward = (
         (0 if s.full else t["layer_weights"])
         + t["layer_gradient"]

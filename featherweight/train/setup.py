@@ -208,6 +208,12 @@ def check_method_settings(config: TrainConfig, model_config: ModelConfig) -> Non
     if config.model.quantize_head and config.method != "qlora":
         raise ConfigError("model.quantize_head=true needs method: qlora (the head is frozen there)")
     _check_placements(config, model_config)
+    mlp_chunk, seq = config.memory.mlp_chunk, config.data.seq_len
+    if mlp_chunk is not None and mlp_chunk < seq and seq % mlp_chunk:
+        raise ConfigError(
+            f"memory.mlp_chunk={mlp_chunk} must divide data.seq_len={seq}; use a divisor, e.g. "
+            f"{next(c for c in range(mlp_chunk, 0, -1) if seq % c == 0)}"
+        )
     if config.memory.accumulation_steps > 1 and config.memory.step == "streamed":
         raise ConfigError(
             "memory.accumulation_steps > 1 needs a full gradient buffer, which the streamed step "
