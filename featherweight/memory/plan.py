@@ -56,7 +56,7 @@ DEVICE, HOST = "device", "host"
 PERSISTENT = ("frozen_base", "trainable_weights", "optimizer_state", "batch")
 OUTPUTS = "step_outputs"
 HOST_EMBEDDING = "embedding_table"  # the frozen embedding with memory.embed: host
-METRIC_BYTES = 13  # loss, tokens, grad_norm (float32) and updated (bool)
+METRIC_BYTES = 14  # loss, tokens, grad_norm (float32), updated and params_finite (bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +130,7 @@ _STATE_LEAVES = {"adamw": 4, "lion": 3, "adafactor": 5}
 
 
 def _output_buffers(config: TrainConfig, model_config: ModelConfig) -> int:
-    """Output buffers of the step: trainable tensors, their optimizer-state leaves, 4 metrics."""
+    """Output buffers of the step: trainable tensors, their optimizer-state leaves, 5 metrics."""
     tensors = trainable_tensors(config, model_config)
     name = config.optimizer.name
     if name == "adamw_8bit":  # count, 2 moments (codes + absmax when >= 4096 values), count
@@ -139,7 +139,7 @@ def _output_buffers(config: TrainConfig, model_config: ModelConfig) -> int:
         state = len(tensors) * (2 if config.optimizer.b1 > 0 else 1)
     else:
         state = len(tensors) * _STATE_LEAVES[name]
-    return len(tensors) + state + 4
+    return len(tensors) + state + 5
 
 
 def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
@@ -287,7 +287,7 @@ def plan_for_config(config: TrainConfig, model_config: ModelConfig) -> MemoryPla
         OUTPUTS,
         METRIC_BYTES + 8 * _output_buffers(config, model_config),
         DEVICE,
-        "4 metrics + 8 B per output buffer (XLA's output tuple)",
+        "5 metrics + 8 B per output buffer (XLA's output tuple)",
     )
     on_device = sum(c.bytes for c in before if c.placement == DEVICE)
     if config.memory.step == "reference":
