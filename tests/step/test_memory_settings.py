@@ -14,6 +14,7 @@ from featherweight.errors import ConfigError
 from featherweight.memory.measure import measure_compiled
 from featherweight.memory.plan import plan_for_config
 from featherweight.models.init import init_params
+from featherweight.optim.adamw8bit import adamw_8bit
 from featherweight.peft.lora import LoraConfig, init_lora, lora_spec, quantize_frozen_base
 from featherweight.placement import to_host
 from featherweight.quant.nf4 import quantize_nf4
@@ -102,12 +103,13 @@ def test_mlp_chunk_gives_the_same_training():
 
 @pytest.mark.parametrize(
     "optimizer",
-    [ADAMW, optax.adafactor(1e-2), optax.sgd(0.1, momentum=0.9)],
-    ids=["adamw", "adafactor", "sgd"],
+    [ADAMW, optax.adafactor(1e-2), optax.sgd(0.1, momentum=0.9), adamw_8bit(1e-2)],
+    ids=["adamw", "adafactor", "sgd", "adamw_8bit"],
 )
 def test_optimizer_state_on_the_host_gives_the_same_training(optimizer):
     """adamw and sgd update the head and embedding in row chunks (vocab_chunk=128: 4 chunks);
-    adafactor's factored state cannot be cut in rows, so those come over whole."""
+    adafactor's factored state and the 8-bit blocks cannot be cut in rows, so those come over
+    whole. Any optax transformation works with its state on the host."""
     policy = MemoryPolicy(vocab_chunk=128)
     reference = _train(UNTIED, "full", optimizer, policy)
     losses, params, kinds = _train(UNTIED, "full", optimizer, policy, state_on="host")
