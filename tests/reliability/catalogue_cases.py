@@ -214,6 +214,24 @@ def loss_chunk(env: Env) -> Action:
     return env.train(**{"memory.loss_chunk": 48})
 
 
+@case(
+    "MLP chunk that does not divide the sequence",
+    r"memory\.mlp_chunk=48 must divide data\.seq_len=64",
+    r"use a divisor, e\.g\. 32",
+)
+def mlp_chunk(env: Env) -> Action:
+    return env.train(**{"memory.mlp_chunk": 48})
+
+
+@case(
+    "host placement on a mesh",
+    r"memory\.optimizer_state: host is supported on one device only",
+    r"drop the host placement, or set mesh: null",
+)
+def host_placement_on_a_mesh(env: Env) -> Action:
+    return env.train(**{"memory.optimizer_state": "host", "mesh.data": 1, "mesh.fsdp": 8})
+
+
 @case("unknown saved intermediate", r"\['attn'\]", r"known names are \['qkv', 'mlp_hidden'\]")
 def unknown_saved(env: Env) -> Action:
     return env.train(**{"memory.save": ["attn"]})
