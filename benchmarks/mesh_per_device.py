@@ -17,33 +17,22 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 import jax
+from results_file import emit
 
 from featherweight.config import MeshSettings, parse_config
-from featherweight.memory.measure import abstract_batch, measurement_of
+from featherweight.memory.measure import measure_compiled
 from featherweight.memory.mesh_plan import plan_for_mesh
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import format_bytes, percent_difference
 from featherweight.models.registry import builtin_config
 from featherweight.sharding import abstract_mesh, make_mesh
-from featherweight.train.setup import (
-    abstract_split,
-    build_train_step,
-    make_optimizer,
-)
 
 
 def measure(config, model, devices):
     mesh = None
     if devices > 1:
         mesh = make_mesh(MeshSettings(data=1, fsdp=devices), jax.devices()[:devices])
-    trainable, frozen = abstract_split(config, model)
-    optimizer = make_optimizer(config.optimizer, config.steps)
-    step, init_opt_state = build_train_step(config, model, trainable, frozen, optimizer, mesh)
-    opt_state = jax.eval_shape(init_opt_state, trainable)
-    batch = abstract_batch(config.batch_size, config.data.seq_len)
-    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    compiled = step.lower(trainable, opt_state, frozen, batch, key).compile()
-    return measurement_of(compiled, trainable, opt_state, frozen, 0.0)
+    return measure_compiled(config, model, mesh)
 
 
 def main() -> None:
@@ -87,11 +76,7 @@ def main() -> None:
                 f"{format_bytes(measured.argument_bytes)} | {ratio:.3f} |"
             )
             print(lines[-1], flush=True)
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import argparse
 import time
 
 import jax
+from results_file import emit
 
 from featherweight.config import parse_config
 from featherweight.memory.measure import measure_compiled
@@ -94,11 +95,7 @@ def main() -> None:
         *_section("bfloat16"),
         *_section("float32"),
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

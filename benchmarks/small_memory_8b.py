@@ -24,6 +24,7 @@ import dataclasses
 import platform
 
 import jax
+from results_file import emit
 
 from featherweight.config import parse_config
 from featherweight.memory.measure import measure_compiled
@@ -136,11 +137,7 @@ def main() -> None:
         "Host memory at the maximum context holds the residual stream (L x S x D x 2 bytes: "
         "8 GiB per 32K tokens) and the embedding table.",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
+from results_file import emit
 
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
@@ -114,11 +115,7 @@ def main() -> None:
     lines.append(
         "On CPU host and device memory are the same RAM: host residuals change placement only."
     )
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(report + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -84,13 +84,18 @@ def _replace(config: TrainConfig, section: str | None, **values) -> TrainConfig:
     return config.model_copy(update={section: updated})
 
 
-def _loss_chunks(config: TrainConfig) -> Iterator[TrainConfig]:
-    seq = config.data.seq_len
-    chunk = (config.memory.loss_chunk or seq) // 2
-    while chunk >= MIN_LOSS_CHUNK:
+def _halved_divisors(seq: int, current: int | None, minimum: int) -> Iterator[int]:
+    """Halvings of `current` (or of `seq`) down to `minimum` that divide the sequence."""
+    chunk = (current or seq) // 2
+    while chunk >= minimum:
         if seq % chunk == 0:
-            yield _replace(config, "memory", loss_chunk=chunk)
+            yield chunk
         chunk //= 2
+
+
+def _loss_chunks(config: TrainConfig) -> Iterator[TrainConfig]:
+    for chunk in _halved_divisors(config.data.seq_len, config.memory.loss_chunk, MIN_LOSS_CHUNK):
+        yield _replace(config, "memory", loss_chunk=chunk)
 
 
 def _vocab_chunks(config: TrainConfig, vocab_size: int) -> Iterator[TrainConfig]:
@@ -103,12 +108,8 @@ def _vocab_chunks(config: TrainConfig, vocab_size: int) -> Iterator[TrainConfig]
 
 
 def _mlp_chunks(config: TrainConfig) -> Iterator[TrainConfig]:
-    seq = config.data.seq_len
-    chunk = (config.memory.mlp_chunk or seq) // 2
-    while chunk >= MIN_MLP_CHUNK:
-        if seq % chunk == 0:
-            yield _replace(config, "memory", mlp_chunk=chunk)
-        chunk //= 2
+    for chunk in _halved_divisors(config.data.seq_len, config.memory.mlp_chunk, MIN_MLP_CHUNK):
+        yield _replace(config, "memory", mlp_chunk=chunk)
 
 
 def _host_placement_possible(config: TrainConfig) -> bool:

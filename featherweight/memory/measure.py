@@ -103,11 +103,14 @@ def abstract_batch(batch_size: int, seq_len: int) -> Batch:
     return Batch(ids, ids, mask, ids, ids)
 
 
-def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig):
-    """(step, (trainable, opt_state, frozen, batch, key)) as abstract shapes, from `train.setup`."""
+def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig, mesh=None):
+    """(step, (trainable, opt_state, frozen, batch, key)) as abstract shapes, from `train.setup`;
+    on `mesh` (default: the one `config.mesh` describes) the step is the sharded one."""
     trainable, frozen = abstract_split(config, model_config)
     optimizer = make_optimizer(config.optimizer, config.steps)
-    step, init_opt_state = build_train_step(config, model_config, trainable, frozen, optimizer)
+    step, init_opt_state = build_train_step(
+        config, model_config, trainable, frozen, optimizer, mesh
+    )
     opt_state = jax.eval_shape(init_opt_state, trainable)
     if config.memory.optimizer_state == "host":
         opt_state = abstract_on_host(opt_state)
@@ -120,12 +123,15 @@ def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig):
     return step, (trainable, opt_state, frozen, batch, key)
 
 
-def measure_compiled(config: TrainConfig, model_config: ModelConfig) -> MemoryMeasurement:
-    """Compile the configured train step on abstract shapes and read its memory analysis.
+def measure_compiled(
+    config: TrainConfig, model_config: ModelConfig, mesh=None
+) -> MemoryMeasurement:
+    """Compile the configured train step on abstract shapes and read its memory analysis (per
+    device on `mesh`, e.g. a mesh over some of the devices; default: `config.mesh`).
 
     Allocates no weights; compiling a large model takes host memory and time (minutes for 8B).
     """
-    step, arguments = abstract_step_arguments(config, model_config)
+    step, arguments = abstract_step_arguments(config, model_config, mesh)
     trainable, opt_state, frozen, _, _ = arguments
     start = time.perf_counter()
     compiled = step.lower(*arguments).compile()

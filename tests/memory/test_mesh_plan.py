@@ -9,12 +9,11 @@ from typer.testing import CliRunner
 from featherweight.cli import app
 from featherweight.config import MeshSettings, parse_config
 from featherweight.errors import ShardingError
-from featherweight.memory.measure import abstract_batch, measure_compiled, measurement_of
+from featherweight.memory.measure import measure_compiled
 from featherweight.memory.mesh_plan import plan_for_mesh
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import percent_difference
 from featherweight.sharding import abstract_mesh, make_mesh
-from featherweight.train.setup import abstract_split, build_train_step, make_optimizer
 from tests.conftest import tiny_config
 
 SMALL = tiny_config(
@@ -37,14 +36,7 @@ def _config(method, **settings):
 def _measure_on(config, model, devices):
     """The compiled step on a mesh of the first `devices` devices (FSDP over all of them)."""
     mesh = make_mesh(MeshSettings(data=1, fsdp=devices), jax.devices()[:devices])
-    trainable, frozen = abstract_split(config, model)
-    optimizer = make_optimizer(config.optimizer, config.steps)
-    step, init_opt_state = build_train_step(config, model, trainable, frozen, optimizer, mesh)
-    opt_state = jax.eval_shape(init_opt_state, trainable)
-    batch = abstract_batch(config.batch_size, config.data.seq_len)
-    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    compiled = step.lower(trainable, opt_state, frozen, batch, key).compile()
-    return measurement_of(compiled, trainable, opt_state, frozen, 0.0)
+    return measure_compiled(config, model, mesh)
 
 
 def _check(method, devices):
