@@ -20,19 +20,19 @@ from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint
 from featherweight.io.output_paths import refuse_inside, refuse_overlap
 from featherweight.peft.export import check_merged_dtype, export_merged, export_peft
 from featherweight.train.checkpoint import Checkpointer
-from featherweight.train.run import (
-    CHECKPOINT_DIR,
-    CONFIG_FILE,
-    load_weights,
-    read_header,
-    resolve_model_path,
-)
 from featherweight.train.setup import (
     abstract_split,
     lora_config_of,
     make_optimizer,
     opt_state_initializer,
     split_params,
+)
+from featherweight.train.state import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    load_weights,
+    read_header,
+    resolve_model_path,
 )
 
 FORMATS = ("merged", "peft")

@@ -34,9 +34,9 @@ from featherweight.sharding import place_batch
 from featherweight.step.loss import Batch
 from featherweight.train.iterator import eval_batches
 from featherweight.train.metrics import MetricsLog, plot_loss_curve
-from featherweight.train.run import METRICS_FILE, Run, prepare_run
 from featherweight.train.setup import evaluation_fn
 from featherweight.train.signals import StopRequest
+from featherweight.train.state import METRICS_FILE, Run, prepare_run
 
 EXIT_CODES = {2: 130, 15: 143}  # SIGINT, SIGTERM: the shell's 128 + signal
 

@@ -40,7 +40,13 @@ import numpy as np
 import yaml
 
 from featherweight.train.checkpoint import DELETING_DIR, Checkpointer
-from featherweight.train.run import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, RUN_ENTRIES, RUN_FILE
+from featherweight.train.state import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    METRICS_FILE,
+    RUN_ENTRIES,
+    RUN_FILE,
+)
 
 CLI = (sys.executable, "-c", "import sys; from featherweight.cli import main; sys.exit(main())")
 ORBAX_TEMP = ".orbax-checkpoint-tmp"

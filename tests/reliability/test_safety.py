@@ -150,7 +150,7 @@ def test_a_path_that_resolves_into_the_checkpoints_is_refused(trained_run, tmp_p
 def test_a_whole_output_dir_may_be_a_link_elsewhere(tiny_model_dir, demo_data, tmp_path):
     """Rule 2 refuses links inside a run directory; linking the directory itself is the way."""
     from featherweight.config import parse_config
-    from featherweight.train.run import check_output_dir
+    from featherweight.train.state import check_output_dir
     from tests.reliability.conftest import short_run
 
     (tmp_path / "big-disk").mkdir()
