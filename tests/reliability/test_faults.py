@@ -21,7 +21,7 @@ from featherweight.errors import (
     TrainingDivergedError,
 )
 from featherweight.train import export_run as export_module
-from featherweight.train import run as run_module
+from featherweight.train import state as run_module
 from featherweight.train.export_run import export_run
 from featherweight.train.iterator import DataIterator
 from featherweight.train.loop import train
