@@ -56,7 +56,12 @@ from featherweight.sharding import (
     tree_shardings,
 )
 from featherweight.step.loss import resolve_chunk_size
-from featherweight.train.setup import abstract_split, make_optimizer, opt_state_initializer
+from featherweight.train.setup import (
+    abstract_split,
+    check_method_settings,
+    make_optimizer,
+    opt_state_initializer,
+)
 
 SPLIT_OVER_FSDP = ("layer_gradient", "optimizer_update", "head_gradient", "full_gradient")
 
@@ -126,6 +131,7 @@ def plan_for_mesh(
 ) -> MemoryPlan:
     """The plan of one device of `mesh` (see the module docstring). `config.batch_size` is per
     process, as the trainer reads it; the global batch must split over data x fsdp."""
+    check_method_settings(config, model_config)  # with the mesh: e.g. host placements refused
     rows = mesh.shape[DATA] * mesh.shape[FSDP]
     fsdp = mesh.shape[FSDP]
     global_batch = config.batch_size * jax.process_count()
