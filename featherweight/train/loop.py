@@ -141,6 +141,13 @@ def train(
     step (monitoring, tests); it must not keep references to it.
     """
     console = (console or Console()) if is_primary() else Console(quiet=True)
+    # from the very start: SIGINT/SIGTERM during setup (planning, loading, compiling) is recorded
+    # too, and the run stops cleanly before its first step instead of dying mid-setup
+    with StopRequest() as stop:
+        return _train(config, overwrite, console, plan_fn, on_step, stop)
+
+
+def _train(config, overwrite, console, plan_fn, on_step, stop: StopRequest) -> TrainResult:
     run = prepare_run(config, overwrite, plan_fn or printing_planner(console))
     config = run.config
     trainable, opt_state = run.trainable, run.opt_state
@@ -151,12 +158,16 @@ def train(
         MetricsLog(run.output_dir / METRICS_FILE, run.start_step) if is_primary() else None
     )
     loss = eval_loss = None
-    step, stopping = run.start_step, False
+    step, stopping = run.start_step, any_process(stop.requested)
     if run.start_step:
         console.print(f"resuming {run.output_dir} at step {run.start_step}")
-    with StopRequest() as stop, _progress(console) as progress:
+    if stopping:
+        by = stop.signal_number or "on another process"
+        console.print(f"stopped by signal {by} during setup; nothing new to save")
+    steps = range(run.start_step + 1, config.steps + 1) if not stopping else range(0)
+    with _progress(console) as progress:
         task = progress.add_task("train", total=config.steps, completed=run.start_step, status="")
-        for step in range(run.start_step + 1, config.steps + 1):
+        for step in steps:
             batch = global_batch(run, next(run.data))
             started = time.perf_counter()
             trainable, opt_state, metrics = run.step_fn(

@@ -305,7 +305,19 @@ class TrainChain:
         return f"checkpoint {target}", self._checkpoint_started(target), rng.uniform(0, 0.2), number
 
     def _step_logged(self, step: int) -> Callable[[], bool]:
-        return lambda: last_logged_step(self.run_dir) >= step
+        """True once *this* process has logged `step`: a killed process may have logged steps
+        past its last checkpoint, which the resumed process drops first (MetricsLog) and runs
+        again, so the metrics must first have gone back to the checkpoint."""
+        resumed_from = self.latest()
+        truncated = False
+
+        def logged() -> bool:
+            nonlocal truncated
+            last = last_logged_step(self.run_dir)
+            truncated = truncated or last <= resumed_from
+            return truncated and last >= step
+
+        return logged
 
     def _checkpoint_started(self, step: int) -> Callable[[], bool]:
         directory = self.run_dir / CHECKPOINT_DIR

@@ -2,6 +2,8 @@
 checkpoints, divergence handling, and the errors a user meets first."""
 
 import gc
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import pytest
 
 from featherweight.config import parse_config
 from featherweight.errors import ConfigError, DataError, OutputExistsError, TrainingDivergedError
+from featherweight.memory.budget import plan_within_budget
 from featherweight.train.checkpoint import Checkpointer
 from featherweight.train.loop import train
 from featherweight.train.metrics import read_metrics
@@ -229,3 +232,23 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
     assert "did you mean 'optimizer'" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_signal_during_setup_stops_before_the_first_step(tiny_model_dir, demo_data, tmp_path):
+    """SIGTERM while the run plans, loads and compiles: no step runs, nothing new is written, the
+    metrics a killed run logged past its checkpoint are dropped, and the run says it was stopped."""
+    settings = run_settings(tiny_model_dir, demo_data, tmp_path / "run", steps=4)
+    train(parse_config(settings))  # checkpoints 2 and 4
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.rmtree(checkpoints / "4")  # as if killed after logging step 4, before saving it
+    longer = parse_config({**settings, "steps": 6})
+
+    def plan_then_signal(config, model_config):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives during setup
+        return plan_within_budget(config, model_config)
+
+    result = train(longer, plan_fn=plan_then_signal)
+    assert result.stopped_by_signal == signal.SIGTERM and result.step == 2
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["2"]
+    assert max(record["step"] for record in read_metrics(metrics)) == 2
