@@ -103,8 +103,13 @@ def test_mlp_chunk_gives_the_same_training():
 
 @pytest.mark.parametrize(
     "optimizer",
-    [ADAMW, optax.adafactor(1e-2), optax.sgd(0.1, momentum=0.9), adamw_8bit(1e-2)],
-    ids=["adamw", "adafactor", "sgd", "adamw_8bit"],
+    [
+        ADAMW,
+        optax.sgd(0.1, momentum=0.9),
+        pytest.param(optax.adafactor(1e-2), marks=pytest.mark.slow),
+        pytest.param(adamw_8bit(1e-2), marks=pytest.mark.slow),
+    ],
+    ids=["adamw", "sgd", "adafactor", "adamw_8bit"],
 )
 def test_optimizer_state_on_the_host_gives_the_same_training(optimizer):
     """adamw and sgd update the head and embedding in row chunks (vocab_chunk=128: 4 chunks);
@@ -126,7 +131,7 @@ def test_an_embedding_on_the_host_gives_the_same_training(config, method):
     _assert_same(reference, _train(config, method, ADAMW, policy, embed_on="host"))
 
 
-@pytest.mark.parametrize("state_on", ["device", "host"])
+@pytest.mark.parametrize("state_on", [pytest.param("device", marks=pytest.mark.slow), "host"])
 def test_a_trained_embedding_on_the_host_gives_the_same_training(state_on):
     """Full fine-tuning, untied: the table stays on the host, each row chunk's gradient is built
     from the batch's rows in it, and chunk, state and update come over one chunk at a time."""
