@@ -8,6 +8,7 @@ if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -45,3 +46,13 @@ def demo_gguf():
             f"demo model missing at {path}: run `featherweight setup` first (scripts/test does)"
         )
     return path
+
+
+def relative_difference(expected, actual) -> float:
+    """Largest over the leaves of max |expected - actual| / max |expected|."""
+    diffs = jax.tree.map(
+        lambda a, b: float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(a)) + 1e-30)),
+        expected,
+        actual,
+    )
+    return max(jax.tree.leaves(diffs))

@@ -36,6 +36,7 @@ import jax
 from featherweight.config import TrainConfig
 from featherweight.errors import BudgetError, ConfigError
 from featherweight.memory.plan import MemoryPlan, plan_for_config
+from featherweight.memory.state_bytes import ROW_CHUNKED_OPTIMIZERS
 from featherweight.models.config import ModelConfig
 from featherweight.sharding import planning_mesh
 
@@ -43,7 +44,6 @@ GIB = 2**30
 MIN_LOSS_CHUNK = 64
 MAX_VOCAB_CHUNK, MIN_VOCAB_CHUNK = 16384, 2048  # rows of the LM head at a time
 MIN_MLP_CHUNK = 256
-ROW_CHUNKED = ("adamw", "sgd", "lion")  # optimizers whose state updates in row chunks
 _UNITS = {
     "b": 1,
     "kb": 10**3,
@@ -119,7 +119,7 @@ def _host_placement_possible(config: TrainConfig) -> bool:
 def _embedding_on_host(config: TrainConfig, tied: bool) -> Iterator[TrainConfig]:
     if config.memory.embed == "host" or not _host_placement_possible(config):
         return
-    if config.method == "full" and (tied or config.optimizer.name not in ROW_CHUNKED):
+    if config.method == "full" and (tied or config.optimizer.name not in ROW_CHUNKED_OPTIMIZERS):
         return
     if tied and config.model.quantize_head:
         return

@@ -44,6 +44,7 @@ from featherweight.train.setup import (
     abstract_split,
     build_train_step,
     make_optimizer,
+    place_embedding,
     split_params,
 )
 
@@ -114,10 +115,7 @@ def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig, mesh
     opt_state = jax.eval_shape(init_opt_state, trainable)
     if config.memory.optimizer_state == "host":
         opt_state = abstract_on_host(opt_state)
-    if config.memory.embed == "host" and "embed" in trainable:
-        trainable = {**trainable, "embed": abstract_on_host(trainable["embed"])}
-    elif config.memory.embed == "host":
-        frozen = {**frozen, "embed": abstract_on_host(frozen["embed"])}
+    trainable, frozen = place_embedding(config, trainable, frozen, abstract_on_host)
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     batch = abstract_batch(config.batch_size, config.data.seq_len)
     return step, (trainable, opt_state, frozen, batch, key)

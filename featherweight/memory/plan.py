@@ -23,8 +23,8 @@ bytes of the layer-streamed step (featherweight/step/streamed.py) per component:
 Host bytes: residuals placed on host leave the device; XLA CPU has one memory, so on CPU the
 measured total is to be compared with device + host (`MemoryPlan.cpu_comparable_bytes`).
 
-Every component carries its placement, so settings still to come (embedding rows fetched from
-host, optimizer state on host, long-context MLP chunking) add a component, change a placement or
+Every component carries its placement: the small-memory settings (embedding table and optimizer
+state on host, vocabulary and MLP chunks, flash attention) add a component, change a placement or
 shrink a working-set term without changing how plans are summed, compared or budgeted.
 """
 
@@ -55,7 +55,7 @@ from featherweight.train.setup import check_method_settings
 DEVICE, HOST = "device", "host"
 PERSISTENT = ("frozen_base", "trainable_weights", "optimizer_state", "batch")
 OUTPUTS = "step_outputs"
-HOST_EMBEDDING = "embedding_table"  # the frozen embedding with memory.embed: host
+HOST_EMBEDDING = "embedding_table"  # the embedding table with memory.embed: host
 METRIC_BYTES = 14  # loss, tokens, grad_norm (float32), updated and params_finite (bool)
 
 

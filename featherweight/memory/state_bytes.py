@@ -18,6 +18,7 @@ from featherweight.models.llama import LINEAR_NAMES
 from featherweight.models.shapes import layer_shapes, top_level_shapes
 from featherweight.optim.adamw8bit import BLOCK_SIZE, MIN_8BIT_SIZE, adam_8bit_state_bytes
 from featherweight.quant.nf4 import nf4_nbytes
+from featherweight.step.streamed import TOP_ROW_CHUNK, top_row_chunk
 
 ADAPTER_ITEMSIZE = 4  # LoRA adapters are float32 (train.setup.ADAPTER_DTYPE)
 FACTOR_MIN_DIM = 128  # optax.adafactor's min_dim_size_to_factor
@@ -98,15 +99,15 @@ def host_embedding_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
     return math.prod(top_level_shapes(model_config)["embed"]) * compute_itemsize(config)
 
 
-ROW_CHUNKED_OPTIMIZERS = ("adamw", "sgd", "lion")  # every state leaf shaped like its parameter
+# optimizers whose every state leaf is a scalar or shaped like its parameter: their update can
+# run over row chunks of a [V, D] tensor (featherweight/step/streamed.py)
+ROW_CHUNKED_OPTIMIZERS = ("adamw", "sgd", "lion")
 
 
 def top_optimizer_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
     """Optimizer state of a trainable tensor outside the layer stack (embedding or LM head) that
     is on the device at once for its update when the state lives on the host: a row chunk of it
     for elementwise optimizers (featherweight/step/streamed.py `top_row_chunk`), all of it else."""
-    from featherweight.step.streamed import TOP_ROW_CHUNK, top_row_chunk
-
     name, momentum = config.optimizer.name, config.optimizer.b1 > 0
     target = config.memory.vocab_chunk or TOP_ROW_CHUNK
     largest = 0

@@ -51,7 +51,7 @@ from featherweight.placement import (
 from featherweight.step.layer_grad import layer_forward, layer_vjp
 from featherweight.step.loss import Batch, head_loss
 from featherweight.step.policy import MemoryPolicy
-from featherweight.step.reference import jit_shardings, layer_dropout_keys
+from featherweight.step.reference import all_finite, jit_shardings, layer_dropout_keys
 from featherweight.step.validate import check_optimizer
 
 HEAD_GROUP = ("final_norm", "lm_head")
@@ -110,9 +110,10 @@ def place_opt_state(state: StreamedOptState, placement: str) -> StreamedOptState
     """The optimizer state in "device" or (pinned) "host" memory.
 
     On the host, the streamed step brings each layer's slice of each tensor's state to the device
-    for that tensor's update and writes it back (the slicing runs on the host), and the head's and
-    embedding's states come over whole for their single update: the device holds one tensor's
-    state at a time instead of all of it. Works for any optax transformation.
+    for that tensor's update and writes it back (the slicing runs on the host); the head's and
+    embedding's states come over in row chunks (elementwise optimizers) or whole: the device holds
+    one tensor's (or chunk's) state at a time instead of all of it. Works for any optax
+    transformation.
     """
     if placement == "device":
         return state
@@ -168,20 +169,6 @@ def _squared_norm(tree) -> jax.Array:
         (jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree.leaves(tree)),
         jnp.float32(0),
     )
-
-
-def all_finite(tree) -> jax.Array:
-    """Whether every value of every floating-point leaf is finite (one reduction per tensor).
-
-    A finite loss does not make a finite update: an absurd learning rate can overflow the
-    parameters themselves, and a checkpoint of them would not be a good one.
-    """
-    flags = [
-        jnp.all(jnp.isfinite(leaf))
-        for leaf in jax.tree.leaves(tree)
-        if jnp.issubdtype(leaf.dtype, jnp.floating)
-    ]
-    return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
 
 
 def _guarded_update(optimizer, ok, grads, state, params):

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from featherweight.config import OptimizerSettings, TrainConfig
 from featherweight.errors import ConfigError
+from featherweight.memory.state_bytes import ROW_CHUNKED_OPTIMIZERS
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LINEAR_NAMES, LoraSpec, Params
 from featherweight.models.shapes import layer_shapes, top_level_shapes
@@ -128,6 +129,19 @@ def abstract_split(config: TrainConfig, model_config: ModelConfig) -> tuple[Para
     return abstract_lora(model_config, lora, ADAPTER_DTYPE), params
 
 
+def place_embedding(
+    config: TrainConfig, trainable: Params, frozen: Params, move: Callable
+) -> tuple[Params, Params]:
+    """(trainable, frozen) with the embedding table moved by `move` (to host memory, or to an
+    abstract host shape) when `memory.embed` is "host": trained with full fine-tuning (updated in
+    row chunks there), frozen otherwise."""
+    if config.memory.embed != "host":
+        return trainable, frozen
+    if "embed" in trainable:
+        return {**trainable, "embed": move(trainable["embed"])}, frozen
+    return trainable, {**frozen, "embed": move(frozen["embed"])}
+
+
 def memory_policy_of(config: TrainConfig) -> MemoryPolicy:
     memory = config.memory
     return MemoryPolicy(
@@ -222,8 +236,9 @@ def check_method_settings(config: TrainConfig, model_config: ModelConfig) -> Non
 
 
 def _check_placements(config: TrainConfig, model_config: ModelConfig) -> None:
-    """Host placements need the streamed step on one device; a host embedding must be frozen,
-    and when it is also the (tied) LM head, the head must read it in vocabulary chunks."""
+    """Host placements need the streamed step on one device. A host embedding trained (full
+    fine-tuning) must be untied and use an elementwise optimizer (it is updated in row chunks);
+    a frozen one that is also the (tied) LM head must be read in vocabulary chunks."""
     memory = config.memory
     on_host = [
         f"memory.{name}: host"
@@ -249,7 +264,7 @@ def _check_placements(config: TrainConfig, model_config: ModelConfig) -> None:
                 "also the LM head, whose gradient covers every row; use memory.embed: device, "
                 "or method lora/qlora (the table is frozen there)"
             )
-        if config.optimizer.name not in ("adamw", "sgd", "lion"):
+        if config.optimizer.name not in ROW_CHUNKED_OPTIMIZERS:
             raise ConfigError(
                 f"memory.embed: host with method: full updates the table in row chunks, which "
                 f"optimizer {config.optimizer.name!r} cannot (its state is not elementwise); use "

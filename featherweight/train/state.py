@@ -44,6 +44,7 @@ from featherweight.train.setup import (
     check_method_settings,
     make_optimizer,
     memory_policy_of,
+    place_embedding,
     split_params,
 )
 
@@ -260,11 +261,8 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     optimizer = make_optimizer(config.optimizer, config.steps)
     step_fn, init_opt_state = build_train_step(config, model_config, trainable, frozen, optimizer)
     opt_state = init_opt_state(trainable)  # placed as memory.optimizer_state says
-    if config.memory.embed == "host":  # the step brings over only the rows a batch uses
-        if "embed" in trainable:  # full fine-tuning: updated on the host, in row chunks
-            trainable = {**trainable, "embed": to_host(trainable["embed"])}
-        else:
-            frozen = {**frozen, "embed": to_host(frozen["embed"])}
+    # memory.embed: host -- the step brings over only the rows a batch uses
+    trainable, frozen = place_embedding(config, trainable, frozen, to_host)
     checkpointer = Checkpointer(output_dir / CHECKPOINT_DIR, keep=config.checkpoint.keep)
     start_step = 0
     latest = checkpointer.latest_step() if resuming else None

@@ -25,7 +25,7 @@ from featherweight.optim.blockwise8bit import (
 from featherweight.step.loss import batch_from_tokens
 from featherweight.step.reference import build_reference_step
 from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
-from tests.conftest import tiny_config
+from tests.conftest import relative_difference, tiny_config
 
 # Every per-layer tensor of tiny_config with >= 1024 values (k, v: 2048) is 8-bit, and so is its
 # stacked [2, ...] version; norms (64 per layer) stay float32 either way. So the reference step
@@ -225,15 +225,6 @@ def test_loss_curve_is_within_2_percent_of_fp32_adamw_at_every_step(tiny_task, e
     assert expected[-1] < 0.5 * expected[0] and actual[-1] < 0.5 * actual[0]
 
 
-def _relative_difference(expected, actual) -> float:
-    diffs = jax.tree.map(
-        lambda a, b: float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(a)) + 1e-30)),
-        expected,
-        actual,
-    )
-    return max(jax.tree.leaves(diffs))
-
-
 def _measured_bytes(analysis) -> int:
     """Bytes a compiled step holds at once (DESIGN.md section 5)."""
     return (
@@ -278,8 +269,8 @@ def test_streamed_step_equals_the_reference_step_and_donates_the_state(
         st_params, st_state, st_metrics = streamed(st_params, st_state, {}, batch, key)
         assert all(leaf.is_deleted() for leaf in jax.tree.leaves(old))
         np.testing.assert_allclose(st_metrics["loss"], ref_metrics["loss"], rtol=1e-5)
-    assert _relative_difference(ref_params, st_params) <= 1e-5
-    assert _relative_difference(params, st_params) > 1e-3  # the steps did move the weights
+    assert relative_difference(ref_params, st_params) <= 1e-5
+    assert relative_difference(params, st_params) > 1e-3  # the steps did move the weights
 
 
 def test_streamed_step_memory_drops_by_the_planned_state_bytes(

@@ -15,7 +15,7 @@ from featherweight.step.loss import Batch, batch_from_tokens
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.reference import build_reference_step
 from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
-from tests.conftest import tiny_config
+from tests.conftest import relative_difference, tiny_config
 
 OPTIMIZERS = {
     "sgd": (lambda: optax.sgd(0.1), 1e-6),
@@ -65,15 +65,6 @@ def _batch(config, batch=2, seq=16, seed=1):
     return batch_from_tokens(tokens)
 
 
-def _relative_difference(expected, actual) -> float:
-    diffs = jax.tree.map(
-        lambda a, b: float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(a)) + 1e-30)),
-        expected,
-        actual,
-    )
-    return max(jax.tree.leaves(diffs))
-
-
 def _run_both(config, trainable, frozen, lora, optimizer, policy=None, steps=5):
     batch = _batch(config)
     reference = build_reference_step(config, optimizer, lora=lora, donate=False)
@@ -104,10 +95,8 @@ def test_five_streamed_steps_equal_reference(method, tied, optimizer_name):
     make_optimizer, tolerance = OPTIMIZERS[optimizer_name]
     config, trainable, frozen, lora = _setup(method, tied)
     expected, actual = _run_both(config, trainable, frozen, lora, make_optimizer())
-    assert _relative_difference(expected, actual) <= tolerance
-    assert (
-        _relative_difference(trainable, actual) > 10 * tolerance
-    )  # the steps did move the weights
+    assert relative_difference(expected, actual) <= tolerance
+    assert relative_difference(trainable, actual) > 10 * tolerance  # the steps did move the weights
 
 
 @pytest.mark.parametrize(
@@ -123,7 +112,7 @@ def test_five_streamed_steps_equal_reference(method, tied, optimizer_name):
 def test_policies_give_the_reference_result(policy):
     config, trainable, frozen, lora = _setup("full", tied=True)
     expected, actual = _run_both(config, trainable, frozen, lora, optax.sgd(0.1), policy, steps=3)
-    assert _relative_difference(expected, actual) <= 1e-6
+    assert relative_difference(expected, actual) <= 1e-6
 
 
 def test_host_residuals_are_in_host_memory_and_change_nothing():
