@@ -18,8 +18,8 @@ from pathlib import Path
 
 import jax
 
-from featherweight.demo_model import require_demo_model
-from featherweight.inference import generate_ids
+from featherweight.inference.generate import generate_ids
+from featherweight.io.embedded_model import require_demo_model
 from featherweight.io.loader import load_model
 
 QUESTION = "Explain in a few sentences why the sky is blue."

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from featherweight.demo_model import demo_model_path
+from featherweight.io.embedded_model import demo_model_path
 from featherweight.io.loader import open_checkpoint, params_nbytes
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
@@ -39,7 +39,6 @@ from featherweight.peft.lora import (
     LoraConfig,
     abstract_lora,
     init_lora,
-    lora_spec,
     quantize_frozen_base,
 )
 from featherweight.step.loss import Batch, batch_from_tokens
@@ -66,7 +65,7 @@ def time_steps(rounds: int) -> dict[str, float]:
     """Median seconds per step of LoRA and QLoRA on SMALL (float32 compute), interleaved."""
     base = init_params(jax.random.PRNGKey(0), SMALL, jnp.float32)
     frozen = {"lora": base, "qlora": quantize_frozen_base(base)}
-    step = build_reference_step(SMALL, OPTIMIZER, lora=lora_spec(LORA))
+    step = build_reference_step(SMALL, OPTIMIZER, lora=LORA.spec)
     rng = np.random.default_rng(0)
     batch = batch_from_tokens(
         jnp.asarray(rng.integers(0, SMALL.vocab_size, (SMALL_BATCH, SMALL_SEQ + 1)))
@@ -93,7 +92,7 @@ def step_memory(config: ModelConfig, frozen: Params) -> int:
     adapters = abstract_lora(config, LORA)
     ids = jax.ShapeDtypeStruct((SMOL_BATCH, SMOL_SEQ), jnp.int32)
     batch = Batch(ids, ids, jax.ShapeDtypeStruct((SMOL_BATCH, SMOL_SEQ), jnp.float32), ids, None)
-    step = build_reference_step(config, OPTIMIZER, lora=lora_spec(LORA), chunk_size=SMOL_CHUNK)
+    step = build_reference_step(config, OPTIMIZER, lora=LORA.spec, chunk_size=SMOL_CHUNK)
     opt_state = jax.eval_shape(OPTIMIZER.init, adapters)
     stats = step.lower(adapters, opt_state, frozen, batch, None).compile().memory_analysis()
     return (

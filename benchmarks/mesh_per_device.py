@@ -19,13 +19,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import jax
 from results_file import emit
 
-from featherweight.config import MeshSettings, parse_config
 from featherweight.memory.measure import measure_compiled
 from featherweight.memory.mesh_plan import plan_for_mesh
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import format_bytes, percent_difference
 from featherweight.models.registry import builtin_config
-from featherweight.sharding import abstract_mesh, make_mesh
+from featherweight.parallel.sharding import abstract_mesh, make_mesh
+from featherweight.recipe.config import MeshSettings, parse_config
 
 
 def measure(config, model, devices):

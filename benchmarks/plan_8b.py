@@ -16,11 +16,11 @@ import time
 import jax
 from results_file import emit
 
-from featherweight.config import parse_config
 from featherweight.memory.measure import measure_compiled
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import comparison_notes, format_bytes, percent_difference
 from featherweight.models.registry import builtin_config
+from featherweight.recipe.config import parse_config
 
 MACHINE = "2-core CPU, no GPU"
 

@@ -4,21 +4,22 @@ Public API (pure functions over pytrees; frozen and trainable parameters always 
 """
 
 from featherweight import errors
-from featherweight.inference import generate, generate_ids, logits
+from featherweight.inference.generate import generate, generate_ids, logits
 from featherweight.io.convert import convert
-from featherweight.io.loader import Model, load_model, open_checkpoint, params_nbytes
+from featherweight.io.loader import load_model, open_checkpoint, params_nbytes
+from featherweight.io.model_source import model_config_from
+from featherweight.io.peft_export import export_merged, export_peft
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.memory.budget import fit_budget, parse_budget, plan_within_budget
 from featherweight.memory.measure import MemoryMeasurement, measure_compiled, measure_device_peak
 from featherweight.memory.plan import MemoryPlan, plan_for_config
 from featherweight.models.config import ModelConfig, config_from_hf_dict
-from featherweight.models.registry import BUILTIN_MODELS, builtin_config, model_config_from
+from featherweight.models.model import Model
+from featherweight.models.registry import BUILTIN_MODELS, builtin_config
 from featherweight.optim.adamw8bit import adam_8bit_state_bytes, adamw_8bit, scale_by_adam_8bit
-from featherweight.peft.export import export_merged, export_peft
 from featherweight.peft.lora import (
     LoraConfig,
     init_lora,
-    lora_spec,
     merge_lora_weight,
     quantize_frozen_base,
 )
@@ -48,7 +49,6 @@ __all__ = [
     "init_lora",
     "load_model",
     "logits",
-    "lora_spec",
     "measure_compiled",
     "measure_device_peak",
     "merge_lora_weight",

@@ -1,0 +1,1 @@
+"""Files in and out: checkpoint readers (safetensors, GGUF), writers (HF, PEFT), tokenizers, atomic writes."""

@@ -9,7 +9,6 @@ on an accelerator, the host holds at most one stack.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import jax
@@ -19,31 +18,15 @@ import numpy as np
 from featherweight.errors import CheckpointNotFoundError, ConfigError, QuantizationError
 from featherweight.io.gguf_reader import GGUFSource
 from featherweight.io.safetensors_reader import PICKLE_SUFFIXES, SafetensorsSource, refuse_pickle
-from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
-from featherweight.models.llama import LINEAR_NAMES, LoraSpec, Params
+from featherweight.models.llama import LINEAR_NAMES, Params
+from featherweight.models.model import Model
 from featherweight.models.shapes import layer_shapes, top_level_shapes
 from featherweight.quant.nf4 import BLOCK_SIZE, NF4Tensor, quantize_nf4
 
 QUANTIZATIONS = (None, "nf4")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 _HOST_ALIGNMENT = 64  # bytes; what XLA's CPU client needs to alias a host array
-
-
-@dataclasses.dataclass
-class Model:
-    """A loaded model: config, parameter pytree (layers stacked on axis 0) and tokenizer."""
-
-    config: ModelConfig
-    params: Params
-    tokenizer: Tokenizer | None
-    source: Path
-    lora: LoraSpec | None = None  # set when params hold LoRA adapters (layers["lora"])
-
-    @property
-    def dtype(self) -> jnp.dtype:
-        """The compute dtype (that of the final norm weight)."""
-        return self.params["final_norm"].dtype
 
 
 def open_checkpoint(path: str | Path) -> SafetensorsSource | GGUFSource:

@@ -33,12 +33,12 @@ from collections.abc import Callable, Iterator
 
 import jax
 
-from featherweight.config import TrainConfig
 from featherweight.errors import BudgetError, ConfigError
 from featherweight.memory.plan import MemoryPlan, plan_for_config
-from featherweight.memory.state_bytes import ROW_CHUNKED_OPTIMIZERS
 from featherweight.models.config import ModelConfig
-from featherweight.sharding import planning_mesh
+from featherweight.parallel.sharding import planning_mesh
+from featherweight.recipe.config import TrainConfig
+from featherweight.recipe.optimizer import ROW_CHUNKED_OPTIMIZERS
 
 GIB = 2**30
 MIN_LOSS_CHUNK = 64

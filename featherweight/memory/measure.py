@@ -33,20 +33,20 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from featherweight.config import TrainConfig
 from featherweight.errors import ConfigError
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
-from featherweight.placement import abstract_on_host, host_resident_bytes
-from featherweight.sharding import per_device_bytes
-from featherweight.step.loss import Batch
-from featherweight.train.setup import (
+from featherweight.parallel.memory_kinds import abstract_on_host, host_resident_bytes
+from featherweight.parallel.sharding import per_device_bytes
+from featherweight.recipe.build import (
     abstract_split,
     build_train_step,
-    make_optimizer,
     place_embedding,
     split_params,
 )
+from featherweight.recipe.config import TrainConfig
+from featherweight.recipe.optimizer import make_optimizer
+from featherweight.step.loss import Batch
 
 MEASURED_COMPONENTS = (
     "frozen_base",

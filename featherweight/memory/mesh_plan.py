@@ -41,12 +41,12 @@ import math
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
-from featherweight.config import TrainConfig
-from featherweight.memory.plan import DEVICE, OUTPUTS, MemoryPlan, PlanComponent, plan_for_config
+from featherweight.memory.components import DEVICE, OUTPUTS, MemoryPlan, PlanComponent
+from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.state_bytes import compute_itemsize
 from featherweight.memory.working_set import phase_working_sets
 from featherweight.models.config import ModelConfig
-from featherweight.sharding import (
+from featherweight.parallel.sharding import (
     DATA,
     FSDP,
     check_batch_size,
@@ -55,13 +55,10 @@ from featherweight.sharding import (
     per_device_bytes,
     tree_shardings,
 )
+from featherweight.recipe.build import abstract_split, check_method_settings, opt_state_initializer
+from featherweight.recipe.config import TrainConfig
+from featherweight.recipe.optimizer import make_optimizer
 from featherweight.step.loss import resolve_chunk_size
-from featherweight.train.setup import (
-    abstract_split,
-    check_method_settings,
-    make_optimizer,
-    opt_state_initializer,
-)
 
 SPLIT_OVER_FSDP = ("layer_gradient", "optimizer_update", "head_gradient", "full_gradient")
 
@@ -137,7 +134,7 @@ def plan_for_mesh(
     global_batch = config.batch_size * jax.process_count()
     check_batch_size(global_batch, mesh)
     local = config.model_copy(update={"batch_size": global_batch // rows, "mesh": None})
-    plan = plan_for_config(local, model_config)
+    plan = plan_one_device(local, model_config)
     shards = sharded_state_bytes(config, model_config, mesh)
 
     phases = {

@@ -14,8 +14,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from featherweight.memory.components import HOST, PERSISTENT, MemoryPlan
 from featherweight.memory.measure import MemoryMeasurement
-from featherweight.memory.plan import HOST, PERSISTENT, MemoryPlan
 
 GIB = 2**30
 MIB = 2**20

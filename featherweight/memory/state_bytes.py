@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from featherweight.config import TrainConfig
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LINEAR_NAMES
 from featherweight.models.shapes import layer_shapes, top_level_shapes
 from featherweight.optim.adamw8bit import BLOCK_SIZE, MIN_8BIT_SIZE, adam_8bit_state_bytes
 from featherweight.quant.nf4 import nf4_nbytes
+from featherweight.recipe.config import TrainConfig
+from featherweight.recipe.optimizer import ROW_CHUNKED_OPTIMIZERS
 from featherweight.step.streamed import TOP_ROW_CHUNK, top_row_chunk
 
 ADAPTER_ITEMSIZE = 4  # LoRA adapters are float32 (train.setup.ADAPTER_DTYPE)
@@ -101,7 +102,6 @@ def host_embedding_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
 
 # optimizers whose every state leaf is a scalar or shaped like its parameter: their update can
 # run over row chunks of a [V, D] tensor (featherweight/step/streamed.py)
-ROW_CHUNKED_OPTIMIZERS = ("adamw", "sgd", "lion")
 
 
 def top_optimizer_bytes(config: TrainConfig, model_config: ModelConfig) -> int:

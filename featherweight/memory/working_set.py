@@ -38,7 +38,6 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from featherweight.config import TrainConfig
 from featherweight.memory.state_bytes import (
     compute_itemsize,
     layer_optimizer_bytes,
@@ -47,6 +46,7 @@ from featherweight.memory.state_bytes import (
 )
 from featherweight.models.config import ModelConfig
 from featherweight.models.shapes import layer_shapes
+from featherweight.recipe.config import TrainConfig
 from featherweight.step.loss import resolve_chunk_size
 
 # Buffer counts of the working set, calibrated on XLA CPU (see the module docstring).

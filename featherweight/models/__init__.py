@@ -1,0 +1,1 @@
+"""The Llama family as pure functions over stacked parameter pytrees, with configs and shapes."""

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from featherweight.models.config import ModelConfig
-from featherweight.placement import host_rows, on_host
+from featherweight.parallel.memory_kinds import host_rows, on_host
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, take_rows_nf4
 
 Params = dict[str, Any]

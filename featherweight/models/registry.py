@@ -7,11 +7,10 @@ a checkpoint, so a built-in name and a downloaded checkpoint give equal configs.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from featherweight.errors import CheckpointNotFoundError
-from featherweight.models.config import ModelConfig, config_from_hf_dict, read_hf_config
+from featherweight.models.config import ModelConfig, config_from_hf_dict
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -137,24 +136,3 @@ def builtin_config(name: str) -> ModelConfig:
         f"{name!r} is neither a model path nor a built-in model name; built-in models: "
         f"{', '.join(BUILTIN_MODELS)} (or give a directory with config.json, or a .gguf file)"
     )
-
-
-def model_config_from(source: str | Path) -> ModelConfig:
-    """The config of a model given as a directory with a `config.json` (no weights needed), a
-    `config.json` file, a `.gguf` file (its metadata; tensors are not read), or a built-in name."""
-    path = Path(source).expanduser()
-    if path.is_dir():
-        return read_hf_config(path)
-    if path.is_file() and path.suffix == ".gguf":
-        from featherweight.io.gguf_reader import GGUFSource
-
-        return GGUFSource(path).config
-    if path.is_file() and path.name == "config.json":
-        return read_hf_config(path.parent)
-    looks_like_path = path.suffix in (".gguf", ".json") or len(path.parts) > 1
-    if path.exists() or (looks_like_path and not is_builtin_model(str(source))):
-        raise CheckpointNotFoundError(
-            f"model {str(source)!r} is not a directory with config.json, a .gguf file or a "
-            f"built-in model name ({', '.join(BUILTIN_MODELS)})"
-        )
-    return builtin_config(str(source))

@@ -1,0 +1,1 @@
+"""Optimizers as optax transformations (8-bit AdamW with block-wise quantized moments)."""

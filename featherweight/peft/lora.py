@@ -15,10 +15,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Iterable
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from pydantic import ConfigDict, Field, with_config
 
 from featherweight.errors import AdapterConfigError
 from featherweight.models.config import ModelConfig
@@ -38,20 +41,26 @@ PEFT_MODULES = {
 }
 
 
-def _target_name(name: str) -> str:
-    """A target in featherweight's spelling; PEFT's ("q_proj") is accepted too."""
-    short = name.strip().removesuffix("_proj")
-    if short not in LINEAR_NAMES:
+def _target_names(names: Iterable[str]) -> set[str]:
+    """Targets in featherweight's spelling; PEFT's ("q_proj") is accepted too."""
+    short = [name.strip().removesuffix("_proj") for name in names]
+    unknown = [name for name in short if name not in LINEAR_NAMES]
+    if unknown:
         raise AdapterConfigError(
-            f"unknown LoRA target module {name!r}; valid targets: {', '.join(LINEAR_NAMES)} "
+            f"unknown LoRA target(s) {unknown}; valid: {list(LINEAR_NAMES)} "
             "(or their PEFT names q_proj, ..., down_proj)"
         )
-    return short
+    return set(short)
 
 
+@with_config(ConfigDict(extra="forbid"))
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
     """LoRA settings: rank r, alpha, dropout on the adapter input, targets, rsLoRA scaling.
+
+    The one type for these settings: a training config's `lora:` section validates into it
+    (pydantic reads the field bounds below), and Python code builds it directly (`__post_init__`
+    checks the same bounds with typed errors). The block's runtime form is `spec`.
 
     The update to a target weight W [out, in] is `scale * B A` with A [r, in], B [out, r] and
     scale = alpha / r, or alpha / sqrt(r) with rsLoRA (stable for large ranks). `targets` may be a
@@ -59,15 +68,17 @@ class LoraConfig:
     hashable, so it can be a static argument.
     """
 
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: Annotated[int, Field(gt=0, description="adapter rank r")] = 8
+    alpha: Annotated[float, Field(gt=0, description="scale numerator")] = 16.0
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0, description="on the adapter input")] = 0.0
     targets: tuple[str, ...] = LINEAR_NAMES
-    use_rslora: bool = False
+    rslora: Annotated[bool, Field(description="scale alpha/sqrt(rank) instead of alpha/rank")] = (
+        False
+    )
 
     def __post_init__(self) -> None:
         names = self.targets.split(",") if isinstance(self.targets, str) else self.targets
-        chosen = {_target_name(name) for name in names}
+        chosen = _target_names(names)
         if not chosen:
             raise AdapterConfigError(
                 f"LoRA needs at least one target module; choose from {', '.join(LINEAR_NAMES)}"
@@ -89,7 +100,7 @@ class LoraConfig:
     @property
     def scale(self) -> float:
         """The factor on `B A`: alpha / r, or alpha / sqrt(r) with rsLoRA."""
-        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
     def check_model(self, config: ModelConfig) -> None:
         """Refuse a rank larger than the smaller dimension of any targeted weight."""
@@ -103,10 +114,10 @@ class LoraConfig:
                     f"{min(out_features, in_features)} or drop {target!r} from the targets"
                 )
 
-
-def lora_spec(lora_config: LoraConfig) -> LoraSpec:
-    """The static spec the model's blocks take: scale and dropout."""
-    return LoraSpec(scale=lora_config.scale, dropout=lora_config.dropout)
+    @property
+    def spec(self) -> LoraSpec:
+        """The runtime form the model's blocks take (a static argument): scale and dropout."""
+        return LoraSpec(scale=self.scale, dropout=self.dropout)
 
 
 def lora_shapes(

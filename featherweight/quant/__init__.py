@@ -1,0 +1,1 @@
+"""Quantization: NF4 with double quantization (QLoRA)."""

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from featherweight.errors import StepConfigError
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params, rms_norm
-from featherweight.placement import host_rows, on_host
+from featherweight.parallel.memory_kinds import host_rows, on_host
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, take_rows_nf4
 
 

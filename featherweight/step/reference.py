@@ -77,7 +77,7 @@ def build_reference_step(
     """A jitted `step(trainable, opt_state, frozen, batch, key) -> (trainable, opt_state, metrics)`.
 
     `trainable` and `opt_state` are donated: the caller must use the returned ones. `shardings`
-    (`featherweight.sharding.StepShardings`) compiles for a device mesh; None for one device.
+    (`featherweight.parallel.sharding.StepShardings`) compiles for a device mesh; None for one device.
     """
     check_optimizer(optimizer)
 

@@ -39,7 +39,7 @@ import optax
 from featherweight.errors import StepConfigError
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LoraSpec, Params, attention_inputs, embed, merge_params
-from featherweight.placement import (
+from featherweight.parallel.memory_kinds import (
     host_row_slice,
     host_row_write,
     host_slice,
@@ -218,7 +218,7 @@ def build_streamed_step(
     `trainable` and `frozen` (arrays or abstract shapes) fix the structure; `trainable` and
     `opt_state` are donated, so the caller keeps exactly one copy (the returned one). Works for
     full fine-tuning (trainable = all parameters), LoRA (trainable = adapters) and QLoRA (LoRA
-    over an NF4 frozen base). `shardings` (`featherweight.sharding.StepShardings`) compiles for a
+    over an NF4 frozen base). `shardings` (`featherweight.parallel.sharding.StepShardings`) compiles for a
     device mesh: the arguments and results keep their layouts, and the residual stream and its
     cotangent stay split over the batch (so XLA gathers each layer's weights, FSDP-style, rather
     than resharding activations); None compiles for one device.

@@ -13,21 +13,21 @@ from pathlib import Path
 import jax
 import yaml
 
-from featherweight.config import TrainConfig
 from featherweight.errors import CheckpointNotFoundError, CorruptCheckpointError, ExportError
 from featherweight.io.atomic import check_output_dir
 from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint
 from featherweight.io.output_paths import refuse_inside, refuse_overlap
-from featherweight.peft.export import check_merged_dtype, export_merged, export_peft
-from featherweight.train.checkpoint import Checkpointer
-from featherweight.train.setup import (
+from featherweight.io.peft_export import check_merged_dtype, export_merged, export_peft
+from featherweight.recipe.build import (
     abstract_split,
     lora_config_of,
-    make_optimizer,
     opt_state_initializer,
     split_params,
 )
-from featherweight.train.state import (
+from featherweight.recipe.config import TrainConfig
+from featherweight.recipe.optimizer import make_optimizer
+from featherweight.train.checkpoint import Checkpointer
+from featherweight.train.run import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
     load_weights,

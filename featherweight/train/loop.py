@@ -22,21 +22,21 @@ import jax.numpy as jnp
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from featherweight.config import TrainConfig
-from featherweight.distributed import any_process, is_primary
+from featherweight.data.iterator import eval_batches
 from featherweight.errors import TrainingDivergedError
 from featherweight.memory.budget import describe_changes, plan_within_budget
 from featherweight.memory.measure import abstract_batch, measurement_of
 from featherweight.memory.plan import MemoryPlan
 from featherweight.memory.report import format_bytes, print_report
 from featherweight.models.llama import Params
-from featherweight.sharding import place_batch
+from featherweight.parallel.distributed import any_process, is_primary
+from featherweight.parallel.sharding import place_batch
+from featherweight.recipe.build import evaluation_fn
+from featherweight.recipe.config import TrainConfig
 from featherweight.step.loss import Batch
-from featherweight.train.iterator import eval_batches
 from featherweight.train.metrics import MetricsLog, plot_loss_curve
-from featherweight.train.setup import evaluation_fn
+from featherweight.train.run import METRICS_FILE, Run, prepare_run
 from featherweight.train.signals import StopRequest
-from featherweight.train.state import METRICS_FILE, Run, prepare_run
 
 EXIT_CODES = {2: 130, 15: 143}  # SIGINT, SIGTERM: the shell's 128 + signal
 

@@ -15,8 +15,8 @@ from safetensors.numpy import load_file, save_file
 from typer.testing import CliRunner
 
 from featherweight import errors
-from featherweight.cli import app
-from featherweight.inference import generate_ids, logits
+from featherweight.cli.main import app
+from featherweight.inference.generate import generate_ids, logits
 from featherweight.io.gguf_reader import GGUFSource
 from featherweight.io.loader import load_model
 from featherweight.io.safetensors_reader import SafetensorsSource

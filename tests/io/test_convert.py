@@ -11,9 +11,9 @@ import transformers
 from gguf import GGMLQuantizationType
 from typer.testing import CliRunner
 
-from featherweight.cli import app
+from featherweight.cli.main import app
 from featherweight.errors import OutputExistsError
-from featherweight.inference import logits
+from featherweight.inference.generate import logits
 from featherweight.io.atomic import TEMP_PREFIX
 from featherweight.io.convert import convert
 from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint

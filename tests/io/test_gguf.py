@@ -11,7 +11,7 @@ import transformers
 from gguf import GGMLQuantizationType
 
 from featherweight.errors import UnsupportedModelError
-from featherweight.inference import generate_ids, logits
+from featherweight.inference.generate import generate_ids, logits
 from featherweight.io.gguf_reader import unpermute_rotary_rows
 from featherweight.io.loader import load_model
 from tests.tiny_checkpoints import (

@@ -2,7 +2,6 @@
 
 import pytest
 
-from featherweight.config import parse_config
 from featherweight.errors import BudgetError, ConfigError
 from featherweight.memory.budget import (
     describe_changes,
@@ -12,6 +11,7 @@ from featherweight.memory.budget import (
 )
 from featherweight.memory.plan import plan_for_config
 from featherweight.models.registry import builtin_config
+from featherweight.recipe.config import parse_config
 
 GIB = 2**30
 

@@ -7,12 +7,12 @@ Host-placed residuals count in CPU temp (one memory), so totals compare planned 
 
 import pytest
 
-from featherweight.config import parse_config
 from featherweight.errors import ConfigError
 from featherweight.memory.measure import MEASURED_COMPONENTS, measure_compiled, measure_device_peak
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import comparable_total, percent_difference
 from featherweight.models.registry import builtin_config
+from featherweight.recipe.config import parse_config
 from tests.conftest import tiny_config
 
 SHAPES = {

@@ -6,14 +6,14 @@ import jax
 import pytest
 from typer.testing import CliRunner
 
-from featherweight.cli import app
-from featherweight.config import MeshSettings, parse_config
+from featherweight.cli.main import app
 from featherweight.errors import ShardingError
 from featherweight.memory.measure import measure_compiled
 from featherweight.memory.mesh_plan import plan_for_mesh
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import percent_difference
-from featherweight.sharding import abstract_mesh, make_mesh
+from featherweight.parallel.sharding import MeshSettings, abstract_mesh, make_mesh
+from featherweight.recipe.config import parse_config
 from tests.conftest import tiny_config
 
 SMALL = tiny_config(

@@ -6,12 +6,13 @@ import time
 
 import pytest
 
-from featherweight.config import TrainConfig, parse_config
 from featherweight.errors import CheckpointNotFoundError, ConfigError, ModelConfigError
+from featherweight.io.model_source import model_config_from
 from featherweight.memory.measure import abstract_step_arguments, tree_nbytes
 from featherweight.memory.plan import plan_for_config
-from featherweight.models.registry import BUILTIN_MODELS, builtin_config, model_config_from
+from featherweight.models.registry import BUILTIN_MODELS, builtin_config
 from featherweight.models.shapes import parameter_count
+from featherweight.recipe.config import TrainConfig, parse_config
 from tests.conftest import tiny_config
 
 GIB = 2**30

@@ -6,11 +6,11 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from featherweight.cli import app
-from featherweight.config import parse_config
+from featherweight.cli.main import app
 from featherweight.memory.measure import measure_compiled
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import plan_table, plot_plan, report_json
+from featherweight.recipe.config import parse_config
 from tests.conftest import tiny_config
 
 runner = CliRunner()

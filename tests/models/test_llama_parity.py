@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from featherweight.inference import logits
+from featherweight.inference.generate import logits
 from featherweight.io.loader import load_model
 from tests.tiny_checkpoints import TOKENS, hf_config, hf_logits, random_hf_model, save_hf
 

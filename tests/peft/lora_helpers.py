@@ -46,7 +46,7 @@ def peft_model_with(
         r=lora_config.rank,
         lora_alpha=lora_config.alpha,
         lora_dropout=0.0,
-        use_rslora=lora_config.use_rslora,
+        use_rslora=lora_config.rslora,
         target_modules=[PEFT_MODULES[t].split(".")[-1] for t in lora_config.targets],
     )
     model = peft.get_peft_model(copy.deepcopy(hf_model), config).eval()

@@ -18,7 +18,6 @@ from featherweight.peft.lora import (
     abstract_lora,
     check_adapters,
     init_lora,
-    lora_spec,
     merge_lora_weight,
 )
 from tests.conftest import tiny_config
@@ -70,9 +69,9 @@ def test_rank_above_the_smaller_dimension_of_a_target_is_refused():
 
 
 def test_scale_is_alpha_over_rank_or_over_its_root_with_rslora():
-    assert lora_spec(LoraConfig(rank=16, alpha=32)).scale == 2.0
-    assert lora_spec(LoraConfig(rank=16, alpha=32, use_rslora=True)).scale == 8.0
-    assert lora_spec(LoraConfig(dropout=0.1)).dropout == 0.1
+    assert (LoraConfig(rank=16, alpha=32)).spec.scale == 2.0
+    assert (LoraConfig(rank=16, alpha=32, rslora=True)).spec.scale == 8.0
+    assert (LoraConfig(dropout=0.1)).spec.dropout == 0.1
 
 
 # --- initialization --------------------------------------------------------------------------------
@@ -117,7 +116,7 @@ PARITY_CASES = {
     "llama-all-targets": ("llama2", LoraConfig(rank=4, alpha=8)),
     "smollm2-subset-rslora": (
         "smollm2",
-        LoraConfig(rank=8, alpha=4, targets=("q", "v", "down"), use_rslora=True),
+        LoraConfig(rank=8, alpha=4, targets=("q", "v", "down"), rslora=True),
     ),
 }
 
@@ -134,9 +133,7 @@ def parity_case(request, tmp_path_factory):
 
 def test_lora_forward_equals_peft(parity_case):
     hf_model, model, lora_config, adapters = parity_case
-    ours = lora_logits(
-        model.params, adapters, jnp.asarray(TOKENS), model.config, lora_spec(lora_config)
-    )
+    ours = lora_logits(model.params, adapters, jnp.asarray(TOKENS), model.config, lora_config.spec)
     theirs = hf_logits(peft_model_with(hf_model, adapters, lora_config), TOKENS)
     diff = np.abs(np.asarray(ours) - theirs).max()
     assert diff <= FLOAT32_TOLERANCE, f"max abs diff {diff:.2e} vs peft"

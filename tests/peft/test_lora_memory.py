@@ -24,7 +24,7 @@ import pytest
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LINEAR_NAMES, Params
 from featherweight.models.shapes import abstract_params, layer_shapes
-from featherweight.peft.lora import LoraConfig, abstract_lora, lora_spec, quantize_frozen_base
+from featherweight.peft.lora import LoraConfig, abstract_lora, quantize_frozen_base
 from featherweight.step.loss import Batch
 from featherweight.step.reference import build_reference_step, model_loss
 from tests.conftest import tiny_config
@@ -138,7 +138,7 @@ def wrong_step(trainable, opt_state, frozen, batch, key):
     """Differentiates the frozen base too (and reports the global gradient norm, so its
     gradients are really built): what a step without the frozen/trainable split does."""
     loss, (grads, frozen_grads) = jax.value_and_grad(model_loss, argnums=(0, 1))(
-        trainable, frozen, batch, CONFIG, lora_spec(LORA), key
+        trainable, frozen, batch, CONFIG, LORA.spec, key
     )
     updates, opt_state = OPTIMIZER.update(grads, opt_state, trainable)
     norm = optax.global_norm((grads, frozen_grads))
@@ -148,7 +148,7 @@ def wrong_step(trainable, opt_state, frozen, batch, key):
 @pytest.fixture(scope="module")
 def compile_step(tmp_path_factory):
     def compile_one(name: str, frozen: Params, jitted=None) -> Compiled:
-        step = jitted or build_reference_step(CONFIG, OPTIMIZER, lora=lora_spec(LORA))
+        step = jitted or build_reference_step(CONFIG, OPTIMIZER, lora=LORA.spec)
         return Compiled(step, abstract_args(frozen), tmp_path_factory.mktemp(name))
 
     return compile_one

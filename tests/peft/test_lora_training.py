@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from featherweight.models.init import init_params
-from featherweight.peft.lora import LoraConfig, init_lora, lora_spec, quantize_frozen_base
+from featherweight.peft.lora import LoraConfig, init_lora, quantize_frozen_base
 from featherweight.step.loss import batch_from_tokens
 from featherweight.step.reference import build_reference_step
 from tests.conftest import tiny_config
@@ -54,7 +54,7 @@ def train(frozen) -> list[float]:
     adapters = init_lora(jax.random.PRNGKey(1), CONFIG, LORA)
     optimizer = optax.adamw(1e-2)
     opt_state = optimizer.init(adapters)
-    step = build_reference_step(CONFIG, optimizer, lora=lora_spec(LORA))
+    step = build_reference_step(CONFIG, optimizer, lora=LORA.spec)
     losses = []
     for batch in task_batches():
         adapters, opt_state, metrics = step(adapters, opt_state, frozen, batch, None)

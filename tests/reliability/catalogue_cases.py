@@ -1,4 +1,4 @@
-"""One builder per bad input of the catalogue (featherweight/errors_catalogue.py).
+"""One builder per bad input of the catalogue (tests/reliability/errors_catalogue.py).
 
 A builder makes the bad input under `env.tmp` and returns the action that must fail; `CASES` maps
 the catalogue's name to (builder, patterns the one-line message must match: the offending value,
@@ -22,13 +22,13 @@ import yaml
 from gguf import GGUFReader
 from safetensors.numpy import load_file, save_file
 
-from featherweight.config import apply_overrides, load_config, parse_config
-from featherweight.inference import logits
+from featherweight.inference.generate import logits
 from featherweight.io.convert import convert
 from featherweight.io.loader import load_model
 from featherweight.memory.budget import plan_within_budget
 from featherweight.models.config import read_hf_config
 from featherweight.quant.nf4 import quantize_nf4
+from featherweight.recipe.config import apply_overrides, load_config, parse_config
 from featherweight.train.export_run import export_run
 from featherweight.train.loop import train
 from tests.reliability.conftest import short_run

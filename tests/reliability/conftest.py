@@ -8,13 +8,12 @@ from pathlib import Path
 import jax
 import pytest
 
-from featherweight.config import parse_config
 from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint
 from featherweight.io.output_paths import inside, resolved
 from featherweight.models.init import init_params
+from featherweight.recipe.config import parse_config
 from featherweight.train.loop import train
-from tests.conftest import tiny_config
-from tests.train.conftest import demo_data, run_settings, tiny_model_dir
+from tests.conftest import demo_data, run_settings, tiny_config, tiny_model_dir
 
 __all__ = [
     "demo_data",

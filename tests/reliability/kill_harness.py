@@ -40,7 +40,7 @@ import numpy as np
 import yaml
 
 from featherweight.train.checkpoint import DELETING_DIR, Checkpointer
-from featherweight.train.state import (
+from featherweight.train.run import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
     METRICS_FILE,
@@ -48,7 +48,11 @@ from featherweight.train.state import (
     RUN_FILE,
 )
 
-CLI = (sys.executable, "-c", "import sys; from featherweight.cli import main; sys.exit(main())")
+CLI = (
+    sys.executable,
+    "-c",
+    "import sys; from featherweight.cli.main import main; sys.exit(main())",
+)
 ORBAX_TEMP = ".orbax-checkpoint-tmp"
 ATOMIC_TEMP = ".fw-tmp-"
 PNG_END = b"IEND\xaeB`\x82"
@@ -259,7 +263,7 @@ def inspect_checkpoints(run_dir: Path, reference: Reference) -> list[str]:
 
 def settings_as_saved(settings: dict) -> dict:
     """A config dict as the trainer writes it to config.yaml (every field, validated)."""
-    from featherweight.config import parse_config
+    from featherweight.recipe.config import parse_config
 
     return parse_config(settings).model_dump(mode="json")
 

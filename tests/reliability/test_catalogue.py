@@ -1,4 +1,4 @@
-"""Every bad input of the catalogue (featherweight/errors_catalogue.py, docs/errors.md) is fed to
+"""Every bad input of the catalogue (tests/reliability/errors_catalogue.py, docs/errors.md) is fed to
 featherweight: it raises exactly the catalogued error, whose one-line message names the offending
 value and the fix, and nothing is written. The catalogue, these tests and docs/errors.md agree."""
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from featherweight import errors
-from featherweight.errors_catalogue import (
+from tests.reliability.catalogue_cases import CASES, Env
+from tests.reliability.errors_catalogue import (
     CATALOGUE,
     DOCS_PAGE,
     RUNTIME_ERRORS,
@@ -17,7 +18,6 @@ from featherweight.errors_catalogue import (
     generated_part,
     render,
 )
-from tests.reliability.catalogue_cases import CASES, Env
 
 ENTRIES = {entry.name: entry for entry in CATALOGUE}
 
@@ -76,5 +76,5 @@ def test_every_error_class_has_a_catalogued_bad_input():
 
 def test_docs_page_matches_the_catalogue():
     assert generated_part(DOCS_PAGE.read_text()) == render(), (
-        "docs/errors.md is out of date: run python -m featherweight.errors_catalogue"
+        "docs/errors.md is out of date: run python -m tests.reliability.errors_catalogue"
     )

@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 from orbax.checkpoint._src.handlers.json_checkpoint_handler import JsonCheckpointHandler
 
-from featherweight.config import parse_config
+from featherweight.data.iterator import DataIterator
 from featherweight.errors import (
     DiskFullError,
     OutputExistsError,
     OutputNotWritableError,
     TrainingDivergedError,
 )
+from featherweight.recipe.config import parse_config
 from featherweight.train import export_run as export_module
-from featherweight.train import state as run_module
+from featherweight.train import run as run_module
 from featherweight.train.export_run import export_run
-from featherweight.train.iterator import DataIterator
 from featherweight.train.loop import train
 from featherweight.train.metrics import read_metrics
 from tests.reliability.conftest import short_run
@@ -88,7 +88,7 @@ def _partial_then_full(tensors, filename, metadata=None):
 
 WRITERS = {
     "merged": "featherweight.io.hf_writer.save_file",
-    "peft": "featherweight.peft.export.save_file",
+    "peft": "featherweight.io.peft_export.save_file",
 }
 
 

@@ -20,12 +20,12 @@ from gguf import GGUFReader
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from featherweight.data.records import load_jsonl, prepare_dataset
 from featherweight.errors import DataError, FeatherweightError
 from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint
 from featherweight.io.loader import open_checkpoint
 from featherweight.io.tokenizer import load_hf_tokenizer
 from featherweight.models.init import init_params
-from featherweight.train.data import load_jsonl, prepare_dataset
 from tests.conftest import tiny_config
 
 FUZZ = settings(

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tests.conftest import write_config
 from tests.reliability.conftest import short_run
 from tests.reliability.kill_harness import (
     ExportChain,
@@ -17,7 +18,6 @@ from tests.reliability.kill_harness import (
     subprocess_env,
     summary,
 )
-from tests.train.conftest import write_config
 
 SEED = 20240601
 TRAIN_TRIALS = 16  # signals delivered to train processes (SIGTERM among them)

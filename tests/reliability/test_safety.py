@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 import featherweight
+from featherweight.data.records import prepare_dataset
 from featherweight.errors import DataError, OutputNotWritableError, UnsafeCheckpointError
 from featherweight.io.loader import load_model
 from featherweight.io.safetensors_reader import PICKLE_SUFFIXES
 from featherweight.io.tokenizer import load_hf_tokenizer
-from featherweight.train.data import prepare_dataset
 from featherweight.train.export_run import export_run
 from tests.reliability.catalogue_cases import TouchOnUnpickle
 
@@ -149,12 +149,12 @@ def test_a_path_that_resolves_into_the_checkpoints_is_refused(trained_run, tmp_p
 
 def test_a_whole_output_dir_may_be_a_link_elsewhere(tiny_model_dir, demo_data, tmp_path):
     """Rule 2 refuses links inside a run directory; linking the directory itself is the way."""
-    from featherweight.config import parse_config
-    from featherweight.train.state import check_output_dir
+    from featherweight.recipe.config import parse_config
+    from featherweight.train.run import check_run_dir
     from tests.reliability.conftest import short_run
 
     (tmp_path / "big-disk").mkdir()
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "a").symlink_to(tmp_path / "big-disk")
     config = parse_config(short_run(tiny_model_dir, demo_data, tmp_path / "runs" / "a"))
-    assert check_output_dir(config, overwrite=False) == (tmp_path / "big-disk", False)
+    assert check_run_dir(config, overwrite=False) == (tmp_path / "big-disk", False)

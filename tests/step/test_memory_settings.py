@@ -9,15 +9,16 @@ import numpy as np
 import optax
 import pytest
 
-from featherweight.config import parse_config
 from featherweight.errors import ConfigError
 from featherweight.memory.measure import measure_compiled
 from featherweight.memory.plan import plan_for_config
 from featherweight.models.init import init_params
 from featherweight.optim.adamw8bit import adamw_8bit
-from featherweight.peft.lora import LoraConfig, init_lora, lora_spec, quantize_frozen_base
-from featherweight.placement import to_host
+from featherweight.parallel.memory_kinds import to_host
+from featherweight.peft.lora import LoraConfig, init_lora, quantize_frozen_base
 from featherweight.quant.nf4 import quantize_nf4
+from featherweight.recipe.build import check_method_settings
+from featherweight.recipe.config import parse_config
 from featherweight.step.loss import batch_from_tokens
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.streamed import (
@@ -26,7 +27,6 @@ from featherweight.step.streamed import (
     place_opt_state,
     top_row_chunk,
 )
-from featherweight.train.setup import check_method_settings
 from tests.conftest import tiny_config
 
 UNTIED = tiny_config(vocab_size=512, tie_word_embeddings=False)
@@ -43,7 +43,7 @@ def _case(config, method):
     keys = iter(jax.random.split(jax.random.PRNGKey(2), len(jax.tree.leaves(adapters))))
     adapters = jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape), adapters)
     frozen = params if method == "lora" else quantize_frozen_base(params)
-    return adapters, frozen, lora_spec(lora)
+    return adapters, frozen, lora.spec
 
 
 def _train(config, method, optimizer, policy=None, state_on="device", embed_on="device",

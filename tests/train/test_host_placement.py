@@ -8,9 +8,9 @@ import jax
 import numpy as np
 from rich.console import Console
 
-from featherweight.config import parse_config
+from featherweight.recipe.config import parse_config
 from featherweight.train.loop import train
-from tests.train.conftest import run_settings
+from tests.conftest import run_settings
 
 COMMON = {
     "memory.vocab_chunk": 8192,  # tied embeddings: the head reads the host table in chunks

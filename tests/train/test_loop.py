@@ -15,13 +15,13 @@ import jax
 import numpy as np
 import pytest
 
-from featherweight.config import parse_config
 from featherweight.errors import ConfigError, DataError, OutputExistsError, TrainingDivergedError
 from featherweight.memory.budget import plan_within_budget
+from featherweight.recipe.config import parse_config
 from featherweight.train.checkpoint import Checkpointer
 from featherweight.train.loop import train
 from featherweight.train.metrics import read_metrics
-from tests.train.conftest import run_settings, write_config
+from tests.conftest import run_settings, write_config
 
 
 def _bytes(tree) -> int:
@@ -124,7 +124,7 @@ KILL_DURING_SAVE = textwrap.dedent(
             pathlib.Path.rename = lambda self, target: stalled_rename(self, target)
         return original(self, step, arrays, metadata)
     checkpoint.Checkpointer.save = slow_save
-    from featherweight.cli import main
+    from featherweight.cli.main import main
     sys.argv = ["featherweight", "train", sys.argv[1]]
     main()
     """

@@ -1,0 +1,1 @@
+"""The command line (`featherweight ...`): assembled in `main.py` from the command modules."""

@@ -1,0 +1,29 @@
+"""`featherweight` command line: thin commands over the library functions.
+
+The app is assembled here from the command modules (which know nothing of it), so running this
+module as `__main__` or importing it builds the same app. Any `FeatherweightError` becomes one
+line on stderr and exit code 2 (`featherweight.cli.output.friendly_errors`).
+"""
+
+from __future__ import annotations
+
+import typer
+
+from featherweight.cli.model_commands import convert, generate, plan, setup
+from featherweight.cli.train_commands import demo, export, train
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Fine-tune LLMs in JAX inside a memory budget: LoRA, QLoRA and full fine-tuning.",
+)
+for command in (setup, generate, convert, plan, train, demo, export):
+    app.command()(command)
+
+
+def main() -> None:
+    app(prog_name="featherweight")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""`featherweight train | demo | export`: the commands over training runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from featherweight.cli.output import console, friendly_errors
+
+
+@friendly_errors
+def train(
+    config: Annotated[Path | None, typer.Argument(help="YAML config (omit: all defaults)")] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="override, e.g. --set steps=200")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace another run in output_dir")] = False,
+    skip_bad: Annotated[
+        bool, typer.Option("--skip-bad", help="skip (and count) bad JSONL lines")
+    ] = False,
+) -> None:
+    """Fine-tune as CONFIG says: memory plan first, then training with checkpoints (resumable).
+
+    On several hosts, run it on each with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID set (or under srun / mpirun): the processes join one run.
+    """
+    from featherweight.parallel.distributed import initialize_from_env, is_primary
+    from featherweight.recipe.config import load_config
+    from featherweight.train.loop import EXIT_CODES
+    from featherweight.train.loop import train as run_training
+
+    initialize_from_env()
+    overrides = list(set_ or []) + (["data.skip_bad=true"] if skip_bad else [])
+    settings = load_config(config, overrides)
+    result = run_training(settings, overwrite=overwrite, console=console)
+    if result.stopped_by_signal is not None:
+        raise typer.Exit(code=EXIT_CODES.get(result.stopped_by_signal, 1))
+    if not is_primary():
+        return
+    out = result.output_dir
+    console.print(f"done: step {result.step}, loss {result.loss}, eval loss {result.eval_loss}")
+    console.print(f"metrics: {out / 'metrics.jsonl'}  loss curve: {out / 'loss.png'}")
+    console.print("export with:")
+    console.print(f"  featherweight export {out} --format merged --out {out / 'merged'}")
+    if settings.method != "full":
+        console.print(f"  featherweight export {out} --format peft --out {out / 'adapter'}")
+
+
+@friendly_errors
+def demo(
+    output_dir: Annotated[str, typer.Option(help="where the demo run goes")] = "runs/demo",
+    steps: Annotated[
+        int | None, typer.Option(min=1, help="training steps (default: the demo's)")
+    ] = None,
+) -> None:
+    """QLoRA-fine-tune the embedded SmolLM2-135M on a generated task; accuracy before and after."""
+    from featherweight.demo.run import run_demo
+
+    run_demo(output_dir, steps, console)
+
+
+@friendly_errors
+def export(
+    run: Annotated[str, typer.Argument(help="run directory, or RUN/checkpoints/STEP")],
+    format_: Annotated[str, typer.Option("--format", help="merged (HF weights) or peft (adapter)")],
+    out: Annotated[Path, typer.Option(help="output directory")],
+    dtype: Annotated[str, typer.Option(help="merged weights dtype")] = "bfloat16",
+    overwrite: bool = False,
+) -> None:
+    """Export a run's checkpoint: merged Hugging Face weights, or a PEFT LoRA adapter."""
+    from featherweight.train.export_run import export_run
+
+    written = export_run(run, format_, out, dtype=dtype, overwrite=overwrite)
+    console.print(f"wrote {written}")

@@ -1,0 +1,32 @@
+"""Where a model's config comes from: a checkpoint directory, a GGUF file, or a built-in name.
+
+Planning needs only shapes, so this reads a `config.json` or GGUF metadata and never a tensor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from featherweight.errors import CheckpointNotFoundError
+from featherweight.io.gguf_reader import GGUFSource
+from featherweight.models.config import ModelConfig, read_hf_config
+from featherweight.models.registry import BUILTIN_MODELS, builtin_config, is_builtin_model
+
+
+def model_config_from(source: str | Path) -> ModelConfig:
+    """The config of a model given as a directory with a `config.json` (no weights needed), a
+    `config.json` file, a `.gguf` file (its metadata; tensors are not read), or a built-in name."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return read_hf_config(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return GGUFSource(path).config
+    if path.is_file() and path.name == "config.json":
+        return read_hf_config(path.parent)
+    looks_like_path = path.suffix in (".gguf", ".json") or len(path.parts) > 1
+    if path.exists() or (looks_like_path and not is_builtin_model(str(source))):
+        raise CheckpointNotFoundError(
+            f"model {str(source)!r} is not a directory with config.json, a .gguf file or a "
+            f"built-in model name ({', '.join(BUILTIN_MODELS)})"
+        )
+    return builtin_config(str(source))

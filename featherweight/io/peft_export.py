@@ -1,0 +1,157 @@
+"""Exports of a LoRA / QLoRA fine-tune: merged Hugging Face weights, or a PEFT adapter.
+
+Merged: every tensor of the base is streamed out one at a time; targeted linear weights get
+`scale * B A` added in float32 (an NF4 base is dequantized one layer at a time first), and the
+result is cast (bf16 by default) and written in shards. PEFT: `adapter_config.json` and
+`adapter_model.safetensors` under PEFT's tensor names, which `peft.PeftModel.from_pretrained`
+loads. Both are atomic: the directory appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from safetensors.numpy import save_file
+
+from featherweight.errors import ExportError
+from featherweight.io.atomic import atomic_directory, check_output_dir
+from featherweight.io.hf_writer import DEFAULT_SHARD_BYTES, iter_hf_tensors, save_hf_checkpoint
+from featherweight.io.tokenizer import Tokenizer
+from featherweight.models.config import ModelConfig
+from featherweight.models.llama import Params
+from featherweight.peft.lora import PEFT_MODULES, LoraConfig, check_adapters, merge_lora_weight
+
+PEFT_PREFIX = "base_model.model.model.layers"
+MERGED_DTYPES = ("bfloat16", "float16", "float32", None)
+
+
+def adapter_stacks(
+    trainable: Params | None, model_config: ModelConfig, lora_config: LoraConfig, export_format: str
+) -> dict[str, dict[str, np.ndarray]]:
+    """The {target: {"a", "b"}} stacks of a trainable pytree, on the host, checked.
+
+    Raises `ExportError` when there is nothing to export as LoRA: no trainable pytree, no
+    adapters in it, or (for the PEFT format) trained weights other than adapters.
+    """
+    if not trainable:
+        raise ExportError(
+            f"no adapters to export (got {trainable!r}); pass the trainable pytree of a LoRA run, "
+            '{"layers": {"lora": ...}}'
+        )
+    layers = trainable.get("layers", {})
+    adapters = layers.get("lora")
+    others = sorted(({*trainable} - {"layers"}) | ({*layers} - {"lora"}))
+    if export_format == "peft" and others:
+        raise ExportError(
+            f"format 'peft' holds LoRA adapters only, but this run also trains {others} "
+            "(a full fine-tune); export it with format 'merged'"
+        )
+    if not adapters:
+        raise ExportError(
+            f"this run has no LoRA adapters (trainable holds {others}); a full fine-tune "
+            "exports with save_hf_checkpoint, and format 'peft' needs a LoRA run"
+        )
+    check_adapters(adapters, model_config, lora_config)
+    return jax.device_get(adapters)
+
+
+def check_merged_dtype(dtype: str | None) -> None:
+    """Refuse a merged-export dtype that is not a float type (an int8 cast would ruin weights)."""
+    if dtype not in MERGED_DTYPES:
+        raise ExportError(
+            f"merged export dtype {dtype!r} is not supported; use 'bfloat16' (default), "
+            "'float16', 'float32', or None to keep the stored dtypes"
+        )
+
+
+def export_merged(
+    frozen: Params,
+    adapters: Params,
+    model_config: ModelConfig,
+    lora_config: LoraConfig,
+    tokenizer: Tokenizer | None,
+    out: str | Path,
+    dtype: str | None = "bfloat16",
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
+    """Write a Hugging Face model directory with the adapters merged into the base weights.
+
+    `frozen` may hold NF4 linear weights (QLoRA): each layer is dequantized, merged in float32 and
+    cast to `dtype` on its own, so host memory holds one shard at most and the device nothing new.
+    Shards hold at most `max_shard_bytes` each (with an index file when there are several).
+    """
+    check_merged_dtype(dtype)
+    stacks = adapter_stacks(adapters, model_config, lora_config, "merged")
+    check_output_dir(Path(out), overwrite)
+    scale = lora_config.scale
+
+    def merge(name: str, layer: int | None, tensor: np.ndarray) -> np.ndarray:
+        if layer is None or name not in stacks:
+            return tensor
+        return merge_lora_weight(tensor, stacks[name]["a"][layer], stacks[name]["b"][layer], scale)
+
+    tensors = iter_hf_tensors(frozen, model_config, transform=merge)
+    return save_hf_checkpoint(
+        out, model_config, tensors, tokenizer, dtype, max_shard_bytes, overwrite
+    )
+
+
+def peft_adapter_config(
+    lora_config: LoraConfig, base_model_name_or_path: str | None
+) -> dict[str, object]:
+    """The `adapter_config.json` PEFT reads for these settings (unlisted fields: its defaults)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": lora_config.rank,
+        "lora_alpha": lora_config.alpha,
+        "lora_dropout": lora_config.dropout,
+        "use_rslora": lora_config.rslora,
+        "target_modules": [PEFT_MODULES[t].split(".")[-1] for t in lora_config.targets],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "use_dora": False,
+    }
+
+
+def peft_tensors(stacks: dict[str, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Adapter stacks under PEFT's names: `...layers.{i}.self_attn.q_proj.lora_A.weight` [r, in]."""
+    tensors = {}
+    for target, pair in stacks.items():
+        for layer in range(pair["a"].shape[0]):
+            prefix = f"{PEFT_PREFIX}.{layer}.{PEFT_MODULES[target]}"
+            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(pair["a"][layer])
+            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(pair["b"][layer])
+    return tensors
+
+
+def export_peft(
+    adapters: Params,
+    model_config: ModelConfig,
+    lora_config: LoraConfig,
+    out: str | Path,
+    base_model_name_or_path: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a PEFT LoRA adapter directory, loadable with `PeftModel.from_pretrained(base, out)`.
+
+    The adapters keep their dtype; `base_model_name_or_path` is recorded for PEFT's loaders.
+    """
+    stacks = adapter_stacks(adapters, model_config, lora_config, "peft")
+    config = peft_adapter_config(lora_config, base_model_name_or_path)
+    with atomic_directory(Path(out), overwrite=overwrite) as staging:
+        (staging / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        save_file(
+            peft_tensors(stacks),
+            str(staging / "adapter_model.safetensors"),
+            metadata={"format": "pt"},
+        )
+    return Path(out).expanduser().resolve()

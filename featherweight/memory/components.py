@@ -1,0 +1,83 @@
+"""The plan's data: named components with placement and formula, summed into a `MemoryPlan`.
+
+Shared by the one-device planner (`device_plan.py`), the per-device mesh planner (`mesh_plan.py`),
+the budget search, the report and the measurement comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+DEVICE, HOST = "device", "host"
+PERSISTENT = ("frozen_base", "trainable_weights", "optimizer_state", "batch")
+OUTPUTS = "step_outputs"
+HOST_EMBEDDING = "embedding_table"  # the embedding table with memory.embed: host
+METRIC_BYTES = 14  # loss, tokens, grad_norm (float32), updated and params_finite (bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanComponent:
+    """Planned bytes of one named owner, where they live, and its formula with this run's numbers."""
+
+    name: str
+    bytes: int
+    placement: str
+    formula: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The planned bytes of one train step.
+
+    components: persistent, stored, the peak phase's working set and the outputs, in that order.
+    phases: {phase: bytes of its working set} for "backward" and "loss"; `peak_phase` is the
+      larger, and its components are the ones listed.
+    lower_bound_bytes: what no step of this configuration can go below: persistent + stored on
+      device + `working_set_floor` (the larger phase with every tensor counted once).
+    settings: the choices the plan describes (method, batch, seq, dtype, optimizer, policy, ...).
+    warnings: things the user should know (e.g. sequence beyond the trained context).
+    """
+
+    components: tuple[PlanComponent, ...]
+    phases: dict[str, int]
+    peak_phase: str
+    lower_bound_bytes: int
+    settings: dict[str, Any]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def device_bytes(self) -> int:
+        """Planned bytes on the accelerator at the step's peak."""
+        return sum(c.bytes for c in self.components if c.placement == DEVICE)
+
+    @property
+    def host_bytes(self) -> int:
+        """Planned bytes in (pinned) host memory: offloaded residuals, optimizer state, embedding."""
+        return sum(c.bytes for c in self.components if c.placement == HOST)
+
+    @property
+    def cpu_comparable_bytes(self) -> int:
+        """device + host: what XLA CPU, with one memory for both, reports."""
+        return self.device_bytes + self.host_bytes
+
+    def bytes_of(self, name: str) -> int:
+        """Planned bytes of a component (0 when the plan has none of that name)."""
+        return sum(c.bytes for c in self.components if c.name == name)
+
+    def largest_component(self) -> PlanComponent:
+        return max(self.components, key=lambda c: c.bytes)
+
+    def measured_groups(self) -> dict[str, int]:
+        """The plan summed into the groups a compiled step's memory analysis can tell apart
+        (featherweight/memory/measure.py): the persistent components, `temporaries` (stored
+        activations, wherever placed, and the working set) and `unaliased_outputs`."""
+        groups = {name: self.bytes_of(name) for name in PERSISTENT}
+        # an argument like the rest: trainable with full fine-tuning, frozen otherwise
+        owner = "trainable_weights" if self.settings["method"] == "full" else "frozen_base"
+        groups[owner] += self.bytes_of(HOST_EMBEDDING)
+        groups["temporaries"] = sum(
+            c.bytes for c in self.components if c.name not in (*PERSISTENT, OUTPUTS, HOST_EMBEDDING)
+        )
+        groups["unaliased_outputs"] = self.bytes_of(OUTPUTS)
+        return groups

@@ -1,0 +1,241 @@
+"""The memory plan: every byte of a train step, named, before anything is compiled or read.
+
+From a model config (an HF `config.json` is enough), a `TrainConfig` (method, batch, sequence,
+dtype, optimizer, memory policy) and nothing else, `plan_one_device` returns the device and host
+bytes of the layer-streamed step (featherweight/step/streamed.py) per component:
+
+  kept between steps (exact; featherweight/memory/state_bytes.py)
+    frozen_base          full: 0; LoRA: every parameter x itemsize; QLoRA: linear weights NF4
+    trainable_weights    full: every parameter; LoRA/QLoRA: adapters r x (in + out) x 4 per target
+    optimizer_state      per tensor and layer: AdamW 2 n x itemsize, 8-bit AdamW ~2.03 n, ...
+    batch                5 int32/float32 arrays [B, S]: 20 B S (+ 8 for the dropout key)
+  kept from the forward pass to the backward pass (device, or host with residuals="host")
+    residual_stream      L x B x S x D x itemsize: each layer's input
+    saved_intermediates  L x B x S x ((H + 2K) h  [qkv] + 2 F  [mlp_hidden]) x itemsize
+  the working set of the step's peak phase (featherweight/memory/working_set.py)
+    backward: layer_weights, layer_gradient, optimizer_update, layer_activations,
+              attention_scores
+    loss: logits_chunk, head_gradient, dequantized_head
+  step_outputs           the metrics, and XLA's output tuple (8 bytes per output buffer)
+
+`temporaries` (what XLA reports as temp) = the stored activations + the peak phase's working set.
+
+Host bytes: residuals placed on host leave the device; XLA CPU has one memory, so on CPU the
+measured total is to be compared with device + host (`MemoryPlan.cpu_comparable_bytes`).
+
+Every component carries its placement: the small-memory settings (embedding table and optimizer
+state on host, vocabulary and MLP chunks, flash attention) add a component, change a placement or
+shrink a working-set term without changing how plans are summed, compared or budgeted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from featherweight.errors import ConfigError
+from featherweight.memory.components import (
+    DEVICE,
+    HOST,
+    METRIC_BYTES,
+    OUTPUTS,
+    MemoryPlan,
+    PlanComponent,
+)
+from featherweight.memory.state_bytes import (
+    frozen_base_bytes,
+    host_embedding_bytes,
+    optimizer_state_bytes,
+    trainable_bytes,
+    trainable_tensors,
+)
+from featherweight.memory.working_set import (
+    StepShapes,
+    attention_of,
+    phase_working_sets,
+    working_set_floor,
+)
+from featherweight.models.config import ModelConfig
+from featherweight.optim.adamw8bit import MIN_8BIT_SIZE
+from featherweight.recipe.build import check_method_settings
+from featherweight.recipe.config import TrainConfig
+
+_STATE_LEAVES = {"adamw": 4, "lion": 3, "adafactor": 5}
+
+
+def _output_buffers(config: TrainConfig, model_config: ModelConfig) -> int:
+    """Output buffers of the step: trainable tensors, their optimizer-state leaves, 5 metrics."""
+    tensors = trainable_tensors(config, model_config)
+    name = config.optimizer.name
+    if name == "adamw_8bit":  # count, 2 moments (codes + absmax when >= 4096 values), count
+        state = sum(6 if t.values >= MIN_8BIT_SIZE else 4 for t in tensors)
+    elif name == "sgd":
+        state = len(tensors) * (2 if config.optimizer.b1 > 0 else 1)
+    else:
+        state = len(tensors) * _STATE_LEAVES[name]
+    return len(tensors) + state + 5
+
+
+def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
+    s = StepShapes(config, model_config)
+    uses_key = config.method != "full" and config.lora.dropout > 0
+    host_embedding = host_embedding_bytes(config, model_config)
+    components = [
+        PlanComponent(
+            "frozen_base",
+            frozen_base_bytes(config, model_config) - (0 if s.full else host_embedding),
+            DEVICE,
+            {"full": "none (everything trains)", "lora": f"all weights x {s.a} B"}.get(
+                config.method, f"linear weights NF4 (~0.52 B/value), the rest x {s.a} B"
+            ),
+        ),
+        PlanComponent(
+            "trainable_weights",
+            trainable_bytes(config, model_config) - (host_embedding if s.full else 0),
+            DEVICE,
+            f"all weights x {s.a} B"
+            if s.full
+            else f"LoRA r={config.lora.rank}: L x r x (in + out) x 4 B per target",
+        ),
+        PlanComponent(
+            "optimizer_state",
+            optimizer_state_bytes(config, model_config),
+            config.memory.optimizer_state,
+            f"{config.optimizer.name} state per tensor and layer (see state_bytes)",
+        ),
+        PlanComponent(
+            "batch",
+            20 * s.T + (8 if uses_key else 0),
+            DEVICE,
+            f"5 x B x S x 4 = 5 x {s.B} x {s.S} x 4" + (" + dropout key" if uses_key else ""),
+        ),
+    ]
+    if host_embedding:
+        components.append(
+            PlanComponent(
+                "embedding_table",
+                host_embedding,
+                HOST,
+                f"V x D x {s.a} = {s.V} x {s.D} x {s.a}; only a batch's rows come over"
+                + (" (updated in row chunks)" if s.full else " (frozen)"),
+            )
+        )
+    return components
+
+
+def _stored(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
+    s, save = StepShapes(config, model_config), config.memory.save
+    placement = config.memory.residuals
+    width = ((s.H + 2 * s.K) * s.h if "qkv" in save else 0) + (
+        2 * s.F if "mlp_hidden" in save else 0
+    )
+    stored = [
+        PlanComponent(
+            "residual_stream",
+            s.L * s.T * s.D * s.a,
+            placement,
+            f"L x B x S x D x {s.a} = {s.L} x {s.B} x {s.S} x {s.D} x {s.a}",
+        )
+    ]
+    if width:
+        stored.append(
+            PlanComponent(
+                "saved_intermediates",
+                s.L * s.T * width * s.a,
+                placement,
+                f"L x B x S x {width} x {s.a} ({' + '.join(save)})",
+            )
+        )
+    return stored
+
+
+def check_plan_inputs(config: TrainConfig, model_config: ModelConfig) -> tuple[str, ...]:
+    """Refuse what cannot be planned; return warnings about what can but may surprise.
+
+    Batch and sequence must be positive; the sequence may exceed the model's
+    `max_position_embeddings` only when llama3 rope scaling extends the context
+    (original x factor), and then with a warning.
+    """
+    batch, seq = config.batch_size, config.data.seq_len
+    if batch <= 0 or seq <= 0:
+        raise ConfigError(f"batch={batch} and seq={seq} must both be positive, e.g. --batch 2")
+    check_method_settings(config, model_config)
+    limit, scaling = model_config.max_position_embeddings, model_config.rope_scaling
+    if seq <= limit:
+        return ()
+    extended = (
+        0 if scaling is None else int(scaling.original_max_position_embeddings * scaling.factor)
+    )
+    if seq > extended:
+        raise ConfigError(
+            f"seq={seq} exceeds the model's max_position_embeddings={limit}"
+            + ("" if scaling is None else f" and its rope-scaled context {extended}")
+            + f"; use a sequence of at most {max(limit, extended)}"
+        )
+    return (
+        f"seq={seq} exceeds max_position_embeddings={limit}; llama3 rope scaling (factor "
+        f"{scaling.factor} over {scaling.original_max_position_embeddings}) reaches {extended}, "
+        "but quality past the trained context is not guaranteed",
+    )
+
+
+def plan_settings(config: TrainConfig) -> dict[str, Any]:
+    """The choices a plan describes, as plain values (JSON-ready)."""
+    memory = config.memory
+    return {
+        "method": config.method,
+        "dtype": config.model.dtype,
+        "batch_size": config.batch_size,
+        "seq_len": config.data.seq_len,
+        "optimizer": config.optimizer.name,
+        "lora_rank": None if config.method == "full" else config.lora.rank,
+        "quantize_head": config.model.quantize_head,
+        "residuals": memory.residuals,
+        "loss_chunk": memory.loss_chunk,
+        "vocab_chunk": memory.vocab_chunk,
+        "mlp_chunk": memory.mlp_chunk,
+        "optimizer_state": memory.optimizer_state,
+        "embed": memory.embed,
+        "attention": attention_of(config),
+        "save": list(memory.save),
+        "step": memory.step,
+    }
+
+
+def plan_one_device(config: TrainConfig, model_config: ModelConfig) -> MemoryPlan:
+    """The memory plan of the train step `config` describes on one device (`config.mesh` is not
+    read): no weights read, nothing compiled. Raises `ConfigError` for inputs that cannot be planned."""
+    warnings = check_plan_inputs(config, model_config)
+    phases = phase_working_sets(config, model_config)
+    phase_bytes = {name: sum(b.bytes for b in buffers) for name, buffers in phases.items()}
+    peak = max(phase_bytes, key=phase_bytes.get)
+    working = [PlanComponent(b.name, b.bytes, DEVICE, b.formula) for b in phases[peak]]
+    before = _persistent(config, model_config) + _stored(config, model_config)
+    outputs = PlanComponent(
+        OUTPUTS,
+        METRIC_BYTES + 8 * _output_buffers(config, model_config),
+        DEVICE,
+        "5 metrics + 8 B per output buffer (XLA's output tuple)",
+    )
+    on_device = sum(c.bytes for c in before if c.placement == DEVICE)
+    if config.memory.step == "reference":
+        warnings += (
+            "memory.step=reference: planned as the streamed step plus a full gradient pytree; "
+            "the reference step's activations are not calibrated",
+        )
+        before.append(
+            PlanComponent(
+                "full_gradient",
+                trainable_bytes(config, model_config)
+                * (1 + (config.memory.accumulation_steps > 1)),
+                DEVICE,
+                "every trainable tensor's gradient (x2 with gradient accumulation)",
+            )
+        )
+    return MemoryPlan(
+        components=(*before, *working, outputs),
+        phases=phase_bytes,
+        peak_phase=peak,
+        lower_bound_bytes=on_device + working_set_floor(config, model_config),
+        settings=plan_settings(config),
+        warnings=warnings,
+    )

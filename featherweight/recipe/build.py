@@ -1,0 +1,247 @@
+"""From a `TrainConfig` to the pieces of a run: optimizer, trainable/frozen split, train step.
+
+Shared by the trainer and the memory planner, so the planner measures exactly the step that
+trains. Works on real arrays or on `jax.ShapeDtypeStruct`s (planning without weights).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from featherweight.errors import ConfigError
+from featherweight.models.config import ModelConfig
+from featherweight.models.llama import LINEAR_NAMES, LoraSpec, Params
+from featherweight.models.shapes import layer_shapes, top_level_shapes
+from featherweight.parallel.sharding import mesh_from_settings, step_shardings
+from featherweight.peft.lora import (
+    LoraConfig,
+    abstract_lora,
+    init_lora,
+    quantize_frozen_base,
+)
+from featherweight.quant.nf4 import NF4Tensor, abstract_nf4
+from featherweight.recipe.config import TrainConfig
+from featherweight.recipe.optimizer import ROW_CHUNKED_OPTIMIZERS
+from featherweight.step.reference import build_reference_step, model_loss
+from featherweight.step.streamed import (
+    build_streamed_step,
+    init_streamed_opt_state,
+    place_opt_state,
+)
+
+ADAPTER_DTYPE = jnp.float32  # adapters train in float32 over a bf16 or NF4 base (as PEFT does)
+
+
+def lora_config_of(config: TrainConfig) -> LoraConfig | None:
+    """The adapters' settings, or None for full fine-tuning."""
+    return None if config.method == "full" else config.lora
+
+
+def split_params(
+    params: Params, config: TrainConfig, model_config: ModelConfig, key: jax.Array
+) -> tuple[Params, Params]:
+    """(trainable, frozen): all parameters for full fine-tuning; fresh adapters over the base
+    (NF4-quantized for QLoRA if it is not already) otherwise."""
+    lora = lora_config_of(config)
+    if lora is None:
+        return params, {}
+    frozen = params
+    if config.method == "qlora" and not isinstance(params["layers"]["q"], NF4Tensor):
+        frozen = quantize_frozen_base(params)
+    return init_lora(key, model_config, lora, ADAPTER_DTYPE), frozen
+
+
+def abstract_split(config: TrainConfig, model_config: ModelConfig) -> tuple[Params, Params]:
+    """(trainable, frozen) as `jax.ShapeDtypeStruct`s, exactly as `split_params` would build them."""
+    dtype = jnp.dtype(config.model.dtype)
+    top = {
+        name: jax.ShapeDtypeStruct(shape, dtype)
+        for name, shape in top_level_shapes(model_config).items()
+    }
+    layers: dict[str, Any] = {}
+    for name, shape in layer_shapes(model_config).items():
+        if config.method == "qlora" and name in LINEAR_NAMES:
+            layers[name] = abstract_nf4(shape, (model_config.num_layers,))
+        else:
+            layers[name] = jax.ShapeDtypeStruct((model_config.num_layers, *shape), dtype)
+    if config.method == "qlora" and config.model.quantize_head:
+        head = "embed" if model_config.tie_word_embeddings else "lm_head"
+        top[head] = abstract_nf4(top_level_shapes(model_config)[head])
+    params = {**top, "layers": layers}
+    lora = lora_config_of(config)
+    if lora is None:
+        return params, {}
+    return abstract_lora(model_config, lora, ADAPTER_DTYPE), params
+
+
+def place_embedding(
+    config: TrainConfig, trainable: Params, frozen: Params, move: Callable
+) -> tuple[Params, Params]:
+    """(trainable, frozen) with the embedding table moved by `move` (to host memory, or to an
+    abstract host shape) when `memory.embed` is "host": trained with full fine-tuning (updated in
+    row chunks there), frozen otherwise."""
+    if config.memory.embed != "host":
+        return trainable, frozen
+    if "embed" in trainable:
+        return {**trainable, "embed": move(trainable["embed"])}, frozen
+    return trainable, {**frozen, "embed": move(frozen["embed"])}
+
+
+def opt_state_initializer(
+    config: TrainConfig, optimizer: optax.GradientTransformation
+) -> Callable[[Params], Any]:
+    """`trainable -> optimizer state` in the layout the configured step expects."""
+    if config.memory.step == "reference":
+        if config.memory.accumulation_steps > 1:
+            return (
+                optax.MultiSteps(optimizer, config.memory.accumulation_steps)
+                .gradient_transformation()
+                .init
+            )
+        return optimizer.init
+    placement = config.memory.optimizer_state
+    return lambda params: place_opt_state(init_streamed_opt_state(optimizer, params), placement)
+
+
+def build_train_step(
+    config: TrainConfig,
+    model_config: ModelConfig,
+    trainable: Params,
+    frozen: Params,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh | None = None,
+) -> tuple[Callable, Callable[[Params], Any]]:
+    """(jitted donated step, init_opt_state) for the configured step kind and memory policy.
+
+    With a device mesh (`mesh`, default: the one `config.mesh` describes, which several
+    processes always have) both are compiled for it: the step with the partition rules of
+    `featherweight.parallel.sharding`, and init_opt_state creates the state directly in its shards.
+    """
+    lora = lora_config_of(config)
+    spec: LoraSpec | None = None if lora is None else lora.spec
+    policy = config.memory.policy
+    init_opt_state = opt_state_initializer(config, optimizer)
+    if config.memory.step == "reference" and config.memory.accumulation_steps > 1:
+        optimizer = optax.MultiSteps(
+            optimizer, config.memory.accumulation_steps
+        ).gradient_transformation()
+    mesh, shardings = mesh or mesh_from_settings(config.mesh), None
+    if mesh is not None:
+        opt_state = jax.eval_shape(init_opt_state, trainable)
+        shardings = step_shardings(mesh, trainable, opt_state, frozen)
+        init_opt_state = jax.jit(init_opt_state, out_shardings=shardings.inputs[1])
+    if config.memory.step == "reference":
+        step = build_reference_step(
+            model_config, optimizer, lora=spec, chunk_size=policy.loss_chunk, shardings=shardings
+        )
+        return step, init_opt_state
+    step = build_streamed_step(
+        model_config,
+        optimizer,
+        trainable,
+        frozen,
+        lora=spec,
+        policy=policy,
+        accumulation_steps=config.memory.accumulation_steps,
+        shardings=shardings,
+    )
+    return step, init_opt_state
+
+
+def check_method_settings(config: TrainConfig, model_config: ModelConfig) -> None:
+    """Refuse combinations that cannot work, before any weights are read."""
+    lora = lora_config_of(config)
+    if lora is not None:
+        lora.check_model(model_config)
+    if config.model.quantize_head and config.method != "qlora":
+        raise ConfigError("model.quantize_head=true needs method: qlora (the head is frozen there)")
+    _check_placements(config, model_config)
+    mlp_chunk, seq = config.memory.mlp_chunk, config.data.seq_len
+    if mlp_chunk is not None and mlp_chunk < seq and seq % mlp_chunk:
+        raise ConfigError(
+            f"memory.mlp_chunk={mlp_chunk} must divide data.seq_len={seq}; use a divisor, e.g. "
+            f"{next(c for c in range(mlp_chunk, 0, -1) if seq % c == 0)}"
+        )
+    if config.memory.accumulation_steps > 1 and config.memory.step == "streamed":
+        raise ConfigError(
+            "memory.accumulation_steps > 1 needs a full gradient buffer, which the streamed step "
+            "never builds; set memory.step: reference, or raise batch_size instead"
+        )
+
+
+def _check_placements(config: TrainConfig, model_config: ModelConfig) -> None:
+    """Host placements need the streamed step on one device. A host embedding trained (full
+    fine-tuning) must be untied and use an elementwise optimizer (it is updated in row chunks);
+    a frozen one that is also the (tied) LM head must be read in vocabulary chunks."""
+    memory = config.memory
+    on_host = [
+        f"memory.{name}: host"
+        for name in ("optimizer_state", "embed")
+        if getattr(memory, name) == "host"
+    ]
+    if not on_host:
+        return
+    if memory.step == "reference":
+        raise ConfigError(
+            f"{', '.join(on_host)} needs the streamed step (it moves one layer at a time); "
+            "set memory.step: streamed"
+        )
+    if config.mesh is not None:
+        raise ConfigError(
+            f"{', '.join(on_host)} is supported on one device only; on a mesh FSDP divides that "
+            "memory instead: drop the host placement, or set mesh: null"
+        )
+    if memory.embed == "host" and config.method == "full":
+        if model_config.tie_word_embeddings:
+            raise ConfigError(
+                "memory.embed: host with method: full needs untied embeddings: a tied table is "
+                "also the LM head, whose gradient covers every row; use memory.embed: device, "
+                "or method lora/qlora (the table is frozen there)"
+            )
+        if config.optimizer.name not in ROW_CHUNKED_OPTIMIZERS:
+            raise ConfigError(
+                f"memory.embed: host with method: full updates the table in row chunks, which "
+                f"optimizer {config.optimizer.name!r} cannot (its state is not elementwise); use "
+                "optimizer adamw, sgd or lion, or memory.embed: device"
+            )
+    elif memory.embed == "host" and model_config.tie_word_embeddings:
+        if config.model.quantize_head:
+            raise ConfigError(
+                "memory.embed: host and model.quantize_head: true both claim the tied embedding "
+                "table; choose one"
+            )
+        if memory.vocab_chunk is None:
+            raise ConfigError(
+                "memory.embed: host with tied embeddings: the LM head reads the table from the "
+                "host chunk by chunk; set memory.vocab_chunk (e.g. 8192)"
+            )
+
+
+@functools.lru_cache(maxsize=4)
+def evaluation_fn(config: TrainConfig, model_config: ModelConfig) -> Callable:
+    """Jitted `(trainable, frozen, batch) -> (mean loss, counted tokens)`, without dropout."""
+    lora = lora_config_of(config)
+    spec = None if lora is None else lora.spec
+
+    def evaluate(trainable, frozen, batch):
+        loss = model_loss(
+            trainable,
+            frozen,
+            batch,
+            model_config,
+            spec,
+            None,
+            config.memory.loss_chunk,
+            vocab_chunk=config.memory.vocab_chunk,
+            mlp_chunk=config.memory.mlp_chunk,
+        )
+        return loss, jnp.sum(batch.loss_mask)
+
+    return jax.jit(evaluate)

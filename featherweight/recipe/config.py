@@ -1,0 +1,254 @@
+"""Every user-facing training setting, as pydantic models validated with clear errors.
+
+One YAML file (or Python dict) holds a `TrainConfig`; `--set key.sub=value` overrides a field.
+Unknown keys get the closest valid key suggested; wrong types name the field and the value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from featherweight.errors import ConfigError
+from featherweight.parallel.sharding import MeshSettings
+from featherweight.peft.lora import LoraConfig
+from featherweight.step.policy import MemoryPolicy
+
+Method = Literal["full", "lora", "qlora"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSettings(_Section):
+    """The checkpoint to fine-tune and how its weights are held."""
+
+    path: str = Field(
+        "demo", description="HF directory, .gguf file, or 'demo' (SmolLM2-135M-Instruct)"
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "bfloat16", description="parameter and compute dtype"
+    )
+    quantize_head: bool = Field(False, description="QLoRA: NF4 LM head (or tied embedding) too")
+
+
+class DataSettings(_Section):
+    """The dataset: JSONL of {"text"}, {"instruction","input","output"} or {"messages"}."""
+
+    train: str = Field("demo", description="JSONL path, or 'demo' for the built-in generated task")
+    eval: str | None = None
+    eval_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="split off train when eval is None"
+    )
+    seq_len: int = Field(256, gt=0)
+    pack: bool = True
+    overflow: Literal["truncate", "error"] = "truncate"
+    skip_bad: bool = False
+    shuffle_seed: int = 0
+
+
+class OptimizerSettings(_Section):
+    """An optax optimizer and learning-rate schedule."""
+
+    name: Literal["adamw", "adamw_8bit", "sgd", "lion", "adafactor"] = "adamw"
+    learning_rate: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.999, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    clip_norm: float | None = Field(
+        None, gt=0, description="per-layer clipping with the streamed step"
+    )
+
+
+class MemorySettings(_Section):
+    """Memory policy and budget (see `featherweight plan`)."""
+
+    budget: str | None = Field(None, description="e.g. '8GiB'; the planner picks settings that fit")
+    residuals: Literal["device", "host"] = "device"
+    loss_chunk: int | None = Field(None, gt=0, description="sequence chunk of LM head + loss")
+    vocab_chunk: int | None = Field(
+        None, gt=0, description="vocabulary chunk of the LM head (rows of the head at a time)"
+    )
+    mlp_chunk: int | None = Field(
+        None, gt=0, description="sequence chunk of each block's MLP (long context)"
+    )
+    optimizer_state: Literal["device", "host"] = Field(
+        "device", description="host: each layer's state comes over for its update only"
+    )
+    embed: Literal["device", "host"] = Field(
+        "device", description="host: a frozen embedding table sends only the rows a batch uses"
+    )
+    attention: Literal["auto", "materialized", "flash"] = Field(
+        "auto",
+        description=(
+            "for the plan: how jax.nn.dot_product_attention runs; flash (cuDNN on GPU, bf16) "
+            "keeps no S x S scores; auto: flash on a GPU in bf16, materialized otherwise"
+        ),
+    )
+    save: tuple[str, ...] = ()
+    step: Literal["streamed", "reference"] = Field(
+        "streamed", description="fused-update or jax.grad step"
+    )
+    accumulation_steps: int = Field(1, ge=1, description="reference step only")
+
+    @property
+    def policy(self) -> MemoryPolicy:
+        """The streamed step's runtime form of these settings: the fields both share, by name."""
+        shared = {field.name for field in dataclasses.fields(MemoryPolicy)}
+        return MemoryPolicy(**{name: getattr(self, name) for name in shared})
+
+
+class CheckpointSettings(_Section):
+    """When to save, and how many to keep."""
+
+    every_steps: int = Field(50, gt=0)
+    keep: int = Field(2, gt=0)
+
+
+class TrainConfig(_Section):
+    """A whole fine-tuning run."""
+
+    model: ModelSettings = ModelSettings()
+    method: Method = "qlora"
+    lora: LoraConfig = LoraConfig()
+    data: DataSettings = DataSettings()
+    optimizer: OptimizerSettings = OptimizerSettings()
+    memory: MemorySettings = MemorySettings()
+    checkpoint: CheckpointSettings = CheckpointSettings()
+    mesh: MeshSettings | None = Field(
+        None, description="null: one device (several processes: 'auto'); 'auto' or {data, fsdp}"
+    )
+    batch_size: int = Field(4, gt=0)
+    steps: int = Field(100, gt=0)
+    eval_every: int = Field(0, ge=0, description="0: evaluate only at the end")
+    eval_batches: int = Field(4, gt=0)
+    log_every: int = Field(1, gt=0)
+    seed: int = 0
+    output_dir: str = "runs/run"
+
+    @field_validator("mesh", mode="before")
+    @classmethod
+    def _auto_mesh(cls, mesh: Any) -> Any:
+        return {} if mesh == "auto" else mesh
+
+
+def _allowed_keys(model: type[BaseModel], location: tuple) -> list[str]:
+    """The field names valid at `location` (a pydantic error location) inside `model`."""
+    current: Any = model
+    for part in location[:-1]:
+        field = current.model_fields.get(part) if isinstance(part, str) else None
+        # an optional section (`MeshSettings | None`) names its model among the union's members
+        members = (typing.get_args(field.annotation) or (field.annotation,)) if field else ()
+        sections = [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+        if not sections:
+            return []
+        current = sections[0]
+    return list(current.model_fields)
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """1-based line of every (dotted) key of a YAML mapping, for error messages."""
+    lines: dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                dotted = f"{prefix}{key_node.value}"
+                lines[dotted] = key_node.start_mark.line + 1
+                walk(value_node, dotted + ".")
+
+    with contextlib.suppress(yaml.YAMLError):
+        walk(yaml.compose(text), "")
+    return lines
+
+
+def _format_errors(error: ValidationError, source: str, key_lines: dict[str, int]) -> str:
+    lines = []
+    for item in error.errors():
+        location = tuple(item["loc"])
+        dotted = ".".join(str(part) for part in location)
+        where = next(
+            (
+                f" (line {key_lines[key]})"
+                for key in (dotted, dotted.rsplit(".", 1)[0])
+                if key in key_lines
+            ),
+            "",
+        )
+        if item["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+            allowed = _allowed_keys(TrainConfig, location)
+            close = difflib.get_close_matches(str(location[-1]), allowed, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(allowed)}"
+            lines.append(f"unknown key {dotted!r}{where} ({hint})")
+        else:
+            lines.append(f"{dotted}{where}: {item['msg']} (got {item.get('input')!r})")
+    return f"{source}: invalid config: " + "; ".join(lines)
+
+
+def parse_config(
+    values: dict[str, Any], source: str = "config", key_lines: dict[str, int] | None = None
+) -> TrainConfig:
+    """Validate a dict into a `TrainConfig`, or raise `ConfigError` naming every bad field."""
+    try:
+        return TrainConfig.model_validate(values)
+    except ValidationError as error:
+        raise ConfigError(_format_errors(error, source, key_lines or {})) from None
+
+
+def _set_dotted(values: dict[str, Any], dotted: str, raw: str) -> None:
+    keys = dotted.split(".")
+    node = values
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: {key!r} is not a section")
+        node = child
+    node[keys[-1]] = yaml.safe_load(raw) if raw != "" else None
+
+
+def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key.sub=value` overrides (values parsed as YAML scalars/lists)."""
+    for override in overrides:
+        if "=" not in override:
+            raise ConfigError(
+                f"--set {override!r} must look like key.sub=value, e.g. --set steps=200"
+            )
+        dotted, raw = override.split("=", 1)
+        _set_dotted(values, dotted.strip(), raw.strip())
+    return values
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML config (None: all defaults), apply overrides, validate."""
+    values: dict[str, Any] = {}
+    source, key_lines = "config", {}
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(
+                f"config file {path} does not exist; pass a YAML file (see examples/)"
+            )
+        text = path.read_text()
+        key_lines = _key_lines(text)
+        try:
+            loaded = yaml.safe_load(text) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path} is not valid YAML: {error}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                f"{path} must hold a mapping of settings, found {type(loaded).__name__}"
+            )
+        values = loaded
+    return parse_config(apply_overrides(values, overrides or []), source, key_lines)

@@ -1,0 +1,281 @@
+"""Everything a run needs before its first step, checked in order of cost.
+
+1. the output directory (another run there? writable?) and the config -- no I/O beyond stat;
+2. the checkpoint's header (model config, tokenizer) and the method's settings;
+3. the memory plan (and the budget, which may change settings) -- before any weight is read;
+4. the dataset (typed errors with file and line);
+5. the weights (NF4-quantized on load for QLoRA), the trainable/frozen split, the step;
+   with a device mesh, the weights are read to host memory and placed shard by shard;
+6. the latest checkpoint when the run resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import yaml
+
+from featherweight.data.demo_task import invented_world, write_training_data
+from featherweight.data.iterator import DataIterator
+from featherweight.data.records import Dataset, prepare_dataset
+from featherweight.errors import OutputExistsError
+from featherweight.io.atomic import atomic_write_text, probe_writable
+from featherweight.io.embedded_model import cache_dir, require_demo_model
+from featherweight.io.loader import load_model, open_checkpoint
+from featherweight.io.output_paths import refuse_escape, refuse_overlap
+from featherweight.io.tokenizer import Tokenizer
+from featherweight.models.config import ModelConfig
+from featherweight.models.llama import Params
+from featherweight.models.model import Model
+from featherweight.parallel.distributed import is_primary, sync_processes
+from featherweight.parallel.memory_kinds import to_host
+from featherweight.parallel.sharding import (
+    check_layout,
+    mesh_from_settings,
+    parameter_spec,
+    shard_tree,
+)
+from featherweight.recipe.build import (
+    abstract_split,
+    build_train_step,
+    check_method_settings,
+    place_embedding,
+    split_params,
+)
+from featherweight.recipe.config import TrainConfig
+from featherweight.recipe.optimizer import make_optimizer
+from featherweight.step.loss import resolve_chunk_size
+from featherweight.train.checkpoint import Checkpointer
+
+CONFIG_FILE = "config.yaml"
+RUN_FILE = "run.json"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+RUN_ENTRIES = (CONFIG_FILE, RUN_FILE, METRICS_FILE, CHECKPOINT_DIR, "loss.png")  # what a run writes
+
+
+@dataclasses.dataclass
+class Run:
+    """A prepared run: the state lives here only until the loop takes it over."""
+
+    config: TrainConfig
+    output_dir: Path
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    model_source: Path
+    dataset: Dataset
+    data: DataIterator
+    trainable: Params
+    frozen: Params
+    opt_state: Any
+    step_fn: Any
+    checkpointer: Checkpointer
+    start_step: int
+    plan: Any = None
+    mesh: Any = None  # the device mesh (jax.sharding.Mesh), None on one device
+
+
+def _comparable(config: TrainConfig) -> dict[str, Any]:
+    """The settings that define a run; `steps` may grow when resuming."""
+    values = config.model_dump(mode="json")
+    values.pop("steps")
+    return values
+
+
+def check_run_dir(config: TrainConfig, overwrite: bool) -> tuple[Path, bool]:
+    """(resolved output dir, resuming?) -- refusing another run's directory unless `overwrite`.
+
+    With `overwrite` nothing is removed yet: `write_run_files` clears the directory once the new
+    run's settings, model header and data have all been checked.
+    """
+    out = Path(config.output_dir).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError(f"output_dir {out} is a file; choose a directory for output_dir")
+    refuse_escape(out, RUN_ENTRIES)
+    resuming = False
+    if out.exists() and not overwrite:
+        saved = out / CONFIG_FILE
+        if saved.is_file() and _comparable(_saved_config(saved)) == _comparable(config):
+            resuming = True
+        elif any(out.iterdir()):
+            what = (
+                "another run (its config differs)"
+                if saved.is_file()
+                else "files that are not a featherweight run"
+            )
+            raise OutputExistsError(
+                f"output_dir {out} holds {what}; pass --overwrite to replace it, or choose a new "
+                "output_dir (an identical config resumes automatically)"
+            )
+    probe_writable(out, "output_dir")
+    return out, resuming
+
+
+def _saved_config(saved: Path) -> TrainConfig:
+    """The config of the run already in output_dir; a damaged file is named, not a crash."""
+    try:
+        return TrainConfig.model_validate(yaml.safe_load(saved.read_text()))
+    except (yaml.YAMLError, ValueError) as error:  # pydantic's ValidationError is a ValueError
+        raise OutputExistsError(
+            f"output_dir {saved.parent} holds a run whose {saved.name} cannot be read "
+            f"({type(error).__name__}); pass --overwrite to replace that run, or choose a new "
+            "output_dir"
+        ) from None
+
+
+def resolve_model_path(config: TrainConfig) -> Path:
+    return (
+        require_demo_model()
+        if config.model.path == "demo"
+        else Path(config.model.path).expanduser()
+    )
+
+
+def resolve_data_path(config: TrainConfig) -> Path:
+    """The training JSONL; "demo" writes the generated demo task into the cache."""
+    if config.data.train == "demo":
+        return write_training_data(cache_dir() / "demo_data" / "demo_train.jsonl", invented_world())
+    return Path(config.data.train).expanduser()
+
+
+def read_header(model_path: Path) -> tuple[ModelConfig, Tokenizer | None]:
+    """The model config and tokenizer from the checkpoint's header (no weights read)."""
+    source = open_checkpoint(model_path)
+    try:
+        return source.config, source.tokenizer()
+    finally:
+        source.close()
+
+
+def load_weights(config: TrainConfig, model_path: Path) -> Model:
+    quantize = "nf4" if config.method == "qlora" else None
+    return load_model(
+        model_path,
+        dtype=config.model.dtype,
+        quantize=quantize,
+        quantize_head=config.model.quantize_head,
+    )
+
+
+def loading_device(mesh) -> contextlib.AbstractContextManager:
+    """Where weights are read to before they are sharded: host memory when a mesh will hold the
+    model (it may not fit one accelerator), else the default device."""
+    if mesh is None:
+        return contextlib.nullcontext()
+    return jax.default_device(jax.local_devices(backend="cpu")[0])
+
+
+def write_run_files(
+    output_dir: Path, config: TrainConfig, model_path: Path, model_config: ModelConfig, clear: bool
+) -> None:
+    """The run's identity: its config and what the export needs to rebuild the model."""
+    if clear and output_dir.exists():
+        shutil.rmtree(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(
+        output_dir / CONFIG_FILE, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    )
+    run = {
+        "model_path": str(model_path),
+        "method": config.method,
+        "model_config": model_config.to_hf_dict(),
+    }
+    atomic_write_text(output_dir / RUN_FILE, json.dumps(run, indent=2))
+
+
+def check_step_settings(config: TrainConfig) -> None:
+    """The step's memory settings, checked before anything is written: the step itself meets them
+    only when it is first traced, after the run's files exist."""
+    _ = config.memory.policy  # MemoryPolicy validates the policy fields
+    resolve_chunk_size(config.data.seq_len, config.memory.loss_chunk)
+
+
+def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> Run:
+    """Check, plan, load and (when resuming) restore: a run ready for its first step.
+
+    `plan_fn(config, model_config) -> (config, plan)` plans memory (and may change settings to fit
+    a budget) before any weights are read.
+    """
+    output_dir, resuming = check_run_dir(config, overwrite)
+    model_path = resolve_model_path(config)
+    inputs = {
+        "model": model_path,
+        "dataset": None if config.data.train == "demo" else config.data.train,
+        "eval dataset": config.data.eval,
+    }
+    refuse_overlap(output_dir, inputs, "output_dir")
+    model_config, tokenizer = read_header(model_path)
+    check_method_settings(config, model_config)
+    plan = None
+    if plan_fn is not None:
+        config, plan = plan_fn(config, model_config)
+    check_step_settings(config)
+    mesh = mesh_from_settings(config.mesh)
+    if mesh is not None:
+        global_batch = config.batch_size * jax.process_count()
+        check_layout(mesh, *abstract_split(config, model_config), global_batch)
+    if tokenizer is None:
+        from featherweight.errors import DataError
+
+        raise DataError(f"{model_path} has no tokenizer; the trainer needs one to read the dataset")
+    data_settings = config.data
+    dataset = prepare_dataset(
+        resolve_data_path(config),
+        tokenizer,
+        data_settings.seq_len,
+        skip_bad=data_settings.skip_bad,
+        overflow=data_settings.overflow,
+        eval_fraction=0.0 if data_settings.eval else data_settings.eval_fraction,
+        seed=data_settings.shuffle_seed,
+    )
+    if data_settings.eval:
+        eval_set = prepare_dataset(
+            data_settings.eval,
+            tokenizer,
+            data_settings.seq_len,
+            skip_bad=data_settings.skip_bad,
+            overflow=data_settings.overflow,
+        )
+        dataset = dataset._replace(eval=eval_set.train, eval_stats=eval_set.train_stats)
+    if is_primary():
+        write_run_files(output_dir, config, model_path, model_config, clear=overwrite)
+    sync_processes("run files written")
+    data = DataIterator(
+        dataset.train,
+        config.batch_size,
+        data_settings.shuffle_seed,
+        jax.process_index(),
+        jax.process_count(),
+    )
+
+    with loading_device(mesh):
+        model = load_weights(config, model_path)
+        trainable, frozen = split_params(
+            model.params, config, model_config, jax.random.PRNGKey(config.seed)
+        )
+    del model
+    if mesh is not None:
+        trainable = shard_tree(trainable, mesh, parameter_spec)
+        frozen = shard_tree(frozen, mesh, parameter_spec)
+    optimizer = make_optimizer(config.optimizer, config.steps)
+    step_fn, init_opt_state = build_train_step(config, model_config, trainable, frozen, optimizer)
+    opt_state = init_opt_state(trainable)  # placed as memory.optimizer_state says
+    # memory.embed: host -- the step brings over only the rows a batch uses
+    trainable, frozen = place_embedding(config, trainable, frozen, to_host)
+    checkpointer = Checkpointer(output_dir / CHECKPOINT_DIR, keep=config.checkpoint.keep)
+    start_step = 0
+    latest = checkpointer.latest_step() if resuming else None
+    if latest is not None:
+        (trainable, opt_state), metadata = checkpointer.restore(latest, (trainable, opt_state))
+        data.restore(metadata["data"])
+        start_step = int(metadata["step"])
+    return Run(
+        config, output_dir, model_config, tokenizer, model_path, dataset, data, trainable, frozen,
+        opt_state, step_fn, checkpointer, start_step, plan, mesh,
+    )  # fmt: skip

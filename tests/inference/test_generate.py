@@ -1,0 +1,170 @@
+"""Inference: generation with the KV cache equals generation without it (tiny random models of
+each layout, and the real SmolLM2), cached step logits equal the full forward pass, greedy output
+equals transformers', and token ids are validated."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from featherweight.errors import ConfigError
+from featherweight.inference.generate import (
+    _cached_step,
+    generate,
+    generate_ids,
+    logits,
+    validate_token_ids,
+)
+from featherweight.io.loader import load_model
+from featherweight.models.init import init_params
+from featherweight.models.llama import merge_params
+from featherweight.models.model import Model
+from featherweight.peft.lora import LoraConfig, merge_lora_weight
+from tests.conftest import tiny_config
+from tests.tiny_checkpoints import VOCAB, hf_config, random_hf_model, save_hf
+
+PROMPT = [3, 141, 59, 26, 53, 58, 97, 93, 23, 84]
+NEW_TOKENS = 12
+SMOLLM2_TOKENS = 12
+
+
+@pytest.fixture(scope="module", params=["llama2", "qwen2"])
+def tiny(request, tmp_path_factory):
+    """(featherweight model, transformers model): GQA llama, and qwen2 with q/k/v biases."""
+    hf_model = random_hf_model(hf_config(request.param))
+    directory = save_hf(hf_model, tmp_path_factory.mktemp(request.param))
+    return load_model(directory, dtype="float32"), hf_model
+
+
+def test_cached_greedy_equals_uncached(tiny):
+    model, _ = tiny
+    cached = generate_ids(model, PROMPT, NEW_TOKENS, use_cache=True)
+    assert cached == generate_ids(model, PROMPT, NEW_TOKENS, use_cache=False)
+    assert len(cached) == NEW_TOKENS and len(set(cached)) > 1
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """The llama2 case alone (same config and shapes as in `tiny`: the compiled steps are shared)."""
+    directory = save_hf(random_hf_model(hf_config("llama2")), tmp_path_factory.mktemp("llama"))
+    return load_model(directory, dtype="float32")
+
+
+def test_cached_sampling_equals_uncached(llama):
+    model = llama
+    kwargs = dict(max_new_tokens=NEW_TOKENS, temperature=0.8, seed=7)
+    sampled = generate_ids(model, PROMPT, use_cache=True, **kwargs)
+    assert sampled == generate_ids(model, PROMPT, use_cache=False, **kwargs)
+    assert sampled != generate_ids(model, PROMPT, NEW_TOKENS)  # it did sample
+
+
+def test_greedy_equals_transformers_generate(tiny):
+    model, hf_model = tiny
+    with torch.no_grad():
+        output = hf_model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None
+        )
+    assert generate_ids(model, PROMPT, NEW_TOKENS) == output[0, len(PROMPT) :].tolist()
+
+
+def test_cached_step_logits_equal_the_full_forward(tiny):
+    """Prefill, then decode steps through the cache, against `logits` of the whole sequence
+    (shapes as in `generate_ids`, so the compiled steps are shared)."""
+    model, _ = tiny
+    config = model.config
+    sequence = np.asarray([[*PROMPT, 7, 11]], dtype=np.int32)
+    full = np.asarray(logits(model, sequence))[0]
+    total = len(PROMPT) + NEW_TOKENS
+    shape = (config.num_layers, 1, total, config.num_kv_heads, config.head_dim)
+    cache = (np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+    prefill, cache = _cached_step(model.params, sequence[:, :-2], cache, 0, config)
+    np.testing.assert_allclose(np.asarray(prefill)[0], full[-3], atol=1e-5)
+    step, cache = _cached_step(model.params, sequence[:, -2:-1], cache, len(PROMPT), config)
+    np.testing.assert_allclose(np.asarray(step)[0], full[-2], atol=1e-5)
+    two, _ = _cached_step(model.params, sequence[:, -1:], cache, len(PROMPT) + 1, config)
+    np.testing.assert_allclose(np.asarray(two)[0], full[-1], atol=1e-5)
+
+
+def test_stop_ids_end_generation(llama):
+    model = llama
+    first = generate_ids(model, PROMPT, NEW_TOKENS)[0]
+    for use_cache in (True, False):
+        assert generate_ids(model, PROMPT, NEW_TOKENS, stop_ids={first}, use_cache=use_cache) == [
+            first
+        ]
+
+
+def test_validate_token_ids_accepted_forms():
+    flat = validate_token_ids([1, 2, 3], VOCAB)
+    assert flat.shape == (1, 3) and flat.dtype == np.int32
+    batch = validate_token_ids(np.array([[0, VOCAB - 1]], dtype=np.uint16), VOCAB)
+    assert batch.tolist() == [[0, VOCAB - 1]] and batch.dtype == np.int32
+
+
+def test_generate_settings_are_checked(llama):
+    model = llama
+    with pytest.raises(ConfigError, match="max_new_tokens=0"):
+        generate_ids(model, PROMPT, 0)
+    with pytest.raises(ConfigError, match="temperature=-1"):
+        generate_ids(model, PROMPT, 4, temperature=-1.0)
+    with pytest.raises(ConfigError, match="has no tokenizer; generate from token ids"):
+        generate(model, "hello")
+
+
+@pytest.fixture(scope="module")
+def smollm2(demo_gguf):
+    return load_model(demo_gguf)
+
+
+@pytest.mark.slow
+def test_smollm2_cached_generation_equals_uncached(smollm2):
+    tokenizer = smollm2.tokenizer
+    question = "What is 2 + 2?"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    cached = generate_ids(smollm2, prompt, SMOLLM2_TOKENS, use_cache=True)
+    assert cached == generate_ids(smollm2, prompt, SMOLLM2_TOKENS, use_cache=False)
+    assert len(cached) == SMOLLM2_TOKENS
+    reply = generate(smollm2, question, SMOLLM2_TOKENS)  # chat template, stops at <|im_end|>
+    stops = tokenizer.stop_ids()
+    end = next((i + 1 for i, token in enumerate(cached) if token in stops), len(cached))
+    assert reply == tokenizer.decode(cached[:end]) and reply.strip()
+
+
+def test_lora_model_generates_as_its_merged_weights():
+    """A Model carrying adapters (and their LoraSpec) equals the model with them merged in."""
+    config = tiny_config()
+    base = init_params(jax.random.PRNGKey(0), config)
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "down"))
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), 6))
+    adapters = {}
+    for name in lora.targets:
+        out_features, in_features = base["layers"][name].shape[1:]
+        adapters[name] = {
+            "a": 0.1 * jax.random.normal(next(keys), (config.num_layers, lora.rank, in_features)),
+            "b": 0.1 * jax.random.normal(next(keys), (config.num_layers, out_features, lora.rank)),
+        }
+    trainable = {"layers": {"lora": adapters}}
+    with_adapters = Model(config, merge_params(base, trainable), None, Path("."), lora=lora.spec)
+    merged_layers = dict(base["layers"])
+    for name, pair in adapters.items():
+        merged_layers[name] = merge_lora_weight(
+            np.asarray(base["layers"][name]),
+            np.asarray(pair["a"]),
+            np.asarray(pair["b"]),
+            lora.scale,
+        )
+    merged = Model(config, {**base, "layers": merged_layers}, None, Path("."))
+    tokens = np.arange(12, dtype=np.int32)[None] % config.vocab_size
+    np.testing.assert_allclose(logits(with_adapters, tokens), logits(merged, tokens), atol=1e-5)
+    assert (
+        np.abs(
+            np.asarray(
+                logits(with_adapters, tokens) - logits(Model(config, base, None, Path(".")), tokens)
+            )
+        ).max()
+        > 1e-2
+    )
+    assert generate_ids(with_adapters, tokens[0], 6) == generate_ids(merged, tokens[0], 6)

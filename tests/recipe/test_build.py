@@ -1,0 +1,67 @@
+"""From settings to a run's pieces: optimizer schedules, the trainable/frozen split, and the
+abstract split the planner compiles matching the real one."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from featherweight.errors import AdapterConfigError, ConfigError
+from featherweight.models.init import init_params
+from featherweight.quant.nf4 import NF4Tensor
+from featherweight.recipe.build import abstract_split, check_method_settings, split_params
+from featherweight.recipe.config import parse_config
+from featherweight.recipe.optimizer import learning_rate_schedule, make_optimizer
+from tests.conftest import tiny_config
+
+
+def test_schedules_warm_up_and_decay():
+    settings = parse_config(
+        {"optimizer": {"learning_rate": 1.0, "warmup_steps": 10, "schedule": "cosine"}}
+    ).optimizer
+    schedule = learning_rate_schedule(settings, total_steps=110)
+    assert float(schedule(0)) == 0.0
+    assert float(schedule(10)) == pytest.approx(1.0)
+    assert float(schedule(60)) == pytest.approx(0.5, abs=1e-6)
+    assert float(schedule(110)) == pytest.approx(0.0, abs=1e-6)
+    linear = parse_config({"optimizer": {"learning_rate": 1.0, "schedule": "linear"}}).optimizer
+    assert float(learning_rate_schedule(linear, 100)(50)) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion", "adafactor"])
+def test_every_named_optimizer_updates(name):
+    settings = parse_config({"optimizer": {"name": name, "clip_norm": 1.0}}).optimizer
+    optimizer = make_optimizer(settings, 10)
+    params = {"w": np.ones((4, 4), np.float32)}
+    updates, _ = optimizer.update(
+        {"w": np.ones((4, 4), np.float32)}, optimizer.init(params), params
+    )
+    assert float(np.abs(updates["w"]).sum()) > 0
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+def test_abstract_split_matches_the_real_split(method):
+    config = parse_config({"method": method, "model": {"dtype": "float32"}})
+    model_config = tiny_config()
+    params = init_params(jax.random.PRNGKey(0), model_config)
+    real = split_params(params, config, model_config, jax.random.PRNGKey(1))
+    abstract = abstract_split(config, model_config)
+    shapes = lambda tree: jax.tree.map(lambda leaf: (tuple(leaf.shape), str(leaf.dtype)), tree)
+    assert shapes(real) == shapes(abstract)
+    if method == "qlora":
+        assert isinstance(real[1]["layers"]["gate"], NF4Tensor)
+    if method != "full":
+        assert set(real[0]) == {"layers"} and set(real[0]["layers"]) == {"lora"}
+
+
+def test_refusals_before_any_weights():
+    model_config = tiny_config()
+    with pytest.raises(ConfigError, match="quantize_head"):
+        check_method_settings(
+            parse_config({"method": "lora", "model": {"quantize_head": True}}), model_config
+        )
+    with pytest.raises(ConfigError, match="accumulation"):
+        check_method_settings(parse_config({"memory": {"accumulation_steps": 4}}), model_config)
+    with pytest.raises(AdapterConfigError, match="rank"):
+        check_method_settings(parse_config({"lora": {"rank": 4096}}), model_config)
+    assert isinstance(make_optimizer(parse_config({}).optimizer, 5), optax.GradientTransformation)

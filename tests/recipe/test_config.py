@@ -1,0 +1,54 @@
+"""Training settings: defaults, overrides, and errors that name the key, the line and the fix."""
+
+import pytest
+
+from featherweight.errors import ConfigError
+from featherweight.recipe.config import load_config, parse_config
+
+
+def test_defaults_are_a_qlora_run_on_the_demo():
+    config = parse_config({})
+    assert config.method == "qlora"
+    assert config.model.path == "demo"
+    assert config.memory.step == "streamed"
+
+
+def test_overrides_parse_yaml_values(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 10\nlora:\n  rank: 4\n")
+    config = load_config(path, ["steps=25", "lora.targets=[q, v]", "memory.loss_chunk=64"])
+    assert config.steps == 25
+    assert config.lora.rank == 4
+    assert config.lora.targets == ("q", "v")
+    assert config.memory.loss_chunk == 64
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "expected"),
+    [
+        ("optimzer: {}\n", "unknown key 'optimzer' (line 1) (did you mean 'optimizer'?)"),
+        ("optimizer:\n  learnig_rate: 0.1\n", "did you mean 'learning_rate'"),
+        ("steps: 1\nbatch_size: many\n", "batch_size (line 2)"),
+        ("lora:\n  targets: [q, qkv]\n", "unknown LoRA target(s) ['qkv']"),
+        ("method: prefix\n", "method"),
+        ("lora:\n  rank: 0\n", "lora.rank"),
+    ],
+)
+def test_bad_settings_name_the_key_and_line(tmp_path, yaml_text, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert expected in str(error.value)
+    assert str(path) in str(error.value)
+
+
+def test_bad_files_and_overrides(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(listing)
+    with pytest.raises(ConfigError, match=r"key\.sub=value"):
+        load_config(None, ["steps"])

@@ -1,0 +1,143 @@
+"""The package's imports go one way: no module or package imports one that (indirectly) imports it.
+
+Every `import featherweight...` and `from featherweight... import ...` in the package is read from
+the source (AST, so imports inside functions count too) and turned into edges between modules and
+between packages (`featherweight.step`, `featherweight.memory`, ...). A cycle at either level fails,
+naming it; so does an import that goes against the layer order `docs/DESIGN.md` gives.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import featherweight
+
+PACKAGE_ROOT = Path(featherweight.__file__).resolve().parent
+# lowest first: a package may import only packages to its left (docs/DESIGN.md, "Layers")
+LAYERS = (
+    "errors",
+    "quant",
+    "parallel",
+    "models",
+    "peft",
+    "optim",
+    "step",
+    "io",
+    "inference",
+    "data",
+    "recipe",
+    "memory",
+    "train",
+    "demo",
+    "cli",
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def module_imports() -> dict[str, set[str]]:
+    """{module: the featherweight modules it imports}, for every module of the package."""
+    modules = {_module_name(path): path for path in PACKAGE_ROOT.rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, path.name == "__init__.py", node)
+                # `from pkg import mod` imports the module pkg.mod when there is one
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                    for alias in node.names
+                ]
+            else:
+                continue
+            found.update(t for t in targets if t.startswith("featherweight") and t != name)
+        edges[name] = found
+    return edges
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph `edges`, as a path that returns to its start, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def package_edges(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Edges between the subpackages (and top-level modules) of featherweight."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in edges.items():
+        source = _package(module)
+        if not source:
+            continue  # featherweight/__init__.py re-exports the public API from everywhere
+        packages.setdefault(source, set()).update(
+            _package(t) for t in targets if _package(t) not in ("", source)
+        )
+    return packages
+
+
+def test_no_module_cycle():
+    edges = {m: t for m, t in module_imports().items() if m != "featherweight"}
+    assert find_cycle(edges) is None, " -> ".join(find_cycle(edges) or [])
+
+
+def test_no_package_cycle():
+    cycle = find_cycle(package_edges(module_imports()))
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_imports_follow_the_layers():
+    wrong = [
+        f"{source} imports {target}"
+        for source, targets in package_edges(module_imports()).items()
+        for target in targets
+        if LAYERS.index(target) > LAYERS.index(source)
+    ]
+    assert not wrong, "; ".join(sorted(wrong))
+
+
+def test_every_package_has_a_layer():
+    assert set(package_edges(module_imports())) <= set(LAYERS)
+
+
+def test_the_finder_finds_a_cycle():
+    # negative control: a cycle planted in a copy of the real graph is found
+    edges = module_imports()
+    edges["featherweight.quant.nf4"] = {*edges["featherweight.quant.nf4"], "featherweight.cli.main"}
+    assert find_cycle(edges) is not None
+    assert find_cycle(package_edges(edges)) is not None
