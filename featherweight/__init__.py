@@ -1,6 +1,14 @@
 """featherweight: fine-tune LLMs in JAX inside a memory budget you state.
 
-Public API (pure functions over pytrees; frozen and trainable parameters always separate).
+Public API (pure functions over pytrees; frozen and trainable parameters always separate):
+
+- models and files: `load_model`, `Model`, `ModelConfig`, `builtin_config`, `model_config_from`,
+  `convert`, `generate`, `logits`
+- adapters and quantization: `LoraConfig`, `init_lora`, `quantize_frozen_base`, `NF4Tensor`
+- steps: `build_streamed_step` (optimizer inside the backward pass), `build_reference_step`
+  (`jax.grad`), `init_streamed_opt_state`, `MemoryPolicy`, `Batch`, `adamw_8bit`
+- training: `TrainConfig`, `load_config`, `train`, `export_run`, `export_merged`, `export_peft`
+- memory: `plan_for_config`, `fit_budget`, `measure_compiled`, `measure_device_peak`
 """
 
 from featherweight import errors
@@ -17,25 +25,32 @@ from featherweight.models.config import ModelConfig, config_from_hf_dict
 from featherweight.models.model import Model
 from featherweight.models.registry import BUILTIN_MODELS, builtin_config
 from featherweight.optim.adamw8bit import adam_8bit_state_bytes, adamw_8bit, scale_by_adam_8bit
-from featherweight.peft.lora import (
-    LoraConfig,
-    init_lora,
-    merge_lora_weight,
-    quantize_frozen_base,
-)
+from featherweight.peft.lora import LoraConfig, init_lora, merge_lora_weight, quantize_frozen_base
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
+from featherweight.recipe.config import TrainConfig, load_config
+from featherweight.step.loss import Batch
+from featherweight.step.policy import MemoryPolicy
+from featherweight.step.reference import build_reference_step
+from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
+from featherweight.train.export_run import export_run
+from featherweight.train.loop import train
 
 __all__ = [
     "BUILTIN_MODELS",
+    "Batch",
     "LoraConfig",
     "MemoryMeasurement",
     "MemoryPlan",
+    "MemoryPolicy",
     "Model",
     "ModelConfig",
     "NF4Tensor",
     "Tokenizer",
+    "TrainConfig",
     "adam_8bit_state_bytes",
     "adamw_8bit",
+    "build_reference_step",
+    "build_streamed_step",
     "builtin_config",
     "config_from_hf_dict",
     "convert",
@@ -43,10 +58,13 @@ __all__ = [
     "errors",
     "export_merged",
     "export_peft",
+    "export_run",
     "fit_budget",
     "generate",
     "generate_ids",
     "init_lora",
+    "init_streamed_opt_state",
+    "load_config",
     "load_model",
     "logits",
     "measure_compiled",
@@ -61,4 +79,5 @@ __all__ = [
     "quantize_frozen_base",
     "quantize_nf4",
     "scale_by_adam_8bit",
+    "train",
 ]
