@@ -106,5 +106,9 @@ class ShardingError(ConfigError):
     """A mesh or partitioning that cannot work on the devices or shapes at hand."""
 
 
+class ModelChangedError(FeatherweightError):
+    """The base model a run (or its checkpoint) was trained on is no longer the one at its path."""
+
+
 class TrainingDivergedError(FeatherweightError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""

@@ -68,7 +68,7 @@ def run_demo(
     base = Model(run.model_config, result.frozen, run.tokenizer, run.model_source)
     replies_before = ask_all(base, questions)
     tuned_params = merge_params(result.frozen, result.trainable)
-    spec = (lora_config_of(config)).spec
+    spec = lora_config_of(config).spec
     tuned = Model(run.model_config, tuned_params, run.tokenizer, run.model_source, lora=spec)
     replies_after = ask_all(tuned, questions)
 

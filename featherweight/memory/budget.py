@@ -28,6 +28,7 @@ The trainer calls the same function (`plan_within_budget`).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Iterator
 
@@ -80,7 +81,12 @@ def _replace(config: TrainConfig, section: str | None, **values) -> TrainConfig:
     """A copy of `config` with fields of one section (or top-level fields) changed."""
     if section is None:
         return config.model_copy(update=values)
-    updated = getattr(config, section).model_copy(update=values)
+    current = getattr(config, section)
+    updated = (
+        dataclasses.replace(current, **values)  # a dataclass section (LoraConfig)
+        if dataclasses.is_dataclass(current)
+        else current.model_copy(update=values)
+    )
     return config.model_copy(update={section: updated})
 
 

@@ -45,8 +45,8 @@ from featherweight.memory.state_bytes import (
     frozen_base_bytes,
     host_embedding_bytes,
     optimizer_state_bytes,
+    output_buffer_count,
     trainable_bytes,
-    trainable_tensors,
 )
 from featherweight.memory.working_set import (
     StepShapes,
@@ -55,24 +55,13 @@ from featherweight.memory.working_set import (
     working_set_floor,
 )
 from featherweight.models.config import ModelConfig
-from featherweight.optim.adamw8bit import MIN_8BIT_SIZE
 from featherweight.recipe.build import check_method_settings
 from featherweight.recipe.config import TrainConfig
 
-_STATE_LEAVES = {"adamw": 4, "lion": 3, "adafactor": 5}
-
 
 def _output_buffers(config: TrainConfig, model_config: ModelConfig) -> int:
-    """Output buffers of the step: trainable tensors, their optimizer-state leaves, 5 metrics."""
-    tensors = trainable_tensors(config, model_config)
-    name = config.optimizer.name
-    if name == "adamw_8bit":  # count, 2 moments (codes + absmax when >= 4096 values), count
-        state = sum(6 if t.values >= MIN_8BIT_SIZE else 4 for t in tensors)
-    elif name == "sgd":
-        state = len(tensors) * (2 if config.optimizer.b1 > 0 else 1)
-    else:
-        state = len(tensors) * _STATE_LEAVES[name]
-    return len(tensors) + state + 5
+    """Output buffers of the step: every trainable and optimizer-state leaf, and 5 metrics."""
+    return output_buffer_count(config, model_config)
 
 
 def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
@@ -100,7 +89,8 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
             "optimizer_state",
             optimizer_state_bytes(config, model_config),
             config.memory.optimizer_state,
-            f"{config.optimizer.name} state per tensor and layer (see state_bytes)",
+            f"eval_shape of the {config.optimizer.name} state initialiser "
+            f"({config.memory.step} step layout)",
         ),
         PlanComponent(
             "batch",

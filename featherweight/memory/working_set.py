@@ -40,9 +40,9 @@ from typing import NamedTuple
 
 from featherweight.memory.state_bytes import (
     compute_itemsize,
+    layer_gradient_bytes,
     layer_optimizer_bytes,
     top_optimizer_bytes,
-    trainable_tensors,
 )
 from featherweight.models.config import ModelConfig
 from featherweight.models.shapes import layer_shapes
@@ -108,12 +108,11 @@ class StepShapes:
 def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
     """The working set's terms in bytes, each counted once (before the calibrated counts)."""
     s = StepShapes(config, model_config)
-    stacked = [t for t in trainable_tensors(config, model_config) if t.stacked]
     head_like = s.V * s.D * s.a
     eight_bit = config.optimizer.name == "adamw_8bit"
     return {
         "layer_weights": s.linear * s.a,
-        "layer_gradient": sum(t.values * t.itemsize for t in stacked),
+        "layer_gradient": layer_gradient_bytes(config, model_config),
         "optimizer_state": layer_optimizer_bytes(config, model_config),
         "activations_d": s.T * s.a * s.D,
         "activations_f": s.B * s.Sm * s.a * s.F,

@@ -23,17 +23,14 @@ from featherweight.models.llama import (
     merge_params,
     run_layers,
 )
+from featherweight.step.common import (
+    all_finite,
+    head_param_names,
+    jit_shardings,
+    layer_dropout_keys,
+)
 from featherweight.step.loss import Batch, head_loss
 from featherweight.step.validate import check_optimizer
-
-HEAD_KEYS = ("final_norm", "lm_head", "embed")
-
-
-def layer_dropout_keys(key: jax.Array | None, lora: LoraSpec | None, num_layers: int):
-    """One dropout key per layer when LoRA dropout is on, else None."""
-    if key is None or lora is None or lora.dropout <= 0.0:
-        return None
-    return jax.random.split(key, num_layers)
 
 
 def model_loss(
@@ -61,7 +58,7 @@ def model_loss(
         dropout_keys=layer_dropout_keys(key, lora, config.num_layers),
         mlp_chunk=mlp_chunk,
     )
-    head_params = {name: params[name] for name in HEAD_KEYS if name in params}
+    head_params = {name: params[name] for name in head_param_names(config) if name in params}
     return head_loss(head_params, hidden, batch, config, chunk_size, vocab_chunk)
 
 
@@ -95,24 +92,3 @@ def build_reference_step(
         return trainable, opt_state, metrics
 
     return jax.jit(step, donate_argnums=(0, 1) if donate else (), **jit_shardings(shardings))
-
-
-def all_finite(tree) -> jax.Array:
-    """Whether every value of every floating-point leaf is finite (one reduction per tensor).
-
-    A finite loss does not make a finite update: an absurd learning rate can overflow the
-    parameters themselves, and a checkpoint of them would not be a good one.
-    """
-    flags = [
-        jnp.all(jnp.isfinite(leaf))
-        for leaf in jax.tree.leaves(tree)
-        if jnp.issubdtype(leaf.dtype, jnp.floating)
-    ]
-    return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
-
-
-def jit_shardings(shardings: Any) -> dict[str, Any]:
-    """`jax.jit`'s in/out shardings of a step on a mesh (`StepShardings`); none for one device."""
-    if shardings is None:
-        return {}
-    return {"in_shardings": shardings.inputs, "out_shardings": shardings.outputs}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import optax
 
 from featherweight.errors import StepConfigError
@@ -16,3 +17,41 @@ def check_optimizer(optimizer) -> None:
             f"optimizer {optimizer!r} is not an optax GradientTransformation; pass e.g. "
             "optax.adamw(1e-4) (an object with init and update)"
         )
+
+
+def refuse_accumulation(optimizer, trainable, accumulation_steps: int) -> None:
+    """The streamed step never builds a full gradient, so it cannot accumulate over micro-batches
+    (asked for directly, or by an optimizer wrapped in `optax.MultiSteps`)."""
+    state_shape = jax.eval_shape(
+        optimizer.init,
+        jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), trainable.get("layers") or {}
+        ),
+    )
+    wraps_multisteps = any(
+        isinstance(node, optax.MultiStepsState)
+        for node in jax.tree.leaves(
+            state_shape, is_leaf=lambda n: isinstance(n, optax.MultiStepsState)
+        )
+    )
+    if accumulation_steps > 1 or wraps_multisteps:
+        raise StepConfigError(
+            "gradient accumulation over micro-batches needs a full gradient buffer, which the "
+            "streamed (fused-update) step never builds; use micro_batch = batch with the streamed "
+            "step, or build_reference_step with optax.MultiSteps"
+        )
+
+
+def check_uniform_layers(frozen, trainable, num_layers: int) -> None:
+    """Every layer tensor must be stacked on a leading axis of length num_layers."""
+    for group, tree in (
+        ("frozen", frozen.get("layers", {})),
+        ("trainable", trainable.get("layers", {})),
+    ):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            if leaf.ndim == 0 or leaf.shape[0] != num_layers:
+                name = jax.tree_util.keystr(path)
+                raise StepConfigError(
+                    f"{group} layer tensor {name} has shape {leaf.shape}; the streamed step needs "
+                    f"every layer tensor stacked on a leading axis of {num_layers} (uniform layers)"
+                )

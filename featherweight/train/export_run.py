@@ -30,6 +30,7 @@ from featherweight.train.checkpoint import Checkpointer
 from featherweight.train.run import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
+    check_same_model,
     load_weights,
     read_header,
     resolve_model_path,
@@ -96,6 +97,13 @@ def export_run(
     out = check_output_dir(Path(out), overwrite)
     refuse_inside(out, run_dir / CHECKPOINT_DIR, "export --out", "holds the run's checkpoints")
     model_path = resolve_model_path(config)
+    if not model_path.is_absolute() and config.model.path != "demo":
+        raise ExportError(
+            f"run {run_dir} records its base model as the relative path {config.model.path!r}, "
+            "which depends on the directory training ran from; edit model.path in "
+            f"{run_dir / CONFIG_FILE} to the model's absolute path, then export again"
+        )
+    check_same_model(run_dir, model_path)
     refuse_overlap(out, {"run": run_dir, "base model": model_path}, "export --out")
     model_config, tokenizer = read_header(model_path)
 

@@ -34,8 +34,10 @@ from featherweight.parallel.sharding import place_batch
 from featherweight.recipe.build import evaluation_fn
 from featherweight.recipe.config import TrainConfig
 from featherweight.step.loss import Batch
+from featherweight.train import run_dir
 from featherweight.train.metrics import MetricsLog, plot_loss_curve
-from featherweight.train.run import METRICS_FILE, Run, prepare_run
+from featherweight.train.run import Run, prepare_run
+from featherweight.train.run_dir import LOSS_PLOT, METRICS_FILE
 from featherweight.train.signals import StopRequest
 
 EXIT_CODES = {2: 130, 15: 143}  # SIGINT, SIGTERM: the shell's 128 + signal
@@ -225,7 +227,8 @@ def _train(config, overwrite, console, plan_fn, on_step, stop: StopRequest) -> T
     run.checkpointer.close()
     if metrics_log is not None:
         metrics_log.close()
-        plot_loss_curve(run.output_dir / METRICS_FILE, run.output_dir / "loss.png")
+        plot_loss_curve(run.output_dir / METRICS_FILE, run.output_dir / LOSS_PLOT)
+    run_dir.release(run.output_dir)
     return TrainResult(
         run.output_dir, step, loss, eval_loss, stop.signal_number, trainable, run.frozen, run
     )

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import yaml
 from featherweight.data.demo_task import invented_world, write_training_data
 from featherweight.data.iterator import DataIterator
 from featherweight.data.records import Dataset, prepare_dataset
-from featherweight.errors import OutputExistsError
+from featherweight.errors import ModelChangedError, OutputExistsError
 from featherweight.io.atomic import atomic_write_text, probe_writable
 from featherweight.io.embedded_model import cache_dir, require_demo_model
 from featherweight.io.loader import load_model, open_checkpoint
@@ -51,13 +51,11 @@ from featherweight.recipe.build import (
 from featherweight.recipe.config import TrainConfig
 from featherweight.recipe.optimizer import make_optimizer
 from featherweight.step.loss import resolve_chunk_size
+from featherweight.train import run_dir
 from featherweight.train.checkpoint import Checkpointer
+from featherweight.train.run_dir import CHECKPOINT_DIR, CONFIG_FILE, RUN_FILE
 
-CONFIG_FILE = "config.yaml"
-RUN_FILE = "run.json"
-METRICS_FILE = "metrics.jsonl"
-CHECKPOINT_DIR = "checkpoints"
-RUN_ENTRIES = (CONFIG_FILE, RUN_FILE, METRICS_FILE, CHECKPOINT_DIR, "loss.png")  # what a run writes
+FINGERPRINT_BYTES = 1 << 20  # of a GGUF file: its header (metadata, tensor table) lies in here
 
 
 @dataclasses.dataclass
@@ -88,16 +86,40 @@ def _comparable(config: TrainConfig) -> dict[str, Any]:
     return values
 
 
+def absolute_paths(config: TrainConfig) -> TrainConfig:
+    """`config` with its file paths resolved: a run records where its inputs are, so an export
+    or a resume from another working directory reads the same files."""
+
+    def absolute(path: str | None) -> str | None:
+        if path is None or path == "demo":
+            return path
+        return str(Path(path).expanduser().resolve())
+
+    data = config.data
+    return config.model_copy(
+        update={
+            "model": config.model.model_copy(update={"path": absolute(config.model.path)}),
+            "data": data.model_copy(
+                update={"train": absolute(data.train), "eval": absolute(data.eval)}
+            ),
+            "output_dir": absolute(config.output_dir),
+        }
+    )
+
+
 def check_run_dir(config: TrainConfig, overwrite: bool) -> tuple[Path, bool]:
     """(resolved output dir, resuming?) -- refusing another run's directory unless `overwrite`.
 
-    With `overwrite` nothing is removed yet: `write_run_files` clears the directory once the new
-    run's settings, model header and data have all been checked.
+    The directory is locked here when it exists (one trainer at a time). With `overwrite` nothing
+    is removed yet: `write_run_files` clears the old run's files once the new run's settings,
+    model header and data have all been checked.
     """
     out = Path(config.output_dir).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"output_dir {out} is a file; choose a directory for output_dir")
-    refuse_escape(out, RUN_ENTRIES)
+    refuse_escape(out, run_dir.RUN_ENTRIES)
+    if out.is_dir() and is_primary():
+        run_dir.acquire(out)
     resuming = False
     if out.exists() and not overwrite:
         saved = out / CONFIG_FILE
@@ -115,6 +137,37 @@ def check_run_dir(config: TrainConfig, overwrite: bool) -> tuple[Path, bool]:
             )
     probe_writable(out, "output_dir")
     return out, resuming
+
+
+def model_fingerprint(model_path: Path) -> dict[str, Any]:
+    """What identifies a base model's content cheaply: sizes, and a hash of its config
+    (a HF directory) or of its first MiB (a GGUF file: metadata and tensor table)."""
+    digest = hashlib.sha256()
+    if model_path.is_dir():
+        config = model_path / "config.json"
+        digest.update(config.read_bytes() if config.is_file() else b"")
+        weights = sorted(model_path.glob("*.safetensors"))
+        return {"sha256": digest.hexdigest(), "bytes": sum(w.stat().st_size for w in weights)}
+    with model_path.open("rb") as file:
+        digest.update(file.read(FINGERPRINT_BYTES))
+    return {"sha256": digest.hexdigest(), "bytes": model_path.stat().st_size}
+
+
+def check_same_model(output_dir: Path, model_path: Path) -> None:
+    """Refuse to resume (or export) a run whose base model at its recorded path changed."""
+    run_file = output_dir / RUN_FILE
+    if not run_file.is_file():
+        return
+    try:
+        recorded = json.loads(run_file.read_text()).get("model_fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return
+    if recorded and recorded != model_fingerprint(model_path):
+        raise ModelChangedError(
+            f"the base model at {model_path} is not the one run {output_dir} was trained on "
+            "(its config or size changed since); its checkpoints are intact -- put the original "
+            "model back at that path, or start a new run with --overwrite or a new output_dir"
+        )
 
 
 def _saved_config(saved: Path) -> TrainConfig:
@@ -175,14 +228,15 @@ def write_run_files(
     output_dir: Path, config: TrainConfig, model_path: Path, model_config: ModelConfig, clear: bool
 ) -> None:
     """The run's identity: its config and what the export needs to rebuild the model."""
-    if clear and output_dir.exists():
-        shutil.rmtree(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    if clear:
+        run_dir.clear_run(output_dir)
+    run_dir.claim(output_dir)
     atomic_write_text(
         output_dir / CONFIG_FILE, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
     )
     run = {
-        "model_path": str(model_path),
+        "model_path": str(model_path.resolve()),
+        "model_fingerprint": model_fingerprint(model_path),
         "method": config.method,
         "model_config": model_config.to_hf_dict(),
     }
@@ -202,14 +256,19 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     `plan_fn(config, model_config) -> (config, plan)` plans memory (and may change settings to fit
     a budget) before any weights are read.
     """
+    config = absolute_paths(config)
     output_dir, resuming = check_run_dir(config, overwrite)
     model_path = resolve_model_path(config)
+    if resuming:
+        check_same_model(output_dir, model_path)
     inputs = {
         "model": model_path,
         "dataset": None if config.data.train == "demo" else config.data.train,
         "eval dataset": config.data.eval,
     }
     refuse_overlap(output_dir, inputs, "output_dir")
+    if overwrite:
+        run_dir.check_replaceable(output_dir)  # only featherweight's own files, before any work
     model_config, tokenizer = read_header(model_path)
     check_method_settings(config, model_config)
     plan = None

@@ -69,9 +69,9 @@ def test_rank_above_the_smaller_dimension_of_a_target_is_refused():
 
 
 def test_scale_is_alpha_over_rank_or_over_its_root_with_rslora():
-    assert (LoraConfig(rank=16, alpha=32)).spec.scale == 2.0
-    assert (LoraConfig(rank=16, alpha=32, rslora=True)).spec.scale == 8.0
-    assert (LoraConfig(dropout=0.1)).spec.dropout == 0.1
+    assert LoraConfig(rank=16, alpha=32).spec.scale == 2.0
+    assert LoraConfig(rank=16, alpha=32, rslora=True).spec.scale == 8.0
+    assert LoraConfig(dropout=0.1).spec.dropout == 0.1
 
 
 # --- initialization --------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ and the fix).
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import pickle
@@ -262,6 +263,41 @@ def output_dir_taken(env: Env) -> Action:
 
 
 @case(
+    "overwrite of a directory featherweight did not create",
+    r"run was not created by featherweight \(it holds 'notes\.txt'",
+    r"choose a new or empty output_dir",
+)
+def overwrite_foreign_dir(env: Env) -> Action:
+    (env.tmp / "run").mkdir()
+    (env.tmp / "run" / "notes.txt").write_text("mine")
+    return env.train(overwrite=True)
+
+
+@case(
+    "overwrite of a run holding other files",
+    r"run holds 'train\.yaml', which featherweight did not write",
+    r"move it out, or choose a new output_dir",
+)
+def overwrite_run_with_config(env: Env) -> Action:
+    copy = env.run_copy()
+    (copy / "train.yaml").write_text(yaml.safe_dump(env.settings()))
+    return env.train(overwrite=True)
+
+
+@case(
+    "output_dir in use",
+    r"output_dir \S+/run is in use by another featherweight process",
+    r"or choose another output_dir",
+)
+def output_dir_in_use(env: Env) -> Action:
+    copy = env.run_copy()
+    holder = os.open(copy, os.O_RDONLY | os.O_DIRECTORY)  # as another trainer's lock would
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    env.monkeypatch.setattr(env, "lock_holder", holder, raising=False)
+    return env.train(overwrite=True)
+
+
+@case(
     "output_dir that is a file",
     r"output_dir \S+/run is a file",
     r"choose a directory for output_dir",
@@ -351,6 +387,33 @@ def export_over_run(env: Env) -> Action:
 def export_exists(env: Env) -> Action:
     (env.tmp / "export").mkdir()
     return env.export()
+
+
+@case(
+    "run with a relative model path",
+    r"records its base model as the relative path 'models/base'",
+    r"edit model\.path in \S+config\.yaml to the model's absolute path",
+)
+def export_relative_model(env: Env) -> Action:
+    config = yaml.safe_load((env.run / "config.yaml").read_text())
+    config["model"]["path"] = "models/base"
+    copy = env.run_copy(config_text=yaml.safe_dump(config, sort_keys=False))
+    return env.export(run=copy)
+
+
+@case(
+    "base model changed since the run",
+    r"base model at \S+ is not the one run \S+/run was trained on",
+    r"its checkpoints are intact -- put the original model back",
+)
+def model_changed(env: Env) -> Action:
+    copy = env.run_copy()
+    run_file = copy / "run.json"
+    run = json.loads(run_file.read_text())
+    run["model_fingerprint"] = {"sha256": "0" * 64, "bytes": 1}  # recorded from another model
+    run_file.write_text(json.dumps(run))
+    config = parse_config(yaml.safe_load((copy / "config.yaml").read_text()))
+    return lambda: train(config)
 
 
 @case(

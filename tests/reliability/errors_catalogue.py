@@ -61,6 +61,9 @@ config | host placement on a mesh | `memory.optimizer_state: host` with `mesh: {
 config | unknown saved intermediate | `memory: {save: [attn]}` | StepConfigError | names `attn` and the known names
 paths | missing model path | `model.path: /no/such/model` | CheckpointNotFoundError | give a Hugging Face model directory or a .gguf file
 paths | output_dir holding other files | an output_dir with someone's notes in it | OutputExistsError | pass --overwrite or choose a new output_dir
+paths | overwrite of a directory featherweight did not create | `--overwrite` on an output_dir holding someone's notes | OutputExistsError | names a file in it: featherweight replaces only its own runs; choose a new or empty output_dir
+paths | overwrite of a run holding other files | `--overwrite` on a run whose directory also holds the training YAML | OutputExistsError | names the YAML: move it out, or choose a new output_dir
+paths | output_dir in use | a second trainer on the output_dir of a running one | OutputExistsError | wait for the other process, or choose another output_dir
 paths | output_dir that is a file | `output_dir: notes.txt` | OutputExistsError | choose a directory
 paths | read-only output_dir | an output_dir on a read-only mount | OutputNotWritableError | names the directory: choose a writable output_dir
 paths | output_dir holding the model | `output_dir` a parent of `model.path`, with --overwrite | OutputNotWritableError | put the output_dir somewhere that does not hold the model
@@ -106,6 +109,8 @@ budgets | budget nothing fits | `memory.budget: 1MiB` | BudgetError | names the 
 meshes | mesh that does not fill the devices | `mesh: {data: 3, fsdp: 3}` on 8 devices | ShardingError | names both sizes and a mesh that works
 meshes | batch that does not split over the mesh | `batch_size: 3` on a 2 x 4 mesh | ShardingError | use a batch_size whose global batch is a multiple of 8
 meshes | mesh axis of size 0 | `mesh: {data: 0}` | ConfigError | a mesh axis is a positive integer or 'auto'
+exports | run with a relative model path | a run whose config.yaml names its model as `models/base` | ExportError | set model.path in the run's config.yaml to the absolute path
+checkpoints | base model changed since the run | the model at the run's model.path replaced by another | ModelChangedError | the checkpoints are intact: put the original model back, or start a new run
 exports | unknown export format | `--format gguf` | ExportError | use merged or peft
 exports | PEFT export of a full fine-tune | `--format peft` on a `method: full` run | ExportError | use --format merged
 exports | merged export to an integer dtype | `--dtype int8` | ExportError | use bfloat16, float16 or float32

@@ -40,7 +40,7 @@ import numpy as np
 import yaml
 
 from featherweight.train.checkpoint import DELETING_DIR, Checkpointer
-from featherweight.train.run import (
+from featherweight.train.run_dir import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
     METRICS_FILE,
