@@ -25,7 +25,7 @@ from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import format_bytes, percent_difference
 from featherweight.models.registry import builtin_config
 from featherweight.parallel.sharding import abstract_mesh, make_mesh
-from featherweight.recipe.config import MeshSettings, parse_config
+from featherweight.recipe.schema import MeshSettings, parse_config
 
 
 def measure(config, model, devices):

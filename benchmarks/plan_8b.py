@@ -20,7 +20,7 @@ from featherweight.memory.measure import measure_compiled
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import comparison_notes, format_bytes, percent_difference
 from featherweight.models.registry import builtin_config
-from featherweight.recipe.config import parse_config
+from featherweight.recipe.schema import parse_config
 
 MACHINE = "2-core CPU, no GPU"
 

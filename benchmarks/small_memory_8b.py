@@ -30,7 +30,7 @@ from featherweight.memory.measure import measure_compiled
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import format_bytes
 from featherweight.models.registry import builtin_config
-from featherweight.recipe.config import parse_config
+from featherweight.recipe.schema import parse_config
 
 GIB = 2**30
 SMALL = {

@@ -27,7 +27,7 @@ from featherweight.models.registry import BUILTIN_MODELS, builtin_config
 from featherweight.optim.adamw8bit import adam_8bit_state_bytes, adamw_8bit, scale_by_adam_8bit
 from featherweight.peft.lora import LoraConfig, init_lora, merge_lora_weight, quantize_frozen_base
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
-from featherweight.recipe.config import TrainConfig, load_config
+from featherweight.recipe.schema import TrainConfig, load_config
 from featherweight.step.loss import Batch
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.reference import build_reference_step

@@ -7,9 +7,12 @@ line on stderr and exit code 2 (`featherweight.cli.output.friendly_errors`).
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from featherweight.cli.model_commands import convert, generate, plan, setup
+from featherweight.cli.output import set_debug
 from featherweight.cli.train_commands import demo, export, train
 
 app = typer.Typer(
@@ -19,6 +22,16 @@ app = typer.Typer(
 )
 for command in (setup, generate, convert, plan, train, demo, export):
     app.command()(command)
+
+
+@app.callback()
+def options(
+    debug: Annotated[
+        bool, typer.Option("--debug", help="show the traceback of an unexpected error")
+    ] = False,
+) -> None:
+    """Fine-tune LLMs in JAX inside a memory budget: LoRA, QLoRA and full fine-tuning."""
+    set_debug(debug)
 
 
 def main() -> None:

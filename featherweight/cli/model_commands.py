@@ -118,7 +118,7 @@ def plan(
     from featherweight.memory.measure import measure_compiled
     from featherweight.memory.plan import plan_for_config
     from featherweight.memory.report import plot_plan, print_report, report_json
-    from featherweight.recipe.config import parse_config
+    from featherweight.recipe.schema import parse_config
 
     offloaded = set() if offload == "none" else {part.strip() for part in offload.split(",")}
     unknown = offloaded - {"residuals", "optimizer_state", "embed"}

@@ -27,7 +27,7 @@ def train(
     JAX_PROCESS_ID set (or under srun / mpirun): the processes join one run.
     """
     from featherweight.parallel.distributed import initialize_from_env, is_primary
-    from featherweight.recipe.config import load_config
+    from featherweight.recipe.schema import load_config
     from featherweight.train.loop import EXIT_CODES
     from featherweight.train.loop import train as run_training
 

@@ -266,15 +266,23 @@ def _require_template(tokenizer: Tokenizer, where: str) -> None:
         )
 
 
-def tokenize_example(record: Record, tokenizer: Tokenizer) -> Example:
+def max_token_chars(tokenizer: Tokenizer) -> int:
+    """The most characters one token of `tokenizer` can cover: its longest vocabulary entry."""
+    return max(len(token) for token in tokenizer.backend.get_vocab())
+
+
+def tokenize_example(record: Record, tokenizer: Tokenizer, max_chars: int | None = None) -> Example:
     """Token ids and the targets of one record (see the module docstring for what is a target).
 
     Instruction records use the chat template when the tokenizer has one, else the plain
     "### Instruction / ### Input / ### Response" format. Chat records need a chat template.
+    `max_chars` cuts a text record before it is tokenized (bounded memory for a huge record):
+    callers pass more characters than the tokens they keep can cover.
     """
     fields, where = record.fields, record.location
     if record.shape == "text":
-        ids = tokenizer.encode(fields["text"], add_special_tokens=True)
+        text = fields["text"] if max_chars is None else fields["text"][:max_chars]
+        ids = tokenizer.encode(text, add_special_tokens=True)
         ids, targets = _append_eos(tokenizer, ids, np.ones(len(ids), bool))
     elif record.shape == "instruction" and tokenizer.chat_template is None:
         ids, targets = _plain_instruction(
@@ -289,18 +297,27 @@ def tokenize_example(record: Record, tokenizer: Tokenizer) -> Example:
 
 
 def tokenize_records(
-    records: Sequence[Record], tokenizer: Tokenizer, skip_bad: bool = False
+    records: Sequence[Record],
+    tokenizer: Tokenizer,
+    skip_bad: bool = False,
+    max_tokens: int | None = None,
 ) -> tuple[list[Example], int]:
     """Tokenize every record: (examples, number skipped). A record the template refuses raises
     its DataError, or with `skip_bad` is skipped and counted. A tokenizer without a chat template
-    meeting chat records is a setting problem and raises whatever `skip_bad` says."""
+    meeting chat records is a setting problem and raises whatever `skip_bad` says.
+
+    With `max_tokens` (what packing keeps of an example at most), a text record is cut to
+    `(max_tokens + 2) x max_token_chars` characters before tokenizing: every kept token is the same
+    as from the whole text (a cut can change only the token it falls in), and a multi-megabyte
+    record costs memory in proportion to the sequence length, not to its size."""
+    max_chars = None if max_tokens is None else (max_tokens + 2) * max_token_chars(tokenizer)
     chat = next((record for record in records if record.shape == "chat"), None)
     if chat is not None:
         _require_template(tokenizer, chat.location)
     examples, skipped = [], 0
     for record in records:
         try:
-            examples.append(tokenize_example(record, tokenizer))
+            examples.append(tokenize_example(record, tokenizer, max_chars))
         except DataError:
             if not skip_bad:
                 raise
@@ -349,7 +366,9 @@ def prepare_dataset(
 ) -> Dataset:
     """Read, tokenize, split (seeded) and pack a JSONL file into rows of `seq_len + 1` tokens."""
     records, skipped_lines = load_jsonl(path, skip_bad)
-    examples, skipped_records = tokenize_records(records, tokenizer, skip_bad)
+    # packing keeps at most seq_len + 1 tokens of an example ("truncate"), and "error" refuses
+    # one longer than that, which a cut at more characters than those tokens cover still shows
+    examples, skipped_records = tokenize_records(records, tokenizer, skip_bad, seq_len + 1)
     if not examples:
         raise DataError(f"dataset {path}: every record was skipped; nothing is left to train on")
     train_examples, eval_examples = split(examples, eval_fraction, seed)

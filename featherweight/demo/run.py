@@ -16,7 +16,7 @@ from featherweight.inference.generate import generate
 from featherweight.models.llama import merge_params
 from featherweight.models.model import Model
 from featherweight.recipe.build import lora_config_of
-from featherweight.recipe.config import TrainConfig, parse_config
+from featherweight.recipe.schema import TrainConfig, parse_config
 from featherweight.train.loop import train
 
 DEMO_SETTINGS = {

@@ -15,7 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from featherweight.errors import CheckpointNotFoundError, ConfigError, QuantizationError
+from featherweight.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    QuantizationError,
+)
 from featherweight.io.gguf_reader import GGUFSource
 from featherweight.io.safetensors_reader import PICKLE_SUFFIXES, SafetensorsSource, refuse_pickle
 from featherweight.models.config import ModelConfig
@@ -26,6 +31,7 @@ from featherweight.quant.nf4 import BLOCK_SIZE, NF4Tensor, quantize_nf4
 
 QUANTIZATIONS = (None, "nf4")
 COMPUTE_DTYPES = ("float32", "bfloat16")
+_FINITE_CHUNK = 1 << 20  # values checked for NaN/inf at a time
 _HOST_ALIGNMENT = 64  # bytes; what XLA's CPU client needs to alias a host array
 
 
@@ -70,17 +76,32 @@ def _default_dtype(source) -> np.dtype:
     return stored if stored.name in COMPUTE_DTYPES else np.dtype(np.float32)
 
 
+def check_finite(values: np.ndarray, name: str, path) -> np.ndarray:
+    """Refuse a tensor holding NaN or inf: training on it would fail steps later, blaming the
+    learning rate. One pass over each tensor as it is read (cheap next to reading it)."""
+    flat = values.reshape(-1)
+    for start in range(0, flat.size, _FINITE_CHUNK):  # a bounded temporary, not a tensor's worth
+        if not np.isfinite(flat[start : start + _FINITE_CHUNK]).all():
+            raise CorruptCheckpointError(
+                f"tensor {name} of {path} holds NaN or infinite values; the checkpoint is damaged "
+                "or was saved after a diverged run: download it again or use another one"
+            )
+    return values
+
+
 def _stack_layers(source, name: str, shape, config: ModelConfig, dtype, quantize: bool):
     """Read layer tensor `name` of every layer into one stacked device array (or NF4 stack)."""
     if quantize:
         parts = []
         for layer in range(config.num_layers):
             values = source.read((name, layer)).astype(np.float32)
+            check_finite(values, f"layer {layer} {name}", source.path)
             parts.append(quantize_nf4(values, name=f"layer {layer} {name}"))
         return jax.tree.map(lambda *leaves: jnp.stack(leaves), *parts)
     stack = host_buffer((config.num_layers, *shape), dtype)
     for layer in range(config.num_layers):
         source.read_into((name, layer), stack[layer])
+        check_finite(stack[layer], f"layer {layer} {name}", source.path)
     return jax.device_put(stack)
 
 
@@ -133,12 +154,15 @@ def load_model(
                         f"rows of whole {BLOCK_SIZE}-value blocks, and the hidden size is "
                         f"{shape[-1]}; load with quantize_head=False"
                     )
-                values = source.read((name, None)).astype(np.float32)
+                values = check_finite(
+                    source.read((name, None)).astype(np.float32), name, source.path
+                )
                 params[name] = quantize_nf4(values, name=name)
                 del values
             else:
                 buffer = host_buffer(shape, target_dtype)
-                params[name] = jax.device_put(source.read_into((name, None), buffer))
+                source.read_into((name, None), buffer)
+                params[name] = jax.device_put(check_finite(buffer, name, source.path))
         params["layers"] = {
             name: _stack_layers(
                 source,

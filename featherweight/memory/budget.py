@@ -38,8 +38,8 @@ from featherweight.errors import BudgetError, ConfigError
 from featherweight.memory.plan import MemoryPlan, plan_for_config
 from featherweight.models.config import ModelConfig
 from featherweight.parallel.sharding import planning_mesh
-from featherweight.recipe.config import TrainConfig
 from featherweight.recipe.optimizer import ROW_CHUNKED_OPTIMIZERS
+from featherweight.recipe.schema import TrainConfig
 
 GIB = 2**30
 MIN_LOSS_CHUNK = 64

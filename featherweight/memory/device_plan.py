@@ -56,7 +56,7 @@ from featherweight.memory.working_set import (
 )
 from featherweight.models.config import ModelConfig
 from featherweight.recipe.build import check_method_settings
-from featherweight.recipe.config import TrainConfig
+from featherweight.recipe.schema import TrainConfig
 
 
 def _output_buffers(config: TrainConfig, model_config: ModelConfig) -> int:
@@ -191,11 +191,13 @@ def plan_settings(config: TrainConfig) -> dict[str, Any]:
     }
 
 
-def plan_one_device(config: TrainConfig, model_config: ModelConfig) -> MemoryPlan:
+def plan_one_device(
+    config: TrainConfig, model_config: ModelConfig, calibration: dict[str, float] | None = None
+) -> MemoryPlan:
     """The memory plan of the train step `config` describes on one device (`config.mesh` is not
     read): no weights read, nothing compiled. Raises `ConfigError` for inputs that cannot be planned."""
     warnings = check_plan_inputs(config, model_config)
-    phases = phase_working_sets(config, model_config)
+    phases = phase_working_sets(config, model_config, calibration)
     phase_bytes = {name: sum(b.bytes for b in buffers) for name, buffers in phases.items()}
     peak = max(phase_bytes, key=phase_bytes.get)
     working = [PlanComponent(b.name, b.bytes, DEVICE, b.formula) for b in phases[peak]]

@@ -44,8 +44,8 @@ from featherweight.recipe.build import (
     place_embedding,
     split_params,
 )
-from featherweight.recipe.config import TrainConfig
 from featherweight.recipe.optimizer import make_optimizer
+from featherweight.recipe.schema import TrainConfig
 from featherweight.step.loss import Batch
 
 MEASURED_COMPONENTS = (

@@ -56,8 +56,8 @@ from featherweight.parallel.sharding import (
     tree_shardings,
 )
 from featherweight.recipe.build import abstract_split, check_method_settings, opt_state_initializer
-from featherweight.recipe.config import TrainConfig
 from featherweight.recipe.optimizer import make_optimizer
+from featherweight.recipe.schema import TrainConfig
 from featherweight.step.loss import resolve_chunk_size
 
 SPLIT_OVER_FSDP = ("layer_gradient", "optimizer_update", "head_gradient", "full_gradient")

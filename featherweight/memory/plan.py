@@ -11,7 +11,7 @@ from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.mesh_plan import plan_for_mesh
 from featherweight.models.config import ModelConfig
 from featherweight.parallel.sharding import planning_mesh
-from featherweight.recipe.config import TrainConfig
+from featherweight.recipe.schema import TrainConfig
 
 __all__ = ["MemoryPlan", "PlanComponent", "plan_for_config"]
 

@@ -22,8 +22,8 @@ import jax
 
 from featherweight.models.config import ModelConfig
 from featherweight.recipe.build import abstract_split, opt_state_initializer
-from featherweight.recipe.config import DataSettings, MemorySettings, TrainConfig
 from featherweight.recipe.optimizer import make_optimizer
+from featherweight.recipe.schema import DataSettings, MemorySettings, TrainConfig
 from featherweight.step.top_update import TOP_ROW_CHUNK, row_chunkable, top_row_chunk
 
 

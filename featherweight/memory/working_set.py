@@ -23,21 +23,25 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
     (mlp_chunk replaces S by the chunk in the F term of layer_activations)
 
 `temporaries` (what XLA reports as temp) = the stored activations + the peak phase's working set.
-The buffer counts c_* (`CALIBRATION`) are how many such buffers XLA keeps alive at once. They were
-fitted (non-negative least squares on relative error, rounded) to `compiled.memory_analysis()` of
-the real step on XLA CPU, jax 0.10.2, float32: 90 random 2- to 6-layer configurations (every method,
-optimizer, policy) and 24 at real shapes (SmolLM2, Llama 3.2 1B/3B, Llama 3.1 8B, Mistral 7B,
-Qwen2.5 7B; weighted 2x). Temp error: 3.5% rms (11% max) at real shapes, 9% rms (23% max) on the
-toys; the test grid (tests/memory/test_measure.py) was held out. The same counts are used on every
-backend: accelerators fuse more, so the plan should err high there; attention is XLA's (scores
-materialized), a fused attention kernel would remove `attention_scores`.
+The buffer counts c_* are how many such buffers XLA keeps alive at once. They are data, not code:
+`calibration.json` holds them per compiler and dtype together with the compiled measurements they
+were fitted on and their provenance; `python -m featherweight.memory.calibrate` measures a fit grid
+and a held-out grid, fits them (non-negative least squares on the relative error of temp) and
+writes the file; tests/memory/test_calibration.py checks the fit and the held-out error. The
+XLA:CPU float32 counts are used for every dtype and backend until a calibration for that compiler
+exists; attention is XLA's (scores materialized), a fused attention kernel would remove
+`attention_scores`.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+from pathlib import Path
 from typing import NamedTuple
 
+from featherweight.errors import ConfigError
 from featherweight.memory.state_bytes import (
     compute_itemsize,
     layer_gradient_bytes,
@@ -46,21 +50,24 @@ from featherweight.memory.state_bytes import (
 )
 from featherweight.models.config import ModelConfig
 from featherweight.models.shapes import layer_shapes
-from featherweight.recipe.config import TrainConfig
+from featherweight.recipe.schema import TrainConfig
 from featherweight.step.loss import resolve_chunk_size
 
-# Buffer counts of the working set, calibrated on XLA CPU (see the module docstring).
-CALIBRATION = {
-    "layer_weights": 1.03,
-    "optimizer_state": 0.38,
-    "activations_d": 4.34,
-    "activations_f": 10.03,
-    "activations_attention": 3.45,
-    "attention_scores": 3.16,
-    "logits": 2.08,
-    "head_gradient": 1.14,
-    "head_dequantized_moments": 1.13,
-}
+CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
+DEFAULT_CALIBRATION = "xla-cpu/float32"
+
+
+@functools.lru_cache(maxsize=8)
+def calibration_counts(key: str = DEFAULT_CALIBRATION) -> dict[str, float]:
+    """The buffer counts fitted for a compiler and dtype (`calibration.json`, written by
+    `python -m featherweight.memory.calibrate` together with the measurements it fitted)."""
+    calibrations = json.loads(CALIBRATION_FILE.read_text())["calibrations"]
+    if key not in calibrations:
+        raise ConfigError(
+            f"no working-set calibration {key!r} in {CALIBRATION_FILE.name}; known: "
+            f"{', '.join(sorted(calibrations))} (fit one with python -m featherweight.memory.calibrate)"
+        )
+    return dict(calibrations[key]["counts"])
 
 
 def attention_of(config: TrainConfig) -> str:
@@ -135,10 +142,12 @@ def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
 
 
 def phase_working_sets(
-    config: TrainConfig, model_config: ModelConfig
+    config: TrainConfig, model_config: ModelConfig, calibration: dict[str, float] | None = None
 ) -> dict[str, list[WorkingBuffer]]:
-    """Each phase's working set, buffer group by buffer group, with its formula."""
-    s, t, c = StepShapes(config, model_config), raw_terms(config, model_config), CALIBRATION
+    """Each phase's working set, buffer group by buffer group, with its formula; the buffer counts
+    are `calibration` (default: the XLA:CPU float32 fit in calibration.json)."""
+    s, t = StepShapes(config, model_config), raw_terms(config, model_config)
+    c = calibration or calibration_counts()
     attention_width = (s.H + 2 * s.K) * s.h
     backward = [
         WorkingBuffer(

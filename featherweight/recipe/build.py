@@ -27,8 +27,8 @@ from featherweight.peft.lora import (
     quantize_frozen_base,
 )
 from featherweight.quant.nf4 import NF4Tensor, abstract_nf4
-from featherweight.recipe.config import TrainConfig
 from featherweight.recipe.optimizer import ROW_CHUNKED_OPTIMIZERS
+from featherweight.recipe.schema import TrainConfig
 from featherweight.step.reference import build_reference_step, model_loss
 from featherweight.step.streamed import (
     build_streamed_step,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 
-from featherweight.recipe.config import OptimizerSettings
+from featherweight.recipe.schema import OptimizerSettings
 
 # optimizers whose state is elementwise, so a [V, D] table's state can be updated in row chunks
 ROW_CHUNKED_OPTIMIZERS = ("adamw", "sgd", "lion")

@@ -24,8 +24,8 @@ from featherweight.recipe.build import (
     opt_state_initializer,
     split_params,
 )
-from featherweight.recipe.config import TrainConfig
 from featherweight.recipe.optimizer import make_optimizer
+from featherweight.recipe.schema import TrainConfig
 from featherweight.train.checkpoint import Checkpointer
 from featherweight.train.run import (
     CHECKPOINT_DIR,

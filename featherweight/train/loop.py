@@ -32,7 +32,7 @@ from featherweight.models.llama import Params
 from featherweight.parallel.distributed import any_process, is_primary
 from featherweight.parallel.sharding import place_batch
 from featherweight.recipe.build import evaluation_fn
-from featherweight.recipe.config import TrainConfig
+from featherweight.recipe.schema import TrainConfig
 from featherweight.step.loss import Batch
 from featherweight.train import run_dir
 from featherweight.train.metrics import MetricsLog, plot_loss_curve

@@ -4,8 +4,10 @@
 2. the checkpoint's header (model config, tokenizer) and the method's settings;
 3. the memory plan (and the budget, which may change settings) -- before any weight is read;
 4. the dataset (typed errors with file and line);
-5. the weights (NF4-quantized on load for QLoRA), the trainable/frozen split, the step;
-   with a device mesh, the weights are read to host memory and placed shard by shard;
+5. the weights (NF4-quantized on load for QLoRA, each tensor checked for NaN/inf), the
+   trainable/frozen split; only then are the run's files written (an input refused up to here
+   leaves the output directory as it was); with a device mesh, the weights are read to host
+   memory and placed shard by shard; the step;
 6. the latest checkpoint when the run resumes.
 """
 
@@ -24,7 +26,7 @@ import yaml
 from featherweight.data.demo_task import invented_world, write_training_data
 from featherweight.data.iterator import DataIterator
 from featherweight.data.records import Dataset, prepare_dataset
-from featherweight.errors import ModelChangedError, OutputExistsError
+from featherweight.errors import ModelChangedError, ModelConfigError, OutputExistsError
 from featherweight.io.atomic import atomic_write_text, probe_writable
 from featherweight.io.embedded_model import cache_dir, require_demo_model
 from featherweight.io.loader import load_model, open_checkpoint
@@ -48,8 +50,8 @@ from featherweight.recipe.build import (
     place_embedding,
     split_params,
 )
-from featherweight.recipe.config import TrainConfig
 from featherweight.recipe.optimizer import make_optimizer
+from featherweight.recipe.schema import TrainConfig
 from featherweight.step.loss import resolve_chunk_size
 from featherweight.train import run_dir
 from featherweight.train.checkpoint import Checkpointer
@@ -206,6 +208,19 @@ def read_header(model_path: Path) -> tuple[ModelConfig, Tokenizer | None]:
         source.close()
 
 
+def check_tokenizer_fits(
+    tokenizer: Tokenizer | None, model_config: ModelConfig, model_path: Path
+) -> None:
+    """Refuse a tokenizer whose ids reach past the embedding table (a mismatched tokenizer file):
+    the first batch would index rows that do not exist."""
+    if tokenizer is not None and tokenizer.vocab_size > model_config.vocab_size:
+        raise ModelConfigError(
+            f"the tokenizer of {model_path} has {tokenizer.vocab_size} tokens but the model's "
+            f"embedding has {model_config.vocab_size} rows; the tokenizer belongs to another "
+            "model: use the tokenizer.json that came with these weights"
+        )
+
+
 def load_weights(config: TrainConfig, model_path: Path) -> Model:
     quantize = "nf4" if config.method == "qlora" else None
     return load_model(
@@ -270,6 +285,7 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     if overwrite:
         run_dir.check_replaceable(output_dir)  # only featherweight's own files, before any work
     model_config, tokenizer = read_header(model_path)
+    check_tokenizer_fits(tokenizer, model_config, model_path)
     check_method_settings(config, model_config)
     plan = None
     if plan_fn is not None:
@@ -302,9 +318,6 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
             overflow=data_settings.overflow,
         )
         dataset = dataset._replace(eval=eval_set.train, eval_stats=eval_set.train_stats)
-    if is_primary():
-        write_run_files(output_dir, config, model_path, model_config, clear=overwrite)
-    sync_processes("run files written")
     data = DataIterator(
         dataset.train,
         config.batch_size,
@@ -319,6 +332,10 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
             model.params, config, model_config, jax.random.PRNGKey(config.seed)
         )
     del model
+    # only now, with the weights read and checked, does the run directory change
+    if is_primary():
+        write_run_files(output_dir, config, model_path, model_config, clear=overwrite)
+    sync_processes("run files written")
     if mesh is not None:
         trainable = shard_tree(trainable, mesh, parameter_spec)
         frozen = shard_tree(frozen, mesh, parameter_spec)

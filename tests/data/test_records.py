@@ -245,3 +245,14 @@ def test_prepare_dataset_splits_packs_and_counts(tmp_path, smol):
     assert again.eval.fingerprint() == dataset.eval.fingerprint()
     with pytest.raises(DataError, match=r"data\.jsonl:6: example has \d+ tokens"):
         prepare_dataset(path, smol, 64, skip_bad=True, overflow="error")
+
+
+def test_a_huge_text_record_is_cut_before_tokenizing_and_keeps_the_same_tokens(smol):
+    # a record far longer than a row: only what packing keeps is tokenized, token for token
+    words = " ".join(f"word{i % 977} ünïcode{i % 13}" for i in range(40_000))  # ~800 KB
+    record = Record({"text": words}, "text", "big.jsonl:1")
+    whole = tokenize_example(record, smol)
+    (cut,), skipped = tokenize_records([record], smol, max_tokens=65)
+    assert skipped == 0 and len(cut.ids) < len(whole.ids) // 100
+    assert np.array_equal(cut.ids[:65], whole.ids[:65])
+    assert np.array_equal(cut.target_mask[:65], whole.target_mask[:65])

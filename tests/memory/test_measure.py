@@ -12,7 +12,7 @@ from featherweight.memory.measure import MEASURED_COMPONENTS, measure_compiled, 
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import comparable_total, percent_difference
 from featherweight.models.registry import builtin_config
-from featherweight.recipe.config import parse_config
+from featherweight.recipe.schema import parse_config
 from tests.conftest import tiny_config
 
 SHAPES = {

@@ -13,7 +13,7 @@ from featherweight.memory.mesh_plan import plan_for_mesh
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import percent_difference
 from featherweight.parallel.sharding import MeshSettings, abstract_mesh, make_mesh
-from featherweight.recipe.config import parse_config
+from featherweight.recipe.schema import parse_config
 from tests.conftest import tiny_config
 
 SMALL = tiny_config(

@@ -12,7 +12,7 @@ from featherweight.memory.measure import abstract_step_arguments, tree_nbytes
 from featherweight.memory.plan import plan_for_config
 from featherweight.models.registry import BUILTIN_MODELS, builtin_config
 from featherweight.models.shapes import parameter_count
-from featherweight.recipe.config import TrainConfig, parse_config
+from featherweight.recipe.schema import TrainConfig, parse_config
 from tests.conftest import tiny_config
 
 GIB = 2**30

@@ -10,7 +10,7 @@ from featherweight.cli.main import app
 from featherweight.memory.measure import measure_compiled
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import plan_table, plot_plan, report_json
-from featherweight.recipe.config import parse_config
+from featherweight.recipe.schema import parse_config
 from tests.conftest import tiny_config
 
 runner = CliRunner()

@@ -28,7 +28,7 @@ from featherweight.parallel.sharding import (
 )
 from featherweight.peft.lora import LoraConfig, init_lora, quantize_frozen_base
 from featherweight.quant.nf4 import abstract_nf4
-from featherweight.recipe.config import MeshSettings, parse_config
+from featherweight.recipe.schema import MeshSettings, parse_config
 from featherweight.step.loss import batch_from_tokens
 from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
 from tests.conftest import tiny_config

@@ -10,8 +10,8 @@ from featherweight.errors import AdapterConfigError, ConfigError
 from featherweight.models.init import init_params
 from featherweight.quant.nf4 import NF4Tensor
 from featherweight.recipe.build import abstract_split, check_method_settings, split_params
-from featherweight.recipe.config import parse_config
 from featherweight.recipe.optimizer import learning_rate_schedule, make_optimizer
+from featherweight.recipe.schema import parse_config
 from tests.conftest import tiny_config
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import yaml
@@ -25,13 +26,16 @@ from safetensors.numpy import load_file, save_file
 
 from featherweight.inference.generate import logits
 from featherweight.io.convert import convert
+from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint
 from featherweight.io.loader import load_model
 from featherweight.memory.budget import plan_within_budget
 from featherweight.models.config import read_hf_config
+from featherweight.models.init import init_params
 from featherweight.quant.nf4 import quantize_nf4
-from featherweight.recipe.config import apply_overrides, load_config, parse_config
+from featherweight.recipe.schema import apply_overrides, load_config, parse_config
 from featherweight.train.export_run import export_run
 from featherweight.train.loop import train
+from tests.conftest import tiny_config
 from tests.reliability.conftest import short_run
 
 Action = Callable[[], object]
@@ -168,6 +172,32 @@ def missing_config(env: Env) -> Action:
 @case("config that is not a mapping", r"config\.yaml must hold a mapping of settings, found list")
 def not_a_mapping(env: Env) -> Action:
     path = env.config_file("- steps\n- 10\n")
+    return lambda: load_config(path)
+
+
+@case(
+    "YAML of nested aliases",
+    r"lora\.targets\.0 \(line 26\): Input should be a valid string \(got \[\[",
+    r"and \d+ more",
+)
+def alias_bomb(env: Env) -> Action:
+    # 25 levels of 9 aliases each ("billion laughs"): 1 KB of text that expands to 9^25 values
+    lines, previous = ["a: &a [x, x, x, x, x, x, x, x, x]"], "a"
+    for level in range(1, 25):
+        name = f"n{level}"
+        lines.append(f"{name}: &{name} [" + ", ".join([f"*{previous}"] * 9) + "]")
+        previous = name
+    lines.append(f"lora: {{targets: *{previous}}}")
+    path = env.config_file("\n".join(lines) + "\n")
+    return lambda: load_config(path)
+
+
+@case(
+    "infinite learning rate",
+    r"optimizer\.learning_rate \(line 2\): Input should be a finite number",
+)
+def infinite_learning_rate(env: Env) -> Action:
+    path = env.config_file("optimizer:\n  learning_rate: .inf\n")
     return lambda: load_config(path)
 
 
@@ -390,6 +420,15 @@ def export_exists(env: Env) -> Action:
 
 
 @case(
+    "convert to an integer dtype",
+    r"convert --dtype 'int8'",
+    r"use one of float32, float16, bfloat16",
+)
+def convert_int8(env: Env) -> Action:
+    return lambda: convert(env.model, env.tmp / "converted", dtype="int8")
+
+
+@case(
     "run with a relative model path",
     r"records its base model as the relative path 'models/base'",
     r"edit model\.path in \S+config\.yaml to the model's absolute path",
@@ -427,6 +466,35 @@ def convert_over_source(env: Env) -> Action:
 
 
 # --- checkpoints -------------------------------------------------------------------------------
+
+
+@case(
+    "NaN in a weight",
+    r"tensor layer 0 up of \S+ holds NaN or infinite values",
+    r"download it again or use another one",
+)
+def nan_weight(env: Env) -> Action:
+    def poison(tensors):
+        tensors[f"{LAYER0}.mlp.up_proj.weight"][0, 0] = np.nan
+
+    return env.train_model(env.edited_tensors(poison))
+
+
+@case(
+    "tokenizer larger than the embedding",
+    r"has 49152 tokens but the model's embedding has 256 rows",
+    r"use the tokenizer\.json that came with these weights",
+)
+def tokenizer_too_large(env: Env) -> Action:
+    directory = env.tmp / "models" / "small-vocab"
+    save_hf_checkpoint(
+        directory,
+        tiny_config(),
+        iter_hf_tensors(init_params(jax.random.PRNGKey(1), tiny_config()), tiny_config()),
+        None,
+    )
+    shutil.copy(env.model / "tokenizer.json", directory / "tokenizer.json")
+    return env.train_model(directory)
 
 
 @case(
@@ -800,10 +868,10 @@ def disk_full_export(env: Env) -> Action:
 # --- inputs ------------------------------------------------------------------------------------
 
 
-@case("token id outside the vocabulary", r"token id 256 is outside the vocabulary \[0, 256\)")
+@case("token id outside the vocabulary", r"token id 49152 is outside the vocabulary \[0, 49152\)")
 def token_out_of_range(env: Env) -> Action:
     model = load_model(env.model)
-    return lambda: logits(model, [[1, 256]])
+    return lambda: logits(model, [[1, 49152]])
 
 
 @case(

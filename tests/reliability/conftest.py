@@ -11,7 +11,7 @@ import pytest
 from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint
 from featherweight.io.output_paths import inside, resolved
 from featherweight.models.init import init_params
-from featherweight.recipe.config import parse_config
+from featherweight.recipe.schema import parse_config
 from featherweight.train.loop import train
 from tests.conftest import demo_data, run_settings, tiny_config, tiny_model_dir
 
@@ -44,9 +44,9 @@ def trained_run(tiny_model_dir, demo_data, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def small_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """A 256-token HF directory (a few hundred KB: cheap to copy and damage) with SmolLM2's
-    tokenizer files."""
-    config = tiny_config()
+    """A small HF directory (a few MB: cheap to copy and damage) with SmolLM2's tokenizer files
+    and an embedding of as many rows as that tokenizer has tokens."""
+    config = tiny_config(vocab_size=49152)
     directory = tmp_path_factory.mktemp("small") / "model"
     save_hf_checkpoint(
         directory, config, iter_hf_tensors(init_params(jax.random.PRNGKey(1), config), config), None

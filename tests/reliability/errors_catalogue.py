@@ -50,6 +50,8 @@ config | value out of range | `lora: {rank: 0}` | ConfigError | names `lora.rank
 config | value of the wrong type | `steps: many` | ConfigError | names `steps` and `'many'`: a valid integer is needed
 config | config file missing | `featherweight train missing.yaml` | ConfigError | names the path: pass a YAML file
 config | config that is not a mapping | a YAML list instead of settings | ConfigError | the file must hold a mapping of settings
+config | YAML of nested aliases | 1 KB of aliases that expand to 9^25 values | ConfigError | names the first few bad values, shortened, and how many more: answered at once, never expanded
+config | infinite learning rate | `optimizer: {learning_rate: .inf}` | ConfigError | names `optimizer.learning_rate`: a finite number is needed
 config | malformed override | `--set steps` | ConfigError | overrides look like `key.sub=value`
 config | unknown LoRA target | `lora: {targets: [q, qq]}` | ConfigError | names `qq` and lists the valid targets
 config | LoRA rank larger than a target weight | `lora: {rank: 128}` on a model 64 wide | AdapterConfigError | names the target and its shape: a smaller rank, or drop the target
@@ -74,6 +76,8 @@ paths | export into the run's checkpoints | `export RUN --out RUN/checkpoints/me
 paths | export over the run itself | `export RUN --out RUN --overwrite` | OutputNotWritableError | put the export somewhere that does not hold the run
 paths | export output that exists | `export RUN --out EXISTING` | OutputExistsError | choose another path or pass --overwrite
 paths | convert over its source | `convert MODEL --out PARENT_OF_MODEL --overwrite` | OutputNotWritableError | put the output somewhere that does not hold the source
+checkpoints | NaN in a weight | one value of `model.layers.0.mlp.up_proj.weight` set to NaN | CorruptCheckpointError | names the tensor: download it again or use another checkpoint
+checkpoints | tokenizer larger than the embedding | SmolLM2's 49152-token tokenizer.json beside a 256-row embedding | ModelConfigError | names both sizes: use the tokenizer that came with the weights
 checkpoints | truncated safetensors | model.safetensors missing its last 1000 bytes | CorruptCheckpointError | names the tensor past the end: download it again
 checkpoints | safetensors header that is not JSON | garbage bytes in the header | CorruptCheckpointError | download it again
 checkpoints | integer tensor in safetensors | a weight stored as I32 | UnsupportedModelError | weights must be floating point: get the original or a new download
@@ -109,6 +113,7 @@ budgets | budget nothing fits | `memory.budget: 1MiB` | BudgetError | names the 
 meshes | mesh that does not fill the devices | `mesh: {data: 3, fsdp: 3}` on 8 devices | ShardingError | names both sizes and a mesh that works
 meshes | batch that does not split over the mesh | `batch_size: 3` on a 2 x 4 mesh | ShardingError | use a batch_size whose global batch is a multiple of 8
 meshes | mesh axis of size 0 | `mesh: {data: 0}` | ConfigError | a mesh axis is a positive integer or 'auto'
+exports | convert to an integer dtype | `convert MODEL --dtype int8` | ConfigError | weights are floating point: use float32, float16 or bfloat16
 exports | run with a relative model path | a run whose config.yaml names its model as `models/base` | ExportError | set model.path in the run's config.yaml to the absolute path
 checkpoints | base model changed since the run | the model at the run's model.path replaced by another | ModelChangedError | the checkpoints are intact: put the original model back, or start a new run
 exports | unknown export format | `--format gguf` | ExportError | use merged or peft

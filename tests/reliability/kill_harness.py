@@ -263,7 +263,7 @@ def inspect_checkpoints(run_dir: Path, reference: Reference) -> list[str]:
 
 def settings_as_saved(settings: dict) -> dict:
     """A config dict as the trainer writes it to config.yaml (every field, validated)."""
-    from featherweight.recipe.config import parse_config
+    from featherweight.recipe.schema import parse_config
 
     return parse_config(settings).model_dump(mode="json")
 

@@ -20,7 +20,7 @@ from featherweight.errors import (
     OutputNotWritableError,
     TrainingDivergedError,
 )
-from featherweight.recipe.config import parse_config
+from featherweight.recipe.schema import parse_config
 from featherweight.train import export_run as export_module
 from featherweight.train import run as run_module
 from featherweight.train.export_run import export_run

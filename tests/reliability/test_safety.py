@@ -149,7 +149,7 @@ def test_a_path_that_resolves_into_the_checkpoints_is_refused(trained_run, tmp_p
 
 def test_a_whole_output_dir_may_be_a_link_elsewhere(tiny_model_dir, demo_data, tmp_path):
     """Rule 2 refuses links inside a run directory; linking the directory itself is the way."""
-    from featherweight.recipe.config import parse_config
+    from featherweight.recipe.schema import parse_config
     from featherweight.train.run import check_run_dir
     from tests.reliability.conftest import short_run
 

@@ -18,7 +18,7 @@ from featherweight.parallel.memory_kinds import to_host
 from featherweight.peft.lora import LoraConfig, init_lora, quantize_frozen_base
 from featherweight.quant.nf4 import quantize_nf4
 from featherweight.recipe.build import check_method_settings
-from featherweight.recipe.config import parse_config
+from featherweight.recipe.schema import parse_config
 from featherweight.step.loss import batch_from_tokens
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.streamed import (

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from rich.console import Console
 
-from featherweight.recipe.config import parse_config
+from featherweight.recipe.schema import parse_config
 from featherweight.train.loop import train
 from tests.conftest import run_settings
 

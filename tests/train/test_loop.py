@@ -17,7 +17,7 @@ import pytest
 
 from featherweight.errors import ConfigError, DataError, OutputExistsError, TrainingDivergedError
 from featherweight.memory.budget import plan_within_budget
-from featherweight.recipe.config import parse_config
+from featherweight.recipe.schema import parse_config
 from featherweight.train.checkpoint import Checkpointer
 from featherweight.train.loop import train
 from featherweight.train.metrics import read_metrics

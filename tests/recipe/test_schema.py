@@ -3,7 +3,7 @@
 import pytest
 
 from featherweight.errors import ConfigError
-from featherweight.recipe.config import load_config, parse_config
+from featherweight.recipe.schema import load_config, parse_config
 
 
 def test_defaults_are_a_qlora_run_on_the_demo():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import reprlib
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -25,7 +26,8 @@ Method = Literal["full", "lora", "qlora"]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # a NaN or infinite number is never a valid setting (`learning_rate: .inf`)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelSettings(_Section):
@@ -143,6 +145,12 @@ class TrainConfig(_Section):
         return {} if mesh == "auto" else mesh
 
 
+MAX_ERRORS = 5  # problems named in one message
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 2, 4, 4
+_SHORT.maxstring = _SHORT.maxother = 60
+
+
 def _allowed_keys(model: type[BaseModel], location: tuple) -> list[str]:
     """The field names valid at `location` (a pydantic error location) inside `model`."""
     current: Any = model
@@ -158,15 +166,22 @@ def _allowed_keys(model: type[BaseModel], location: tuple) -> list[str]:
 
 
 def _key_lines(text: str) -> dict[str, int]:
-    """1-based line of every (dotted) key of a YAML mapping, for error messages."""
+    """1-based line of every (dotted) key of a YAML mapping, for error messages.
+
+    Each node is walked once: an aliased node (`*name`) is not entered again, so a document of
+    nested aliases ("billion laughs") costs time linear in its size, not in its expansion.
+    """
     lines: dict[str, int] = {}
+    seen: set[int] = set()
 
     def walk(node, prefix: str) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value_node in node.value:
-                dotted = f"{prefix}{key_node.value}"
-                lines[dotted] = key_node.start_mark.line + 1
-                walk(value_node, dotted + ".")
+        if id(node) in seen or not isinstance(node, yaml.MappingNode):
+            return
+        seen.add(id(node))
+        for key_node, value_node in node.value:
+            dotted = f"{prefix}{key_node.value}"
+            lines.setdefault(dotted, key_node.start_mark.line + 1)
+            walk(value_node, dotted + ".")
 
     with contextlib.suppress(yaml.YAMLError):
         walk(yaml.compose(text), "")
@@ -192,8 +207,10 @@ def _format_errors(error: ValidationError, source: str, key_lines: dict[str, int
             hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(allowed)}"
             lines.append(f"unknown key {dotted!r}{where} ({hint})")
         else:
-            lines.append(f"{dotted}{where}: {item['msg']} (got {item.get('input')!r})")
-    return f"{source}: invalid config: " + "; ".join(lines)
+            shown = _SHORT.repr(item.get("input"))  # bounded, whatever the input's size
+            lines.append(f"{dotted}{where}: {item['msg']} (got {shown})")
+    more = f"; and {len(lines) - MAX_ERRORS} more" if len(lines) > MAX_ERRORS else ""
+    return f"{source}: invalid config: " + "; ".join(lines[:MAX_ERRORS]) + more
 
 
 def parse_config(

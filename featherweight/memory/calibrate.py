@@ -1,0 +1,332 @@
+"""Fit the working set's buffer counts to compiled steps, and check them on configurations held out.
+
+    python -m featherweight.memory.calibrate              # measure both grids, fit, write, check
+    python -m featherweight.memory.calibrate --refit      # refit from the stored measurements only
+
+The planner's working set (`working_set.py`) is a sum of terms -- one layer's weights, its
+activations, the attention scores, a logits chunk, ... -- each times a count of how many such
+buffers the compiler keeps alive at once. The counts are not guessed: this script compiles the
+real train step (`measure.measure_compiled`) for every configuration of a FIT grid (random small
+models and settings, seeded, plus real shapes), fits the counts by non-negative least squares on
+the temporaries' error relative to the step's total, and checks the result on a HELD-OUT grid drawn with another
+seed. `calibration.json` stores the counts together with the measurements they were fitted on and
+their provenance (compiler, jax version, machine, dtype, date), keyed by compiler and dtype, so a
+reader can refit them (`--refit`, deterministic) and a test can check both the fit and the
+held-out error.
+
+The fit model: planned temporaries = stored activations + max(backward phase, loss phase), each
+phase a linear function of its counts; which phase is the peak depends on the counts, so the fit
+alternates between assigning each configuration its peak phase and solving the least squares,
+until the assignment no longer changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from scipy.optimize import nnls
+
+from featherweight.errors import FeatherweightError
+from featherweight.memory import working_set
+from featherweight.memory.device_plan import plan_one_device
+from featherweight.memory.measure import measure_compiled
+from featherweight.memory.report import percent_difference
+from featherweight.models.config import ModelConfig, config_from_hf_dict
+from featherweight.models.registry import builtin_config
+from featherweight.recipe.schema import TrainConfig, parse_config
+
+KEY = "xla-cpu/float32"
+# each count: the phase it belongs to, and the raw term(s) it multiplies
+COUNTS = {
+    "layer_weights": ("backward", ("layer_weights",)),
+    "optimizer_state": ("backward", ("optimizer_state",)),
+    "activations_d": ("backward", ("activations_d",)),
+    "activations_f": ("backward", ("activations_f",)),
+    "activations_attention": ("backward", ("activations_attention",)),
+    "attention_scores": ("backward", ("attention_scores",)),
+    "logits": ("loss", ("logits",)),
+    "head_gradient": ("loss", ("head_gradient",)),
+    "head_dequantized_moments": ("loss", ("head_dequantized_moments",)),
+}
+# terms counted once (no fitted count): they are what they are
+FIXED = {
+    "backward": ("layer_gradient", "tied_embedding_gradient"),
+    "loss": ("dequantized_head", "head_rows_from_host", "top_state_on_device"),
+}
+FIT_SEED, HELD_OUT_SEED = 1, 2
+
+
+def _tiny_model(rng: random.Random) -> ModelConfig:
+    heads = rng.choice((2, 4, 8))
+    kv_heads = rng.choice([k for k in (1, 2, 4) if heads % k == 0])
+    head_dim = rng.choice((16, 32))
+    hidden = rng.choice((64, 128, 256))
+    return config_from_hf_dict(
+        {
+            "model_type": "llama",
+            "vocab_size": rng.choice((256, 1024, 4096)),
+            "hidden_size": hidden,
+            "intermediate_size": hidden * rng.choice((2, 3, 4)),
+            "num_hidden_layers": rng.randint(2, 6),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            "tie_word_embeddings": rng.random() < 0.5,
+            "max_position_embeddings": 4096,
+        },
+        source="calibration grid",
+    )
+
+
+def _tiny_settings(rng: random.Random) -> dict[str, Any]:
+    method = rng.choice(("full", "lora", "qlora"))
+    seq = rng.choice((32, 64, 128))
+    memory: dict[str, Any] = {
+        "residuals": rng.choice(("device", "host")),
+        "loss_chunk": rng.choice((None, seq // 2, seq // 4)),
+        "vocab_chunk": rng.choice((None, None, 128)),
+        "mlp_chunk": rng.choice((None, None, seq // 2)),
+        "save": rng.choice(((), (), ("qkv",), ("mlp_hidden",))),
+        "optimizer_state": rng.choice(("device", "device", "host")),
+    }
+    return {
+        "method": method,
+        "model": {"dtype": "float32", "quantize_head": method == "qlora" and rng.random() < 0.3},
+        "optimizer": {"name": rng.choice(("adamw", "adamw", "adamw_8bit", "sgd", "lion"))},
+        "lora": {"rank": rng.choice((4, 8, 16))},
+        "batch_size": rng.choice((1, 2, 4)),
+        "data": {"seq_len": seq},
+        "memory": memory,
+    }
+
+
+def _real_cases(held_out: bool) -> list[tuple[ModelConfig, dict[str, Any]]]:
+    """Real model shapes at small batch and sequence (compile time does not grow with depth)."""
+    if held_out:
+        picks = (("SmolLM2-135M", "lora", 2, 256), ("Llama-3.2-1B", "qlora", 1, 512))
+    else:
+        picks = (
+            ("SmolLM2-135M", "full", 1, 256),
+            ("SmolLM2-135M", "qlora", 2, 512),
+            ("SmolLM2-135M", "lora", 4, 256),
+            ("SmolLM2-360M", "qlora", 4, 128),
+            ("Llama-3.2-1B", "lora", 1, 1024),
+        )
+    return [
+        (
+            builtin_config(name),
+            {
+                "method": method,
+                "model": {"dtype": "float32"},
+                "batch_size": batch,
+                "data": {"seq_len": seq},
+                "memory": {"loss_chunk": seq // 4},
+            },
+        )
+        for name, method, batch, seq in picks
+    ]
+
+
+def _planner_test_cases() -> list[tuple[ModelConfig, TrainConfig]]:
+    """The shapes tests/memory/test_measure.py checks (two small models x 3 methods x two
+    policies): in the fit grid, so the planner's own tests hold with the fitted counts."""
+    tiny = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16}  # fmt: skip
+    small = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768,
+             "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+             "head_dim": 32}  # fmt: skip
+    cases = []
+    for shape, seq in ((tiny, 64), (small, 128)):
+        model = config_from_hf_dict(
+            {"model_type": "llama", "tie_word_embeddings": False,
+             "max_position_embeddings": 4096, **shape},
+            source="calibration grid",
+        )  # fmt: skip
+        for method in ("full", "lora", "qlora"):
+            for batch, residuals in ((2, "device"), (4, "host")):
+                settings = {
+                    "method": method,
+                    "batch_size": batch,
+                    "model": {"dtype": "float32"},
+                    "data": {"seq_len": seq},
+                    "memory": {"residuals": residuals},
+                }
+                cases.append((model, parse_config(settings, source="calibration grid")))
+    return cases
+
+
+def grid(seed: int, size: int, held_out: bool) -> list[tuple[ModelConfig, TrainConfig]]:
+    """`size` random valid configurations drawn with `seed` (the fit grid adds the planner
+    tests' shapes), then the real-shape cases."""
+    rng, cases = random.Random(seed), []
+    while len(cases) < size:
+        model, settings = _tiny_model(rng), _tiny_settings(rng)
+        try:
+            config = parse_config(settings, source="calibration grid")
+            plan_one_device(config, model)  # refuses what cannot run (e.g. placements)
+        except FeatherweightError:
+            continue
+        cases.append((model, config))
+    if not held_out:
+        cases.extend(_planner_test_cases())
+    for model, settings in _real_cases(held_out):
+        cases.append((model, parse_config(settings, source="calibration grid")))
+    return cases
+
+
+REAL_WEIGHT = 3.0  # a real model's shape counts as much as this many random toys
+
+
+def measure(cases: list[tuple[ModelConfig, TrainConfig]], real_from: int) -> list[dict[str, Any]]:
+    """Compile each case's step and record what the fit needs (and what reproduces the case);
+    cases from index `real_from` on are real model shapes, weighted `REAL_WEIGHT` in the fit."""
+    records = []
+    for index, (model, config) in enumerate(cases):
+        measured = measure_compiled(config, model)
+        records.append(
+            {
+                "model": model.to_hf_dict(),
+                "config": config.model_dump(mode="json"),
+                "temp_bytes": measured.temp_bytes,
+                "total_bytes": measured.total_bytes,
+                "weight": REAL_WEIGHT if index >= real_from else 1.0,
+            }
+        )
+        print(f"  {index + 1}/{len(cases)} temp {measured.temp_bytes:,} B", file=sys.stderr)
+    return records
+
+
+def case_of(record: dict[str, Any]) -> tuple[ModelConfig, TrainConfig]:
+    model = config_from_hf_dict(record["model"], source="calibration record")
+    return model, TrainConfig.model_validate(record["config"])
+
+
+def _stored_bytes(config: TrainConfig, model: ModelConfig) -> int:
+    names = ("residual_stream", "saved_intermediates")
+    plan = plan_one_device(config, model)
+    return sum(c.bytes for c in plan.components if c.name in names)
+
+
+def _phase_rows(record: dict[str, Any]) -> dict[str, tuple[np.ndarray, float]]:
+    """Per phase: (the term each count multiplies, the fixed bytes), and the target temp."""
+    model, config = case_of(record)
+    terms = working_set.raw_terms(config, model)
+    rows = {}
+    for phase in ("backward", "loss"):
+        coefficients = np.array(
+            [
+                sum(terms[t] for t in names) if count_phase == phase else 0.0
+                for count_phase, names in COUNTS.values()
+            ],
+            dtype=np.float64,
+        )
+        rows[phase] = (coefficients, float(sum(terms[name] for name in FIXED[phase])))
+    return (
+        rows,
+        float(record["temp_bytes"] - _stored_bytes(config, model)),
+        float(record["total_bytes"]),
+    )
+
+
+def fit(records: list[dict[str, Any]], start: dict[str, float] | None = None) -> dict[str, float]:
+    """Counts that minimise the error of planned temporaries, relative to each step's total."""
+    prepared = [_phase_rows(record) for record in records]
+    counts = np.array([(start or {}).get(name, 1.0) for name in COUNTS], dtype=np.float64)
+    assignment: list[str] | None = None
+    for _ in range(20):
+        phases = [
+            max(rows, key=lambda p, rows=rows: rows[p][0] @ counts + rows[p][1])
+            for rows, _, _ in prepared
+        ]
+        if phases == assignment:
+            break
+        assignment = phases
+        # relative to the step's total: the error a user sees in the plan of their step
+        matrix = np.stack([rows[p][0] / total for (rows, _, total), p in zip(prepared, phases)])
+        goal = np.array(
+            [(target - rows[p][1]) / total for (rows, target, total), p in zip(prepared, phases)]
+        )
+        used = matrix.any(axis=0)  # a count no configuration exercises keeps its start value
+        solution, _ = nnls(matrix[:, used], goal)
+        counts[used] = solution
+    return {name: round(float(value), 2) for name, value in zip(COUNTS, counts)}
+
+
+def errors_of(records: list[dict[str, Any]], counts: dict[str, float]) -> list[dict[str, Any]]:
+    """Planned vs measured for each record with `counts`: temp and total, in percent."""
+    rows = []
+    for record in records:
+        model, config = case_of(record)
+        plan = plan_one_device(config, model, calibration=counts)
+        planned_temp = plan.measured_groups()["temporaries"]
+        rows.append(
+            {
+                "method": config.method,
+                "temp_error": percent_difference(planned_temp, record["temp_bytes"]),
+                "total_error": percent_difference(plan.cpu_comparable_bytes, record["total_bytes"]),
+            }
+        )
+    return rows
+
+
+def _worst(rows: list[dict[str, Any]], key: str) -> float:
+    return max(abs(row[key]) for row in rows)
+
+
+def calibration_path() -> Path:
+    return Path(working_set.__file__).with_name("calibration.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--refit", action="store_true", help="refit from stored measurements")
+    parser.add_argument("--fit-size", type=int, default=40)
+    parser.add_argument("--held-out-size", type=int, default=24)
+    args = parser.parse_args(argv)
+    path = calibration_path()
+    data = json.loads(path.read_text()) if path.is_file() else {"calibrations": {}}
+    if args.refit:
+        entry = data["calibrations"][KEY]
+        fit_records, held_out = entry["fit_measurements"], entry["held_out_measurements"]
+    else:
+        print("measuring the fit grid", file=sys.stderr)
+        fit_cases = grid(FIT_SEED, args.fit_size, False)
+        fit_records = measure(fit_cases, len(fit_cases) - len(_real_cases(False)))
+        print("measuring the held-out grid", file=sys.stderr)
+        held_out = measure(grid(HELD_OUT_SEED, args.held_out_size, True), args.held_out_size)
+    counts = fit(fit_records)
+    fitted, checked = errors_of(fit_records, counts), errors_of(held_out, counts)
+    data["calibrations"][KEY] = {
+        "compiler": f"XLA:CPU ({jax.default_backend()})",
+        "dtype": "float32",
+        "jax_version": jax.__version__,
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
+        "date": datetime.date.today().isoformat(),
+        "fit": "non-negative least squares on the temporaries' error relative to the total, peak "
+        "phase reassigned until stable; counts rounded to 0.01",
+        "counts": counts,
+        "fit_worst_temp_error_percent": round(_worst(fitted, "temp_error"), 2),
+        "fit_worst_total_error_percent": round(_worst(fitted, "total_error"), 2),
+        "held_out_worst_temp_error_percent": round(_worst(checked, "temp_error"), 2),
+        "held_out_worst_total_error_percent": round(_worst(checked, "total_error"), 2),
+        "fit_measurements": fit_records,
+        "held_out_measurements": held_out,
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    entry = data["calibrations"][KEY]
+    print(json.dumps({k: v for k, v in entry.items() if "measurements" not in k}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The working set's buffer counts: data with provenance, reproducible, and right on held-out steps.
+
+`featherweight/memory/calibration.json` holds the counts with the compiled measurements they were
+fitted on and a held-out grid. These tests refit from the stored measurements (deterministic, no
+compiling), check the plan against the held-out measurements, and re-measure held-out steps with
+today's compiler so stale data cannot hide (a few in the default suite, all of them under slow).
+"""
+
+import json
+
+import pytest
+
+from featherweight.memory import calibrate, working_set
+from featherweight.memory.device_plan import plan_one_device
+from featherweight.memory.measure import measure_compiled
+from featherweight.memory.report import percent_difference
+
+ENTRY = json.loads(calibrate.calibration_path().read_text())["calibrations"][calibrate.KEY]
+# percent, planned vs compiled on the held-out grid (XLA:CPU, float32). The median is the planner's
+# accuracy; the worst case is a toy whose 4096-token head dwarfs its 3 layers (8-bit AdamW's head
+# moments dequantized), where a few buffers decide the peak.
+TOTAL_MEDIAN, TOTAL_WORST = 5.0, 25.0
+TEMP_MEDIAN, TEMP_WORST = 8.0, 50.0
+
+
+def test_the_calibration_says_where_it_comes_from():
+    for field in ("compiler", "dtype", "jax_version", "machine", "date", "fit"):
+        assert ENTRY[field], field
+    assert len(ENTRY["fit_measurements"]) >= 30 and len(ENTRY["held_out_measurements"]) >= 20
+    assert working_set.calibration_counts() == ENTRY["counts"]
+
+
+def test_the_counts_are_the_fit_of_the_stored_measurements():
+    assert calibrate.fit(ENTRY["fit_measurements"]) == ENTRY["counts"]
+
+
+def _errors(counts):
+    rows = calibrate.errors_of(ENTRY["held_out_measurements"], counts)
+    total = sorted(abs(row["total_error"]) for row in rows)
+    temp = sorted(abs(row["temp_error"]) for row in rows)
+    return total[len(total) // 2], total[-1], temp[len(temp) // 2], temp[-1]
+
+
+def test_held_out_plans_are_within_bounds():
+    total_median, total_worst, temp_median, temp_worst = _errors(ENTRY["counts"])
+    assert total_median <= TOTAL_MEDIAN and total_worst <= TOTAL_WORST
+    assert temp_median <= TEMP_MEDIAN and temp_worst <= TEMP_WORST
+
+
+def test_wrong_counts_fail_the_held_out_check():
+    # negative control: counts off by a third would be caught
+    scaled = {name: value * 0.67 for name, value in ENTRY["counts"].items()}
+    total_median, _, temp_median, _ = _errors(scaled)
+    assert temp_median > TEMP_MEDIAN or total_median > TOTAL_MEDIAN
+
+
+def _remeasure(records):
+    for record in records:
+        model, config = calibrate.case_of(record)
+        measured = measure_compiled(config, model)
+        drift = percent_difference(measured.temp_bytes, record["temp_bytes"])
+        assert abs(drift) <= 2.0, f"the compiler changed ({drift:+.1f}%): re-run the calibration"
+        plan = plan_one_device(config, model)
+        error = percent_difference(plan.cpu_comparable_bytes, measured.total_bytes)
+        assert abs(error) <= TOTAL_WORST, (config.method, error)
+
+
+def test_stored_held_out_measurements_are_todays_compiler():
+    _remeasure(ENTRY["held_out_measurements"][:3])
+
+
+@pytest.mark.slow
+def test_every_held_out_measurement_is_todays_compiler():
+    _remeasure(ENTRY["held_out_measurements"])
