@@ -23,6 +23,7 @@ from featherweight.io.gguf_reader import GGUFSource  # noqa: E402
 from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint  # noqa: E402
 from featherweight.models.config import ModelConfig  # noqa: E402
 from featherweight.models.init import init_params  # noqa: E402
+from featherweight.peft.lora import LoraConfig, init_lora, quantize_frozen_base  # noqa: E402
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -112,3 +113,17 @@ def run_settings(model_dir: Path, data: Path, output_dir: Path, **overrides) -> 
 def write_config(path: Path, settings: dict) -> Path:
     path.write_text(yaml.safe_dump(settings))
     return path
+
+
+def training_case(config: ModelConfig, method: str, rank: int = 8):
+    """(trainable, frozen, lora spec) of a random float32 model: full, LoRA or QLoRA. The adapters'
+    B is non-zero (PEFT starts it at zero), so every adapter gets a gradient from the first step."""
+    params = init_params(jax.random.PRNGKey(0), config)
+    if method == "full":
+        return params, {}, None
+    lora = LoraConfig(rank=rank, alpha=2 * rank)
+    adapters = init_lora(jax.random.PRNGKey(1), config, lora)
+    keys = iter(jax.random.split(jax.random.PRNGKey(2), len(jax.tree.leaves(adapters))))
+    adapters = jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape), adapters)
+    frozen = params if method == "lora" else quantize_frozen_base(params)
+    return adapters, frozen, lora.spec

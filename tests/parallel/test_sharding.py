@@ -26,12 +26,11 @@ from featherweight.parallel.sharding import (
     tree_shardings,
     tree_specs,
 )
-from featherweight.peft.lora import LoraConfig, init_lora, quantize_frozen_base
 from featherweight.quant.nf4 import abstract_nf4
 from featherweight.recipe.schema import MeshSettings, parse_config
 from featherweight.step.loss import batch_from_tokens
 from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, training_case
 
 CONFIG = tiny_config()
 STEPS = 3
@@ -40,16 +39,7 @@ FSDP8 = MeshSettings(data=1, fsdp=8)
 
 def _case(method):
     """(trainable, frozen, lora spec) of a tiny float32 model: full, LoRA, QLoRA."""
-    params = init_params(jax.random.PRNGKey(0), CONFIG)
-    if method == "full":
-        return params, {}, None
-    lora = LoraConfig(rank=8, alpha=16)
-    adapters = init_lora(jax.random.PRNGKey(1), CONFIG, lora)
-    # non-zero B (PEFT starts it at zero), so every adapter gets a gradient from the first step
-    keys = iter(jax.random.split(jax.random.PRNGKey(2), len(jax.tree.leaves(adapters))))
-    adapters = jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape), adapters)
-    frozen = params if method == "lora" else quantize_frozen_base(params)
-    return adapters, frozen, lora.spec
+    return training_case(CONFIG, method, rank=8)
 
 
 BATCH = batch_from_tokens(jax.random.randint(jax.random.PRNGKey(3), (8, 17), 0, CONFIG.vocab_size))

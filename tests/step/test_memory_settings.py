@@ -12,10 +12,8 @@ import pytest
 from featherweight.errors import ConfigError
 from featherweight.memory.measure import measure_compiled
 from featherweight.memory.plan import plan_for_config
-from featherweight.models.init import init_params
 from featherweight.optim.adamw8bit import adamw_8bit
 from featherweight.parallel.memory_kinds import to_host
-from featherweight.peft.lora import LoraConfig, init_lora, quantize_frozen_base
 from featherweight.quant.nf4 import quantize_nf4
 from featherweight.recipe.build import check_method_settings
 from featherweight.recipe.schema import parse_config
@@ -27,7 +25,7 @@ from featherweight.step.streamed import (
     place_opt_state,
     top_row_chunk,
 )
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, training_case
 
 UNTIED = tiny_config(vocab_size=512, tie_word_embeddings=False)
 TIED = tiny_config(vocab_size=512, tie_word_embeddings=True)
@@ -35,15 +33,7 @@ BATCH = batch_from_tokens(jax.random.randint(jax.random.PRNGKey(3), (2, 33), 0, 
 
 
 def _case(config, method):
-    params = init_params(jax.random.PRNGKey(0), config)
-    if method == "full":
-        return params, {}, None
-    lora = LoraConfig(rank=4, alpha=8)
-    adapters = init_lora(jax.random.PRNGKey(1), config, lora)
-    keys = iter(jax.random.split(jax.random.PRNGKey(2), len(jax.tree.leaves(adapters))))
-    adapters = jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape), adapters)
-    frozen = params if method == "lora" else quantize_frozen_base(params)
-    return adapters, frozen, lora.spec
+    return training_case(config, method, rank=4)
 
 
 def _train(config, method, optimizer, policy=None, state_on="device", embed_on="device",
