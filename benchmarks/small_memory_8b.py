@@ -2,13 +2,15 @@
 GiB, full fine-tuning b2 x 2048 <= 18 GiB, QLoRA context >= 128K tokens in 24 GB) and the peers'
 published numbers, each next to the step compiled on abstract shapes on this machine.
 
-Plans are made from config values only (no weights). "flash" plans are for a GPU, where
-`jax.nn.dot_product_attention` runs cuDNN's fused kernel for bf16 and keeps no S x S scores; XLA
-CPU materializes the scores and makes float32 copies of bf16 operands, so each configuration is
-also planned in float32 with attention "materialized", and that plan is compared with
-`compiled.memory_analysis()` of the real float32 step compiled on abstract shapes. XLA CPU has one
-memory, so that comparison is of device + host bytes (plan) against temp + argument + output -
-alias (measured); the placement itself is tested in tests/step/test_memory_settings.py.
+Plans are made from config values only (no weights), with the attention the step calls:
+blockwise (`featherweight/models/attention.py`, no S x S scores on any backend; a training step's
+rows carry segment ids, so cuDNN's kernel does not apply). The bf16 plans use the XLA:CPU float32
+buffer counts (the only calibration so far): they are plans, not GPU measurements. XLA CPU makes
+float32 copies of bf16 operands, so each configuration is also planned in float32, and that plan is
+compared with `compiled.memory_analysis()` of the real float32 step compiled on abstract shapes.
+XLA CPU has one memory, so that comparison is of device + host bytes (plan) against temp +
+argument + output - alias (measured); the placement itself is tested in
+tests/step/test_memory_settings.py.
 
 Maximum context: the largest sequence (batch 1, a multiple of 1024) whose plan fits the memory,
 searched on the planner alone; the model's context limit (131072) is lifted for the search, since
@@ -66,7 +68,7 @@ CASES = {
 GOALS = {"QLoRA": "<= 5.5 GiB (torchtune: 7.4 GiB)", "full": "<= 18 GiB (torchtune: 18.9 GiB)"}
 
 
-def config_for(method, memory, extra, batch=2, seq=2048, attention="flash", dtype="bfloat16"):
+def config_for(method, memory, extra, batch=2, seq=2048, attention="blockwise", dtype="bfloat16"):
     settings = {
         "method": method,
         "batch_size": batch,
@@ -81,7 +83,7 @@ def config_for(method, memory, extra, batch=2, seq=2048, attention="flash", dtyp
 
 
 def max_context(model, memory, extra, budget_bytes):
-    """Largest multiple of 1024 tokens (batch 1) whose flash-attention plan fits `budget_bytes`."""
+    """Largest multiple of 1024 tokens (batch 1) whose plan fits `budget_bytes`."""
     low, high = 0, 1024 * 1024
     while high - low > 1024:
         middle = (low + high) // 2 // 1024 * 1024
@@ -102,13 +104,13 @@ def main() -> None:
         f"machine: {platform.machine()} CPU, {jax.device_count()} JAX device(s), no GPU; "
         f"jax {jax.__version__}; bf16 weights, LoRA rank 8 on all 7 targets, batch 2 x 2048",
         "",
-        "| configuration | plan, GPU (flash) | host memory | goal | float32, materialized "
-        "attention: plan, device + host | measured CPU compile | diff |",
+        "| configuration | bf16 plan (blockwise) | host memory | goal | float32 plan, device + "
+        "host | compiled, XLA:CPU float32 | diff |",
         "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for name, (method, memory, extra) in CASES.items():
-        flash = plan_for_config(config_for(method, memory, extra), model)
-        check_config = config_for(method, memory, extra, attention="materialized", dtype="float32")
+        planned = plan_for_config(config_for(method, memory, extra), model)
+        check_config = config_for(method, memory, extra, dtype="float32")
         check_plan = plan_for_config(check_config, model)
         measured, diff = "-", ""
         if not args.no_measure:
@@ -117,14 +119,15 @@ def main() -> None:
             diff = f"{(check_plan.cpu_comparable_bytes - total) / total * 100:+.1f}%"
         goal = GOALS["QLoRA" if method == "qlora" else "full"]
         lines.append(
-            f"| {name} | **{format_bytes(flash.device_bytes)}** | {format_bytes(flash.host_bytes)} "
+            f"| {name} | **{format_bytes(planned.device_bytes)}** | {format_bytes(planned.host_bytes)} "
             f"| {goal} | {format_bytes(check_plan.cpu_comparable_bytes)} | {measured} | {diff} |"
         )
     unlimited = dataclasses.replace(model, max_position_embeddings=1 << 24, rope_scaling=None)
     memory, extra = {**SMALL, "embed": "host"}, {"model": {"quantize_head": True}}
     lines += [
         "",
-        "## QLoRA maximum context (batch 1, flash attention, small-memory settings, embedding on host, NF4 head; plan)",
+        "## QLoRA maximum context (batch 1, blockwise attention, small-memory settings, embedding "
+        "on host, NF4 head; bf16 plan)",
         "",
         "| device memory | featherweight | Unsloth (published) |",
         "| --- | ---: | ---: |",

@@ -1,7 +1,9 @@
 """Inference: logits of token ids, and text generation with a KV cache.
 
 Generation prefills the prompt in one pass, then decodes one token per step; both run the same
-cached block, jitted once per shape. The cache is [L, B, T, K, h] per keys and values.
+cached block, jitted once per shape. The cache is [L, B, T, K, h] per keys and values. The prefill's
+attention is blockwise (`models/attention.py`): a long prompt never builds its P x P scores; each
+decoded token attends to the cache with a mask over its T positions (one row of scores).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from featherweight.errors import ConfigError, TokenIdError
+from featherweight.models.attention import blockwise_attention
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import (
     Params,
@@ -70,8 +73,13 @@ def logits(model: Model, token_ids) -> jax.Array:
     return _forward_jit(model.params, jnp.asarray(ids), model.config, model.lora)
 
 
-def _cached_block(layer, x, cos, sin, cache_k, cache_v, start, config: ModelConfig, lora=None):
-    """One layer over new tokens x [B, T, D] at positions start.., reading/writing the cache."""
+def _cached_block(
+    layer, x, cos, sin, cache_k, cache_v, start, config: ModelConfig, lora=None, prefill=False
+):
+    """One layer over new tokens x [B, T, D] at positions start.., reading/writing the cache.
+
+    `prefill`: the new tokens are the whole prompt (start = 0), so they attend only to each other,
+    blockwise; otherwise they attend to the cache, masked beyond their positions."""
     batch, new, _ = x.shape
     normed = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
     q = linear(layer, "q", normed, lora).reshape(batch, new, config.num_heads, -1)
@@ -80,18 +88,26 @@ def _cached_block(layer, x, cos, sin, cache_k, cache_v, start, config: ModelConf
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, start, 0, 0))
     cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, start, 0, 0))
-    query_pos = start + jnp.arange(new)
-    key_pos = jnp.arange(cache_k.shape[1])
-    mask = (key_pos[None, :] <= query_pos[:, None])[None, None]  # [1, 1, T, T_max]
-    attended = jax.nn.dot_product_attention(q, cache_k, cache_v, mask=mask)
+    if prefill:
+        attended = blockwise_attention(q, k, v)
+    else:
+        query_pos = start + jnp.arange(new)
+        key_pos = jnp.arange(cache_k.shape[1])
+        mask = (key_pos[None, :] <= query_pos[:, None])[None, None]  # [1, 1, T, T_max]
+        attended = jax.nn.dot_product_attention(q, cache_k, cache_v, mask=mask)
     x = x + linear(layer, "o", attended.reshape(batch, new, -1), lora)
     x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps), lora)
     return x, cache_k, cache_v
 
 
-@functools.partial(jax.jit, static_argnames=("config", "lora"), donate_argnames=("cache",))
-def _cached_step(params: Params, token_ids, cache, start, config: ModelConfig, lora=None):
-    """Run new tokens [B, T] at `start` through the model; returns last logits and the cache."""
+@functools.partial(
+    jax.jit, static_argnames=("config", "lora", "prefill"), donate_argnames=("cache",)
+)
+def _cached_step(
+    params: Params, token_ids, cache, start, config: ModelConfig, lora=None, prefill=False
+):
+    """Run new tokens [B, T] at `start` through the model; returns last logits and the cache
+    (`prefill`: the tokens are the prompt, at start 0)."""
     batch, new = token_ids.shape
     positions = jnp.broadcast_to(start + jnp.arange(new), (batch, new))
     inputs = attention_inputs(config, positions)
@@ -99,7 +115,7 @@ def _cached_step(params: Params, token_ids, cache, start, config: ModelConfig, l
     def layer_step(x, per_layer):
         layer, cache_k, cache_v = per_layer
         x, cache_k, cache_v = _cached_block(
-            layer, x, inputs.cos, inputs.sin, cache_k, cache_v, start, config, lora
+            layer, x, inputs.cos, inputs.sin, cache_k, cache_v, start, config, lora, prefill
         )
         return x, (cache_k, cache_v)
 
@@ -118,11 +134,13 @@ def _choose(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "greedy", "lora"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("config", "greedy", "lora", "prefill"), donate_argnames=("cache",)
 )
-def _cached_token(params, token_ids, cache, start, key, temperature, config, greedy, lora=None):
+def _cached_token(
+    params, token_ids, cache, start, key, temperature, config, greedy, lora=None, prefill=False
+):
     """A cached step and the choice of the next token in one dispatch (no eager op per token)."""
-    next_logits, cache = _cached_step(params, token_ids, cache, start, config, lora)
+    next_logits, cache = _cached_step(params, token_ids, cache, start, config, lora, prefill)
     token, key = _choose(next_logits, key, temperature, greedy)
     return token, key, cache
 
@@ -168,7 +186,7 @@ def generate_ids(
     if use_cache:
         cache_shape = (config.num_layers, 1, total, config.num_kv_heads, config.head_dim)
         cache = (jnp.zeros(cache_shape, model.dtype), jnp.zeros(cache_shape, model.dtype))
-        token, key, cache = _cached_token(params, prompt, cache, 0, key, **choice)
+        token, key, cache = _cached_token(params, prompt, cache, 0, key, **choice, prefill=True)
         position = prompt.shape[1]
         while True:
             new_ids.append(int(token[0]))

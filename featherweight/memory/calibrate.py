@@ -59,7 +59,7 @@ COUNTS = {
 }
 # terms counted once (no fitted count): they are what they are
 FIXED = {
-    "backward": ("layer_gradient", "tied_embedding_gradient"),
+    "backward": ("layer_gradient", "tied_embedding_gradient", "attention_blockwise"),
     "loss": ("dequantized_head", "head_rows_from_host", "top_state_on_device"),
 }
 FIT_SEED, HELD_OUT_SEED = 1, 2
@@ -97,6 +97,7 @@ def _tiny_settings(rng: random.Random) -> dict[str, Any]:
         "mlp_chunk": rng.choice((None, None, seq // 2)),
         "save": rng.choice(((), (), ("qkv",), ("mlp_hidden",))),
         "optimizer_state": rng.choice(("device", "device", "host")),
+        "attention": "materialized",  # its scores are a fitted count; blockwise is counted once
     }
     return {
         "method": method,
@@ -131,14 +132,14 @@ def _real_cases(held_out: bool) -> list[tuple[ModelConfig, dict[str, Any]]]:
                 "model": {"dtype": "float32"},
                 "batch_size": batch,
                 "data": {"seq_len": seq},
-                "memory": {"loss_chunk": seq // 4},
+                "memory": {"loss_chunk": seq // 4, "attention": "materialized"},
             },
         )
         for name, method, batch, seq in picks
     ]
     if not held_out:
         settings = {"method": "qlora", "model": {"dtype": "float32"}, "batch_size": 2,
-                    "data": {"seq_len": 2048}}  # fmt: skip
+                    "data": {"seq_len": 2048}, "memory": {"attention": "materialized"}}  # fmt: skip
         cases.append((builtin_config("Llama-3.1-8B"), settings))
     return cases
 
@@ -166,7 +167,7 @@ def _planner_test_cases() -> list[tuple[ModelConfig, TrainConfig]]:
                     "batch_size": batch,
                     "model": {"dtype": "float32"},
                     "data": {"seq_len": seq},
-                    "memory": {"residuals": residuals},
+                    "memory": {"residuals": residuals, "attention": "materialized"},
                 }
                 cases.append((model, parse_config(settings, source="calibration grid")))
     return cases

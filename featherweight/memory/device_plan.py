@@ -14,7 +14,7 @@ bytes of the layer-streamed step (featherweight/step/streamed.py) per component:
     saved_intermediates  L x B x S x ((H + 2K) h  [qkv] + 2 F  [mlp_hidden]) x itemsize
   the working set of the step's peak phase (featherweight/memory/working_set.py)
     backward: layer_weights, layer_gradient, optimizer_update, layer_activations,
-              attention_scores
+              attention (scores, or the blockwise/cuDNN buffers)
     loss: logits_chunk, head_gradient, dequantized_head
   step_outputs           the metrics, and XLA's output tuple (8 bytes per output buffer)
 
@@ -24,7 +24,7 @@ Host bytes: residuals placed on host leave the device; XLA CPU has one memory, s
 measured total is to be compared with device + host (`MemoryPlan.cpu_comparable_bytes`).
 
 Every component carries its placement: the small-memory settings (embedding table and optimizer
-state on host, vocabulary and MLP chunks, flash attention) add a component, change a placement or
+state on host, vocabulary and MLP chunks, the attention implementation) add a component, change a placement or
 shrink a working-set term without changing how plans are summed, compared or budgeted.
 """
 
@@ -168,8 +168,9 @@ def check_plan_inputs(config: TrainConfig, model_config: ModelConfig) -> tuple[s
     )
 
 
-def plan_settings(config: TrainConfig) -> dict[str, Any]:
-    """The choices a plan describes, as plain values (JSON-ready)."""
+def plan_settings(config: TrainConfig, model_config: ModelConfig) -> dict[str, Any]:
+    """The choices a plan describes, as plain values (JSON-ready); `attention` is the
+    implementation the step calls (auto resolved for this process's device)."""
     memory = config.memory
     return {
         "method": config.method,
@@ -185,7 +186,7 @@ def plan_settings(config: TrainConfig) -> dict[str, Any]:
         "mlp_chunk": memory.mlp_chunk,
         "optimizer_state": memory.optimizer_state,
         "embed": memory.embed,
-        "attention": attention_of(config),
+        "attention": attention_of(config, model_config),
         "save": list(memory.save),
         "step": memory.step,
     }
@@ -228,6 +229,6 @@ def plan_one_device(
         phases=phase_bytes,
         peak_phase=peak,
         lower_bound_bytes=on_device + working_set_floor(config, model_config),
-        settings=plan_settings(config),
+        settings=plan_settings(config, model_config),
         warnings=warnings,
     )

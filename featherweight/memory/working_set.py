@@ -10,7 +10,12 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
       optimizer_update     c_o x one layer's optimizer state (its slices and the new state)
       layer_activations    B S itemsize x (c_d D + c_f F + c_a (H + 2K) h): the remat forward
                            and its cotangents
-      attention_scores     c_s x B x H x S x S x 4: float32 scores and probabilities
+      attention            the attention the step calls (`models/attention.py`):
+                           materialized: c_s x B x H x S x S x 4, float32 scores and probabilities;
+                           blockwise: its log-sum-exps and row terms (2 B H S x 4) and four float32
+                           tiles of B x H x t x t (scores, probabilities, their cotangents; t the
+                           tile edge), counted once; cudnn: the log-sum-exps and cuDNN's float32 dQ
+                           accumulator, B H S (h + 1) x 4
     loss phase: LM head + cross-entropy over one sequence chunk, with its VJP
       logits_chunk         c_l x B x chunk x V x 4 (V: vocab_chunk when the head is chunked)
       head_gradient        full fine-tuning: c_h x V x D x itemsize (gradient + update), + c_m x
@@ -29,8 +34,8 @@ were fitted on and their provenance; `python -m featherweight.memory.calibrate` 
 and a held-out grid, fits them (non-negative least squares on the relative error of temp) and
 writes the file; tests/memory/test_calibration.py checks the fit and the held-out error. The
 XLA:CPU float32 counts are used for every dtype and backend until a calibration for that compiler
-exists; attention is XLA's (scores materialized), a fused attention kernel would remove
-`attention_scores`.
+exists. The attention the plan counts is the one the step calls: `attention_of` resolves
+`memory.attention` exactly as the step builder does (`recipe.build.attention_implementation`).
 """
 
 from __future__ import annotations
@@ -48,13 +53,18 @@ from featherweight.memory.state_bytes import (
     layer_optimizer_bytes,
     top_optimizer_bytes,
 )
+from featherweight.models.attention import AttentionTarget, block_size
 from featherweight.models.config import ModelConfig
 from featherweight.models.shapes import layer_shapes
+from featherweight.recipe.build import attention_implementation
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.loss import resolve_chunk_size
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 DEFAULT_CALIBRATION = "xla-cpu/float32"
+# float32 tiles of blockwise attention alive at once in its backward on XLA:CPU (compiled: the
+# temp of its forward and backward grows by 4.04 tiles from a 512 to a 1024 tile at S = 2048)
+BLOCKWISE_TILES = 4
 
 
 @functools.lru_cache(maxsize=8)
@@ -70,16 +80,24 @@ def calibration_counts(key: str = DEFAULT_CALIBRATION) -> dict[str, float]:
     return dict(calibrations[key]["counts"])
 
 
-def attention_of(config: TrainConfig) -> str:
-    """ "materialized" (XLA: float32 B x H x S x S scores) or "flash" (cuDNN's fused kernel, which
-    `jax.nn.dot_product_attention` picks on a GPU for 16-bit inputs: B x H x S log-sum-exps)."""
-    chosen = config.memory.attention
-    if chosen != "auto":
-        return chosen
-    import jax
+def attention_of(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget | None = None
+) -> str:
+    """The attention implementation the configured step calls on `target` (default: this
+    process's device): "blockwise", "cudnn" or "materialized"."""
+    return attention_implementation(config, model_config, target)
 
-    on_gpu = jax.default_backend() == "gpu"
-    return "flash" if on_gpu and config.model.dtype == "bfloat16" else "materialized"
+
+def attention_bytes(s: StepShapes) -> tuple[int, int]:
+    """(materialized scores B x H x S x S x 4 before their calibrated count, the other
+    implementations' buffers counted once); one of the two is zero."""
+    if s.attention == "materialized":
+        return 4 * s.B * s.H * s.S * s.S, 0
+    if s.attention == "cudnn":
+        return 0, 4 * s.B * s.H * s.S * (s.h + 1)
+    tile = block_size(s.S)
+    padded = -(-s.S // tile) * tile
+    return 0, 4 * s.B * s.H * (2 * padded + BLOCKWISE_TILES * tile * tile)
 
 
 class WorkingBuffer(NamedTuple):
@@ -108,7 +126,7 @@ class StepShapes:
         # the linear weights of one layer: its 2-D tensors (norms and biases are 1-D)
         self.linear = sum(math.prod(shape) for shape in layer_shapes(m).values() if len(shape) == 2)
         self.full = config.method == "full"
-        self.scores_materialized = attention_of(config) == "materialized"
+        self.attention = attention_of(config, model_config)
         self.tied = m.tie_word_embeddings
 
 
@@ -124,7 +142,8 @@ def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
         "activations_d": s.T * s.a * s.D,
         "activations_f": s.B * s.Sm * s.a * s.F,
         "activations_attention": s.T * s.a * (s.H + 2 * s.K) * s.h,
-        "attention_scores": 4 * s.B * s.H * s.S * (s.S if s.scores_materialized else 1),
+        "attention_scores": attention_bytes(s)[0],
+        "attention_blockwise": attention_bytes(s)[1],
         "tied_embedding_gradient": head_like if s.full and s.tied else 0,
         "logits": 4 * s.B * s.chunk * s.Vc,
         "head_gradient": head_like if s.full else 0,
@@ -179,14 +198,7 @@ def phase_working_sets(
             f"({c['activations_d']} x {s.D} + {c['activations_f']} x {s.F} + "
             f"{c['activations_attention']} x {attention_width})",
         ),
-        WorkingBuffer(
-            "attention_scores",
-            round(c["attention_scores"] * t["attention_scores"]),
-            f"{c['attention_scores']} x B x H x S x S x 4 = "
-            f"{c['attention_scores']} x {s.B} x {s.H} x {s.S}^2 x 4"
-            if s.scores_materialized
-            else f"flash attention: {c['attention_scores']} x B x H x S x 4 (log-sum-exps)",
-        ),
+        _attention_buffer(s, t, c),
     ]
     loss = [
         WorkingBuffer(
@@ -236,10 +248,29 @@ def phase_working_sets(
     return {"backward": backward, "loss": loss}
 
 
+def _attention_buffer(s: StepShapes, t: dict[str, int], c: dict[str, float]) -> WorkingBuffer:
+    if s.attention == "materialized":
+        return WorkingBuffer(
+            "attention_scores",
+            round(c["attention_scores"] * t["attention_scores"]),
+            f"materialized: {c['attention_scores']} x B x H x S x S x 4 = "
+            f"{c['attention_scores']} x {s.B} x {s.H} x {s.S}^2 x 4",
+        )
+    if s.attention == "cudnn":
+        formula = f"cudnn: B x H x S x (h + 1) x 4 = {s.B} x {s.H} x {s.S} x {s.h + 1} x 4"
+    else:
+        tile = block_size(s.S)
+        formula = (
+            f"blockwise: B x H x (2 S + {BLOCKWISE_TILES} t^2) x 4 = {s.B} x {s.H} x (2 x {s.S} + "
+            f"{BLOCKWISE_TILES} x {tile}^2) x 4"
+        )
+    return WorkingBuffer(f"attention_{s.attention}", t["attention_blockwise"], formula)
+
+
 def working_set_floor(config: TrainConfig, model_config: ModelConfig) -> int:
     """The larger phase with every tensor counted once: (one layer's weights in the compute dtype
     unless trainable, its gradient, its intermediates x, q, k, v, attended, gate, up, their
-    product and the float32 scores B x H x S x S) or (one logits chunk and the head's gradient).
+    product and the attention's buffers: float32 scores B x H x S x S when materialized) or (one logits chunk and the head's gradient).
     The implementation's floor, not XLA's: every tensor it needs, each once."""
     s, t = StepShapes(config, model_config), raw_terms(config, model_config)
     intermediates = s.T * s.a * (2 * s.D + (2 * s.H + 2 * s.K) * s.h) + s.B * s.Sm * s.a * 3 * s.F
@@ -248,6 +279,7 @@ def working_set_floor(config: TrainConfig, model_config: ModelConfig) -> int:
         + t["layer_gradient"]
         + intermediates
         + t["attention_scores"]
+        + t["attention_blockwise"]
     )
     loss = t["logits"] + t["head_gradient"]
     return max(backward, loss)

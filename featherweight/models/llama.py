@@ -18,12 +18,16 @@ a time. The layers are stacked on a leading axis so that `lax.scan` runs one com
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from featherweight.errors import StepConfigError
+from featherweight.models.attention import IMPLEMENTATIONS, attend
 from featherweight.models.config import ModelConfig
 from featherweight.parallel.memory_kinds import host_rows, on_host
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, take_rows_nf4
@@ -40,16 +44,25 @@ class LoraSpec(NamedTuple):
     dropout: float = 0.0
 
 
-class AttentionInputs(NamedTuple):
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=("cos", "sin", "segment_ids"),
+    meta_fields=("implementation",),
+)
+@dataclasses.dataclass(frozen=True)
+class AttentionInputs:
     """Per-batch attention context, computed once and shared by every layer.
 
     cos, sin: [B, S, h] rotary tables in float32. segment_ids: [B, S] int or None; tokens attend
     only to earlier tokens of the same segment (packed examples never see each other).
+    implementation: which attention runs (`featherweight.models.attention.IMPLEMENTATIONS`); a
+    static field of the pytree, so it reaches every layer through scans and VJPs unchanged.
     """
 
     cos: jax.Array
     sin: jax.Array
     segment_ids: jax.Array | None
+    implementation: str = "blockwise"
 
 
 # --- rotary position embeddings ----------------------------------------------------------------
@@ -75,13 +88,21 @@ def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
 
 
 def attention_inputs(
-    config: ModelConfig, positions: jax.Array, segment_ids: jax.Array | None = None
+    config: ModelConfig,
+    positions: jax.Array,
+    segment_ids: jax.Array | None = None,
+    implementation: str = "blockwise",
 ) -> AttentionInputs:
-    """Rotary tables for integer `positions` [B, S] (float32, as transformers computes them)."""
+    """Rotary tables for integer `positions` [B, S] (float32, as transformers computes them), the
+    segment ids, and the attention implementation every layer calls."""
+    if implementation not in IMPLEMENTATIONS:
+        raise StepConfigError(
+            f"attention implementation {implementation!r} is unknown; use one of {IMPLEMENTATIONS}"
+        )
     inv_freq = jnp.asarray(rope_inverse_frequencies(config))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, h/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [B, S, h]
-    return AttentionInputs(jnp.cos(angles), jnp.sin(angles), segment_ids)
+    return AttentionInputs(jnp.cos(angles), jnp.sin(angles), segment_ids, implementation)
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -136,15 +157,6 @@ def linear(
     return y
 
 
-def attention_mask(segment_ids: jax.Array | None, query_len: int, key_len: int) -> jax.Array:
-    """Boolean [B or 1, 1, T, S]: causal, and within one segment when segments are given."""
-    causal = jnp.tril(jnp.ones((query_len, key_len), dtype=bool), key_len - query_len)
-    if segment_ids is None:
-        return causal[None, None]
-    same_segment = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-    return causal[None, None] & same_segment
-
-
 def attention_qkv(
     layer: Params,
     normed: jax.Array,
@@ -162,16 +174,12 @@ def attention_qkv(
 
 
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, inputs: AttentionInputs) -> jax.Array:
-    """Causal (and segment-masked) grouped-query attention: -> [B, S, H*h].
+    """Causal (and segment-masked) grouped-query attention by `inputs.implementation`: -> [B, S, H*h].
 
-    Without segments no mask array is built (`is_causal`), so long sequences need no S x S mask
-    and fused kernels (cuDNN flash attention on GPU) can take the call.
+    The default, blockwise, never builds an S x S array (`featherweight.models.attention`).
     """
     batch, seq = q.shape[:2]
-    if inputs.segment_ids is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(batch, seq, -1)
-    mask = attention_mask(inputs.segment_ids, seq, seq)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask).reshape(batch, seq, -1)
+    return attend(q, k, v, inputs.segment_ids, inputs.implementation).reshape(batch, seq, -1)
 
 
 def self_attention(
@@ -326,11 +334,13 @@ def forward(
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     lora: LoraSpec | None = None,
+    attention: str = "blockwise",
 ) -> jax.Array:
-    """Whole model: token ids [B, S] -> float32 logits [B, S, V]."""
+    """Whole model: token ids [B, S] -> float32 logits [B, S, V], with the `attention`
+    implementation."""
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1]), token_ids.shape)
-    inputs = attention_inputs(config, positions, segment_ids)
+    inputs = attention_inputs(config, positions, segment_ids, attention)
     x = run_layers(params["layers"], embed(params, token_ids), inputs, config, lora)
     return head(params, x, config)
 

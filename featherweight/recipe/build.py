@@ -6,6 +6,7 @@ trains. Works on real arrays or on `jax.ShapeDtypeStruct`s (planning without wei
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ import optax
 from jax.sharding import Mesh
 
 from featherweight.errors import ConfigError
+from featherweight.models.attention import AttentionTarget, choose_attention
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LINEAR_NAMES, LoraSpec, Params
 from featherweight.models.shapes import layer_shapes, top_level_shapes
@@ -126,7 +128,8 @@ def build_train_step(
     """
     lora = lora_config_of(config)
     spec: LoraSpec | None = None if lora is None else lora.spec
-    policy = config.memory.policy
+    attention = attention_implementation(config, model_config)
+    policy = dataclasses.replace(config.memory.policy, attention=attention)
     init_opt_state = opt_state_initializer(config, optimizer)
     if config.memory.step == "reference" and config.memory.accumulation_steps > 1:
         optimizer = optax.MultiSteps(
@@ -139,8 +142,9 @@ def build_train_step(
         init_opt_state = jax.jit(init_opt_state, out_shardings=shardings.inputs[1])
     if config.memory.step == "reference":
         step = build_reference_step(
-            model_config, optimizer, lora=spec, chunk_size=policy.loss_chunk, shardings=shardings
-        )
+            model_config, optimizer, lora=spec, chunk_size=policy.loss_chunk,
+            shardings=shardings, attention=attention,
+        )  # fmt: skip
         return step, init_opt_state
     step = build_streamed_step(
         model_config,
@@ -155,8 +159,26 @@ def build_train_step(
     return step, init_opt_state
 
 
+def attention_implementation(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget | None = None
+) -> str:
+    """The attention implementation the configured step calls on `target` (default: the device
+    this process computes on), from `memory.attention`: "auto" is cudnn where cuDNN's kernel
+    applies and blockwise otherwise (`models.attention.choose_attention`). Training batches always
+    carry segment ids (packed rows, padding), which cuDNN cannot mask, so a train step's auto is
+    blockwise and an explicit cudnn is refused."""
+    return choose_attention(
+        config.memory.attention,
+        target or AttentionTarget.of_device(),
+        config.model.dtype,
+        model_config.head_dim,
+        segment_ids=True,
+    )
+
+
 def check_method_settings(config: TrainConfig, model_config: ModelConfig) -> None:
     """Refuse combinations that cannot work, before any weights are read."""
+    attention_implementation(config, model_config)
     lora = lora_config_of(config)
     if lora is not None:
         lora.check_model(model_config)

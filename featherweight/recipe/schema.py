@@ -91,11 +91,12 @@ class MemorySettings(_Section):
     embed: Literal["device", "host"] = Field(
         "device", description="host: a frozen embedding table sends only the rows a batch uses"
     )
-    attention: Literal["auto", "materialized", "flash"] = Field(
+    attention: Literal["auto", "blockwise", "cudnn", "materialized"] = Field(
         "auto",
         description=(
-            "for the plan: how jax.nn.dot_product_attention runs; flash (cuDNN on GPU, bf16) "
-            "keeps no S x S scores; auto: flash on a GPU in bf16, materialized otherwise"
+            "the attention the step calls: blockwise (tiled, no S x S scores, every backend), "
+            "cudnn (cuDNN's fused kernel, NVIDIA GPUs), materialized (XLA: S x S scores); auto: "
+            "cudnn where it applies on the run's target, blockwise otherwise"
         ),
     )
     save: tuple[str, ...] = ()
@@ -104,10 +105,23 @@ class MemorySettings(_Section):
     )
     accumulation_steps: int = Field(1, ge=1, description="reference step only")
 
+    @field_validator("attention", mode="before")
+    @classmethod
+    def _flash_is_gone(cls, value: Any) -> Any:
+        if value == "flash":
+            raise ValueError(
+                "'flash' is gone (it only changed the plan); use blockwise (tiled attention on "
+                "every backend), cudnn (NVIDIA GPUs) or auto"
+            )
+        return value
+
     @property
     def policy(self) -> MemoryPolicy:
-        """The streamed step's runtime form of these settings: the fields both share, by name."""
-        shared = {field.name for field in dataclasses.fields(MemoryPolicy)}
+        """The streamed step's runtime form of these settings: the fields both share, by name.
+
+        `attention` is left at the policy's default here: "auto" depends on the target, so
+        `recipe.build.attention_implementation` resolves it and the step builder sets it."""
+        shared = {field.name for field in dataclasses.fields(MemoryPolicy)} - {"attention"}
         return MemoryPolicy(**{name: getattr(self, name) for name in shared})
 
 

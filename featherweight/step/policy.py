@@ -11,6 +11,10 @@
   matmuls that made them. "qkv": the rotated q, k, v (skips 3 projections, costs
   B x S x (H+2K) x h per layer); "mlp_hidden": the gate and up projections (skips the two largest
   matmuls, costs 2 x B x S x F per layer). Empty = full remat of the block (least memory).
+- attention: the attention implementation every layer calls (`featherweight.models.attention`):
+  "blockwise" (tiled, no S x S array, every backend), "cudnn" (NVIDIA GPUs; batches without
+  segment ids) or "materialized" (XLA: float32 B x H x S x S scores). A config's "auto" is
+  resolved before the policy is built (`recipe.build.attention_implementation`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from featherweight.errors import StepConfigError
+from featherweight.models.attention import IMPLEMENTATIONS
 
 RESIDUAL_PLACEMENTS = ("device", "host")
 SAVEABLE = ("qkv", "mlp_hidden")
@@ -32,8 +37,14 @@ class MemoryPolicy:
     vocab_chunk: int | None = None
     mlp_chunk: int | None = None
     save: tuple[str, ...] = ()
+    attention: str = "blockwise"
 
     def __post_init__(self) -> None:
+        if self.attention not in IMPLEMENTATIONS:
+            raise StepConfigError(
+                f"attention={self.attention!r} is not an implementation; use one of "
+                f"{IMPLEMENTATIONS} (a config's 'auto' is resolved for its target first)"
+            )
         if self.residuals not in RESIDUAL_PLACEMENTS:
             raise StepConfigError(
                 f"residuals={self.residuals!r} is not a placement; use one of {RESIDUAL_PLACEMENTS}"

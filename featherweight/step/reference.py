@@ -44,10 +44,12 @@ def model_loss(
     remat: bool = True,
     vocab_chunk: int | None = None,
     mlp_chunk: int | None = None,
+    attention: str = "blockwise",
 ) -> jax.Array:
-    """Mean next-token cross-entropy of the model given by frozen + trainable parameters."""
+    """Mean next-token cross-entropy of the model given by frozen + trainable parameters, with
+    the `attention` implementation."""
     params = merge_params(frozen, trainable)
-    inputs = attention_inputs(config, batch.positions, batch.segment_ids)
+    inputs = attention_inputs(config, batch.positions, batch.segment_ids, attention)
     hidden = run_layers(
         params["layers"],
         embed(params, batch.input_ids),
@@ -70,17 +72,19 @@ def build_reference_step(
     remat: bool = True,
     donate: bool = True,
     shardings: Any = None,
+    attention: str = "blockwise",
 ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """A jitted `step(trainable, opt_state, frozen, batch, key) -> (trainable, opt_state, metrics)`.
 
     `trainable` and `opt_state` are donated: the caller must use the returned ones. `shardings`
     (`featherweight.parallel.sharding.StepShardings`) compiles for a device mesh; None for one device.
+    `attention` names the implementation every layer calls (`featherweight.models.attention`).
     """
     check_optimizer(optimizer)
 
     def step(trainable, opt_state, frozen, batch, key):
         loss, grads = jax.value_and_grad(model_loss)(
-            trainable, frozen, batch, config, lora, key, chunk_size, remat
+            trainable, frozen, batch, config, lora, key, chunk_size, remat, attention=attention
         )
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)

@@ -96,8 +96,8 @@ def build_streamed_step(
     def step(trainable, opt_state: StreamedOptState, frozen, batch: Batch, key):
         top = merge_params(frozen, trainable)
         context = LayerContext(
-            config, attention_inputs(config, batch.positions, batch.segment_ids), lora,
-            layer_dropout_keys(key, lora, config.num_layers), policy, constrain,
+            config, attention_inputs(config, batch.positions, batch.segment_ids, policy.attention),
+            lora, layer_dropout_keys(key, lora, config.num_layers), policy, constrain,
         )  # fmt: skip
         frozen_layers, trainable_layers = frozen.get("layers", {}), trainable.get("layers", {})
 

@@ -45,6 +45,7 @@ from featherweight.parallel.sharding import (
 )
 from featherweight.recipe.build import (
     abstract_split,
+    attention_implementation,
     build_train_step,
     check_method_settings,
     place_embedding,
@@ -253,6 +254,7 @@ def write_run_files(
         "model_path": str(model_path.resolve()),
         "model_fingerprint": model_fingerprint(model_path),
         "method": config.method,
+        "attention": attention_implementation(config, model_config),  # auto resolved here
         "model_config": model_config.to_hf_dict(),
     }
     atomic_write_text(output_dir / RUN_FILE, json.dumps(run, indent=2))

@@ -79,12 +79,30 @@ def test_cached_step_logits_equal_the_full_forward(tiny):
     total = len(PROMPT) + NEW_TOKENS
     shape = (config.num_layers, 1, total, config.num_kv_heads, config.head_dim)
     cache = (np.zeros(shape, np.float32), np.zeros(shape, np.float32))
-    prefill, cache = _cached_step(model.params, sequence[:, :-2], cache, 0, config)
+    prefill, cache = _cached_step(model.params, sequence[:, :-2], cache, 0, config, prefill=True)
     np.testing.assert_allclose(np.asarray(prefill)[0], full[-3], atol=1e-5)
     step, cache = _cached_step(model.params, sequence[:, -2:-1], cache, len(PROMPT), config)
     np.testing.assert_allclose(np.asarray(step)[0], full[-2], atol=1e-5)
     two, _ = _cached_step(model.params, sequence[:, -1:], cache, len(PROMPT) + 1, config)
     np.testing.assert_allclose(np.asarray(two)[0], full[-1], atol=1e-5)
+
+
+def _prefill_temp_bytes(config, prompt_len, prefill):
+    params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config, jax.numpy.float32))
+    ids = jax.ShapeDtypeStruct((1, prompt_len), jax.numpy.int32)
+    shape = (config.num_layers, 1, prompt_len, config.num_kv_heads, config.head_dim)
+    cache = (jax.ShapeDtypeStruct(shape, jax.numpy.float32),) * 2
+    lowered = _cached_step.lower(params, ids, cache, 0, config, prefill=prefill)
+    return lowered.compile().memory_analysis().temp_size_in_bytes
+
+
+def test_prefill_never_builds_the_prompt_scores():
+    """A 2048-token prompt's prefill stays under one float32 P x P score matrix per head; the
+    same prompt attended through the masked cache path (negative control) does not."""
+    config, prompt_len = tiny_config(), 2048
+    scores = config.num_heads * prompt_len * prompt_len * 4
+    assert _prefill_temp_bytes(config, prompt_len, prefill=True) < scores / 4
+    assert _prefill_temp_bytes(config, prompt_len, prefill=False) > scores
 
 
 def test_stop_ids_end_generation(llama):

@@ -19,7 +19,9 @@ from tests.conftest import relative_difference, tiny_config
 
 OPTIMIZERS = {
     "sgd": (lambda: optax.sgd(0.1), 1e-6),
-    "adamw": (lambda: optax.adamw(1e-2, weight_decay=0.1), 1e-5),
+    # Adam divides by sqrt(v): float32 reordering (attention tiles, layer-wise remat) moves the
+    # updates of near-zero gradients by ~1e-5 relative after five steps
+    "adamw": (lambda: optax.adamw(1e-2, weight_decay=0.1), 2e-5),
     "lion": (lambda: optax.lion(1e-3), 1e-5),
 }
 

@@ -1,0 +1,194 @@
+"""Blockwise attention equals the materialized attention, keeps no S x S array, skips the tiles
+above the diagonal; the implementation choice refuses what cannot run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from featherweight.errors import StepConfigError
+from featherweight.models.attention import (
+    AttentionTarget,
+    attend,
+    blockwise_attention,
+    choose_attention,
+)
+
+# batch, seq, heads, kv heads, head dim, block, packed
+CASES = [
+    pytest.param(2, 64, 4, 4, 16, 16, False, id="mha-divides"),
+    pytest.param(2, 37, 4, 2, 16, 8, False, id="gqa-odd-length"),
+    pytest.param(2, 37, 6, 2, 8, 8, True, id="gqa-packed-odd-length"),
+    pytest.param(1, 50, 4, 1, 16, 16, True, id="mqa-packed"),
+    pytest.param(3, 1, 4, 2, 8, 16, False, id="one-token"),
+    pytest.param(2, 1, 4, 2, 8, 16, True, id="one-token-packed"),
+    pytest.param(1, 20, 2, 1, 8, 64, True, id="block-longer-than-sequence"),
+]
+
+
+def _inputs(batch, seq, heads, kv_heads, head_dim, packed, dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v = (
+        jnp.asarray(rng.standard_normal((batch, seq, n, head_dim)), dtype)
+        for n in (heads, kv_heads, kv_heads)
+    )
+    # packed rows: sorted segment ids 0..3 (as data/packing.py numbers them, 0 = padding)
+    segments = jnp.asarray(np.sort(rng.integers(0, 4, (batch, seq)), axis=1)) if packed else None
+    weights = jnp.asarray(rng.standard_normal((batch, seq, heads, head_dim)), jnp.float32)
+    return q, k, v, segments, weights
+
+
+def _grads(attention, q, k, v, segments, weights):
+    """Gradients of sum(attention * weights) with respect to q, k, v (jitted: one compile)."""
+
+    def loss(q, k, v, segments, weights):
+        return jnp.sum(attention(q, k, v, segments).astype(jnp.float32) * weights)
+
+    return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v, segments, weights)
+
+
+def _blockwise(block):
+    return lambda q, k, v, segments: blockwise_attention(q, k, v, segments, block)
+
+
+def _materialized(q, k, v, segments):
+    return attend(q, k, v, segments, "materialized")
+
+
+def _forward(attention, q, k, v, segments):
+    return jax.jit(attention)(q, k, v, segments)
+
+
+@pytest.mark.parametrize("batch,seq,heads,kv_heads,head_dim,block,packed", CASES)
+def test_float32_forward_and_gradients_equal_the_materialized_attention(
+    batch, seq, heads, kv_heads, head_dim, block, packed
+):
+    q, k, v, segments, weights = _inputs(batch, seq, heads, kv_heads, head_dim, packed)
+    out = _forward(_blockwise(block), q, k, v, segments)
+    expected_out = _forward(_materialized, q, k, v, segments)
+    np.testing.assert_allclose(out, expected_out, atol=1e-5, rtol=1e-5)
+    grads = _grads(_blockwise(block), q, k, v, segments, weights)
+    expected = _grads(_materialized, q, k, v, segments, weights)
+    for got, want in zip(grads, expected):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_bfloat16_is_within_the_noise_of_the_materialized_bfloat16_path(packed):
+    q, k, v, segments, weights = _inputs(2, 96, 8, 2, 32, packed, jnp.bfloat16)
+    # the exact answer: float32 arithmetic on the same bf16-rounded inputs
+    as32 = [jnp.asarray(np.asarray(x, np.float32)) for x in (q, k, v)]
+    exact = _forward(_materialized, *as32, segments)
+    exact_grads = _grads(_materialized, *as32, segments, weights)
+    fused = _forward(_blockwise(32), q, k, v, segments)
+    plain = _forward(_materialized, q, k, v, segments)
+    fused_grads = _grads(_blockwise(32), q, k, v, segments, weights)
+    plain_grads = _grads(_materialized, q, k, v, segments, weights)
+
+    def error(x, ref):  # root-mean-square error against the float32 answer
+        return float(jnp.sqrt(jnp.mean((x.astype(jnp.float32) - ref) ** 2)))
+
+    # the bf16 path's own rounding sets the noise: blockwise may be at most 1.5 times as far off
+    assert fused.dtype == jnp.bfloat16
+    assert error(fused, exact) <= 1.5 * error(plain, exact)
+    for got, base, ref in zip(fused_grads, plain_grads, exact_grads):
+        assert got.dtype == jnp.bfloat16
+        assert error(got, ref) <= 1.5 * error(base, ref)
+
+
+def test_packed_rows_never_attend_across_documents():
+    # the second document's output must not change when the first document's keys/values do
+    q, k, v, _, _ = _inputs(1, 24, 2, 1, 8, False)
+    segments = jnp.asarray([[1] * 10 + [2] * 14])
+    out = _forward(_blockwise(8), q, k, v, segments)
+    first = (np.arange(24) < 10)[None, :, None, None]
+    changed = _forward(_blockwise(8), q, k + 3.0 * first, v + 5.0 * first, segments)
+    np.testing.assert_array_equal(out[:, 10:], changed[:, 10:])
+    assert not np.allclose(out[:, :10], changed[:, :10])
+
+
+def test_tiles_above_the_diagonal_are_skipped_not_masked():
+    # a NaN in the last key block's values reaches a query block only if that tile is computed:
+    # masking multiplies it by a zero probability (NaN), skipping never reads it
+    q, k, v, _, weights = _inputs(1, 64, 2, 1, 8, False)
+    poisoned = jnp.asarray(np.where(np.arange(64)[None, :, None, None] >= 48, np.nan, v))
+    out = _forward(_blockwise(16), q, k, poisoned, None)
+    assert bool(jnp.isfinite(out[:, :48]).all()) and not bool(jnp.isfinite(out[:, 48:]).any())
+    d_q = _grads(_blockwise(16), q, k, poisoned, None, weights)[0]
+    assert bool(jnp.isfinite(d_q[:, :48]).all())
+    # negative control: the materialized path computes every tile and masks it
+    assert not bool(jnp.isfinite(_forward(_materialized, q, k, poisoned, None)[:, :48]).all())
+
+
+def _temp_bytes(attention, seq, batch=1, heads=4, kv_heads=2, head_dim=32):
+    q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), jnp.float32)
+    kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.float32)
+    segments = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+
+    def loss(q, k, v, segments):
+        return jnp.sum(attention(q, k, v, segments))
+
+    grad = jax.jit(jax.grad(loss, (0, 1, 2)))
+    return grad.lower(q, kv, kv, segments).compile().memory_analysis().temp_size_in_bytes
+
+
+def _is_linear_without_scores(attention, heads=4):
+    """Forward + backward temp on XLA:CPU at S, 2S, 4S: grows linearly (the second step adds at
+    most 2.2x the first) and stays under one float32 S x S score matrix at 4S."""
+    seqs = (256, 512, 1024)
+    temps = [_temp_bytes(attention, seq, heads=heads) for seq in seqs]
+    linear = temps[2] - temps[1] <= 2.2 * (temps[1] - temps[0])
+    below_scores = temps[2] < heads * seqs[2] ** 2 * 4
+    return linear and below_scores
+
+
+def test_blockwise_memory_is_linear_in_the_sequence_with_no_score_matrix():
+    assert _is_linear_without_scores(_blockwise(64))
+    # negative control: the materialized path fails the same bound
+    assert not _is_linear_without_scores(_materialized)
+
+
+# --- the choice of implementation ---------------------------------------------------------------
+
+CPU = AttentionTarget("cpu")
+H100 = AttentionTarget("gpu", "9.0")
+A100 = AttentionTarget("gpu", "8.0")
+
+
+def test_auto_is_cudnn_only_where_it_applies():
+    assert choose_attention("auto", CPU, "bfloat16", 64, segment_ids=False) == "blockwise"
+    assert choose_attention("auto", AttentionTarget("tpu"), "bfloat16", 64, False) == "blockwise"
+    assert choose_attention("auto", H100, "bfloat16", 64, segment_ids=False) == "cudnn"
+    assert choose_attention("auto", H100, "bfloat16", 256, segment_ids=False) == "cudnn"
+    assert choose_attention("auto", H100, "bfloat16", 64, segment_ids=True) == "blockwise"
+    assert choose_attention("auto", H100, "float32", 64, segment_ids=False) == "blockwise"
+    assert choose_attention("auto", A100, "bfloat16", 256, segment_ids=False) == "blockwise"
+    assert choose_attention("materialized", H100, "bfloat16", 64, False) == "materialized"
+
+
+@pytest.mark.parametrize(
+    "target,dtype,head_dim,segments,words",
+    [
+        (CPU, "bfloat16", 64, False, "NVIDIA GPU"),
+        (H100, "bfloat16", 64, True, "segment ids"),
+        (A100, "bfloat16", 256, False, "Ampere/Ada"),
+        (H100, "float32", 64, False, "bfloat16 or float16"),
+    ],
+)
+def test_cudnn_is_refused_where_it_cannot_run(target, dtype, head_dim, segments, words):
+    with pytest.raises(StepConfigError, match=words) as error:
+        choose_attention("cudnn", target, dtype, head_dim, segments)
+    assert "\n" not in str(error.value)
+
+
+def test_the_old_flash_value_and_unknown_values_are_refused():
+    with pytest.raises(StepConfigError, match="blockwise"):
+        choose_attention("flash", CPU, "bfloat16", 64, False)
+    with pytest.raises(StepConfigError, match="auto, blockwise, cudnn, materialized"):
+        choose_attention("fast", CPU, "bfloat16", 64, False)
+
+
+def test_cudnn_refuses_segment_ids_at_the_call():
+    q, k, v, segments, _ = _inputs(1, 8, 2, 1, 8, True, jnp.bfloat16)
+    with pytest.raises(StepConfigError, match="segment ids"):
+        attend(q, k, v, segments, "cudnn")
