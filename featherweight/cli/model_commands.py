@@ -8,9 +8,10 @@ from typing import Annotated
 
 import typer
 
-from featherweight.cli.output import console, friendly_errors
+from featherweight.cli.output import console, finite, friendly_errors, new_file, positive
 
 DEFAULT_PROMPT = "Write one sentence about why the sky is blue."
+PLANNED_DEVICES = 4096  # virtual CPU devices plan may ask JAX for (--mesh on a CPU machine)
 
 
 def _model_path(model: str | None) -> Path:
@@ -35,8 +36,8 @@ def generate(
     ] = None,
     prompt: Annotated[str, typer.Option(help="Text to continue or answer.")] = DEFAULT_PROMPT,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
-    seed: int = 0,
+    temperature: Annotated[float, typer.Option(min=0.0, callback=finite, help="0 = greedy.")] = 0.0,
+    seed: Annotated[int, typer.Option(min=0, max=2**32 - 1)] = 0,
     dtype: Annotated[str | None, typer.Option(help="float32 or bfloat16")] = None,
     chat: Annotated[
         bool | None, typer.Option(help="Use the chat template (default: if any)")
@@ -62,7 +63,9 @@ def convert(
     out: Annotated[Path, typer.Option(help="Output HF directory")],
     dtype: Annotated[str | None, typer.Option(help="cast tensors, e.g. bfloat16")] = None,
     overwrite: bool = False,
-    max_shard_gib: Annotated[float, typer.Option(help="shard size in GiB")] = 2.0,
+    max_shard_gib: Annotated[
+        float, typer.Option(callback=positive, help="shard size in GiB")
+    ] = 2.0,
 ) -> None:
     """Convert a checkpoint into a Hugging Face directory that transformers loads."""
     from featherweight.io.convert import convert as convert_checkpoint
@@ -98,7 +101,9 @@ def plan(
     quantize_head: Annotated[bool, typer.Option(help="QLoRA: NF4 LM head")] = False,
     measure: Annotated[bool, typer.Option(help="compile the step on abstract shapes")] = True,
     json_output: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
-    plot: Annotated[Path | None, typer.Option(help="stacked bar chart, e.g. plan.png")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(callback=new_file, help="stacked bar chart, e.g. plan.png")
+    ] = None,
     mesh: Annotated[
         str | None, typer.Option(help="devices, e.g. fsdp=8 or data=2,fsdp=4: bytes per device")
     ] = None,
@@ -106,9 +111,16 @@ def plan(
     """Plan every byte of a train step before compiling; measure the compiled step next to it."""
     import json
 
+    from featherweight.errors import ShardingError
     from featherweight.parallel.sharding import parse_mesh, request_cpu_devices, requested_devices
 
     mesh_settings = None if mesh is None else parse_mesh(mesh)
+    if mesh_settings is not None and (requested_devices(mesh_settings) or 0) > PLANNED_DEVICES:
+        raise ShardingError(
+            f"--mesh {mesh!r} names {requested_devices(mesh_settings)} devices; plan compiles "
+            f"on up to {PLANNED_DEVICES} (virtual) devices -- plan a smaller mesh: bytes per "
+            "device depend on the axis sizes, not on how many replicas run"
+        )
     if mesh_settings is not None and requested_devices(mesh_settings):
         request_cpu_devices(requested_devices(mesh_settings))  # a CPU-only machine compiles it too
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from featherweight.cli.output import console, friendly_errors
+from featherweight.cli.output import console, friendly_errors, path_text
 
 
 @friendly_errors
@@ -50,7 +50,9 @@ def train(
 
 @friendly_errors
 def demo(
-    output_dir: Annotated[str, typer.Option(help="where the demo run goes")] = "runs/demo",
+    output_dir: Annotated[
+        str, typer.Option(callback=path_text, help="where the demo run goes")
+    ] = "runs/demo",
     steps: Annotated[
         int | None, typer.Option(min=1, help="training steps (default: the demo's)")
     ] = None,

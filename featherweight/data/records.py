@@ -29,7 +29,7 @@ import jinja2
 import numpy as np
 
 from featherweight.data.packing import Example, Overflow, PackedRows, PackStats, pack
-from featherweight.errors import ConfigError, DataError
+from featherweight.errors import ConfigError, DataError, InputFileError, check_input_file
 from featherweight.io.tokenizer import Tokenizer
 
 _SPLIT_STREAM = 1  # the split's random stream; epoch orders use another (see train/iterator.py)
@@ -104,6 +104,15 @@ def _check_text(fields: Any) -> None:
     json.dumps(fields, ensure_ascii=False).encode("utf-8")
 
 
+def _open_input(path: Path):
+    try:
+        return path.open("rb")
+    except OSError as error:
+        raise InputFileError(
+            f"dataset {path} cannot be read ({error.strerror}); check that it is a file you may read"
+        ) from None
+
+
 def load_jsonl(path: str | Path, skip_bad: bool = False) -> tuple[list[Record], int]:
     """Read a JSONL dataset: (records, number of bad lines skipped). Blank lines are ignored.
 
@@ -111,13 +120,12 @@ def load_jsonl(path: str | Path, skip_bad: bool = False) -> tuple[list[Record], 
     line -- or, with `skip_bad`, is skipped and counted. A missing or empty file, or one with no
     good line, raises a DataError.
     """
-    path = Path(path)
-    if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
-        raise DataError(f"dataset {path} {what}; pass a JSONL file (one JSON object per line)")
+    path = check_input_file(
+        path, "dataset", "pass a JSONL file (one JSON object per line)", DataError
+    )
     records: list[Record] = []
     skipped = 0
-    with path.open("rb") as lines:
+    with _open_input(path) as lines:
         for number, raw in enumerate(lines, start=1):
             if not raw.strip():
                 continue

@@ -83,6 +83,11 @@ def probe_writable(location: Path, what: str = "output directory") -> None:
     parent = Path(location)
     while not parent.exists():
         parent = parent.parent
+    if not parent.is_dir():  # e.g. an output "inside" the dataset or the .gguf it reads
+        raise OutputNotWritableError(
+            f"cannot write under {parent}: it is a file, not a directory, so the {what} "
+            f"{location} cannot go inside it; choose a {what} outside that file"
+        )
     try:
         descriptor, probe = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}probe-", dir=parent)
         os.close(descriptor)

@@ -17,12 +17,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from featherweight.errors import ConfigError
+from featherweight.errors import ConfigError, check_input_file, read_input_text
 from featherweight.parallel.sharding import MeshSettings
 from featherweight.peft.lora import LoraConfig
 from featherweight.step.policy import MemoryPolicy
 
 Method = Literal["full", "lora", "qlora"]
+MAX_SEED = 2**32 - 1  # seeds are 32-bit: what jax.random.PRNGKey and numpy's generators take
 
 
 class _Section(BaseModel):
@@ -54,7 +55,7 @@ class DataSettings(_Section):
     pack: bool = True
     overflow: Literal["truncate", "error"] = "truncate"
     skip_bad: bool = False
-    shuffle_seed: int = 0
+    shuffle_seed: int = Field(0, ge=0, le=MAX_SEED)
 
 
 class OptimizerSettings(_Section):
@@ -136,7 +137,7 @@ class TrainConfig(_Section):
     eval_every: int = Field(0, ge=0, description="0: evaluate only at the end")
     eval_batches: int = Field(4, gt=0)
     log_every: int = Field(1, gt=0)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     output_dir: str = "runs/run"
 
     @field_validator("mesh", mode="before")
@@ -225,13 +226,25 @@ def parse_config(
 
 def _set_dotted(values: dict[str, Any], dotted: str, raw: str) -> None:
     keys = dotted.split(".")
+    if not all(keys):
+        raise ConfigError(
+            f"--set {dotted}={raw}: the key {dotted!r} has an empty part; write key.sub=value, "
+            "e.g. --set optimizer.learning_rate=1e-4"
+        )
     node = values
     for key in keys[:-1]:
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
             raise ConfigError(f"--set {dotted}: {key!r} is not a section")
         node = child
-    node[keys[-1]] = yaml.safe_load(raw) if raw != "" else None
+    try:
+        node[keys[-1]] = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as error:
+        problem = " ".join(str(getattr(error, "problem", None) or error).split())
+        raise ConfigError(
+            f"--set {dotted}={raw}: the value is not valid YAML ({problem}); quote it "
+            f"(--set '{dotted}=\"...\"') or fix the brackets"
+        ) from None
 
 
 def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -253,11 +266,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         path = Path(path)
         source = str(path)
-        if not path.is_file():
-            raise ConfigError(
-                f"config file {path} does not exist; pass a YAML file (see examples/)"
-            )
-        text = path.read_text()
+        check_input_file(path, "config file", "pass a YAML file (see examples/)", ConfigError)
+        text = read_input_text(path, "config file")
         key_lines = _key_lines(text)
         try:
             loaded = yaml.safe_load(text) or {}

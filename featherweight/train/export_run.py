@@ -16,7 +16,7 @@ import yaml
 from featherweight.errors import CheckpointNotFoundError, CorruptCheckpointError, ExportError
 from featherweight.io.atomic import check_output_dir
 from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint
-from featherweight.io.output_paths import refuse_inside, refuse_overlap
+from featherweight.io.output_paths import refuse_inside, refuse_overlap, resolved
 from featherweight.io.peft_export import check_merged_dtype, export_merged, export_peft
 from featherweight.recipe.build import (
     abstract_split,
@@ -41,7 +41,7 @@ FORMATS = ("merged", "peft")
 
 def locate(run_or_checkpoint: str | Path) -> tuple[Path, int]:
     """(run directory, checkpoint step) for a run dir or a checkpoint dir inside one."""
-    path = Path(run_or_checkpoint).expanduser().resolve()
+    path = resolved(run_or_checkpoint)
     if not path.exists():
         raise CheckpointNotFoundError(
             f"{path} does not exist; pass a run directory (train's output_dir)"

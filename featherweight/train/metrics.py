@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -37,9 +38,18 @@ class MetricsLog:
             raise typed from None
 
     def close(self) -> None:
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
-        self._handle.close()
+        try:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+        except OSError as error:
+            kept = "the checkpoints are intact and the run resumes from the latest one"
+            typed = write_failure(error, str(self.path), kept)
+            if typed is None:
+                raise
+            raise typed from None
+        finally:
+            with contextlib.suppress(OSError):  # the failure is reported above
+                self._handle.close()
 
 
 def _step_of(line: str) -> int:
@@ -74,7 +84,16 @@ def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path:
     axes.legend()
     figure.tight_layout()
     temporary = out_path.with_name(f".{out_path.name}.tmp.png")
-    figure.savefig(temporary, dpi=110)
-    plt.close(figure)
-    os.replace(temporary, out_path)
+    try:
+        figure.savefig(temporary, dpi=110)
+        os.replace(temporary, out_path)
+    except OSError as error:  # a full disk: the run itself is saved; say so
+        temporary.unlink(missing_ok=True)
+        kept = "the run's checkpoints and metrics.jsonl are intact, only the plot is missing"
+        typed = write_failure(error, f"the loss plot {out_path}", kept)
+        if typed is None:
+            raise
+        raise typed from None
+    finally:
+        plt.close(figure)
     return out_path

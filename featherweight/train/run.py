@@ -30,7 +30,7 @@ from featherweight.errors import ModelChangedError, ModelConfigError, OutputExis
 from featherweight.io.atomic import atomic_write_text, probe_writable
 from featherweight.io.embedded_model import cache_dir, require_demo_model
 from featherweight.io.loader import load_model, open_checkpoint
-from featherweight.io.output_paths import refuse_escape, refuse_overlap
+from featherweight.io.output_paths import refuse_escape, refuse_overlap, resolved
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params
@@ -95,7 +95,7 @@ def absolute_paths(config: TrainConfig) -> TrainConfig:
     def absolute(path: str | None) -> str | None:
         if path is None or path == "demo":
             return path
-        return str(Path(path).expanduser().resolve())
+        return str(resolved(path))
 
     data = config.data
     return config.model_copy(
@@ -116,7 +116,7 @@ def check_run_dir(config: TrainConfig, overwrite: bool) -> tuple[Path, bool]:
     is removed yet: `write_run_files` clears the old run's files once the new run's settings,
     model header and data have all been checked.
     """
-    out = Path(config.output_dir).expanduser().resolve()
+    out = resolved(config.output_dir)
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"output_dir {out} is a file; choose a directory for output_dir")
     refuse_escape(out, run_dir.RUN_ENTRIES)
