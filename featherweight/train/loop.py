@@ -152,7 +152,7 @@ class StepRecords:
             return []
         steps = [step for step, _, _ in self.pending]
         # the update of step s uses the schedule at count s - 1
-        rates = np.asarray(self.schedule(np.asarray(steps) - 1), np.float64).reshape(-1)
+        rates = np.broadcast_to(self.schedule(np.asarray(steps) - 1), (len(steps),))
         host = jax.device_get([metrics for _, metrics, _ in self.pending])
         now = time.perf_counter()
         tokens = sum(batch_tokens for _, _, batch_tokens in self.pending)
