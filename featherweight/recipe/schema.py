@@ -101,7 +101,6 @@ class DataSettings(_Section):
         ),
     )
 
-
     @field_validator("columns", mode="before")
     @classmethod
     def _columns_as_pairs(cls, columns: Any) -> Any:
