@@ -32,7 +32,8 @@ def setup() -> None:
 @friendly_errors
 def generate(
     model: Annotated[
-        str | None, typer.Argument(help="HF directory or .gguf; default: demo model")
+        str | None,
+        typer.Argument(help="HF directory, .gguf, or a training run's directory; default: demo"),
     ] = None,
     prompt: Annotated[str, typer.Option(help="Text to continue or answer.")] = DEFAULT_PROMPT,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
@@ -43,11 +44,17 @@ def generate(
         bool | None, typer.Option(help="Use the chat template (default: if any)")
     ] = None,
 ) -> None:
-    """Generate text with a KV cache (greedy by default), via the chat template when present."""
+    """Generate text with a KV cache (greedy by default), via the chat template when present.
+
+    A run directory generates with its latest checkpoint (base + adapters, no export needed)."""
     from featherweight.inference.generate import generate as generate_text
     from featherweight.io.loader import load_model
+    from featherweight.train.run_model import is_run_dir, load_run_model
 
-    loaded = load_model(_model_path(model), dtype=dtype)
+    if model is not None and is_run_dir(model):
+        loaded, _ = load_run_model(model)
+    else:
+        loaded = load_model(_model_path(model), dtype=dtype)
     console.print(f"[dim]model: {loaded.source} ({loaded.config.num_layers} layers)[/]")
     console.print(f"[bold]prompt:[/] {prompt}")
     start = time.perf_counter()

@@ -15,8 +15,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
+from featherweight.data.records import ALPACA, InstructionTemplate
+from featherweight.data.sources import COLUMN_KEYS
 from featherweight.errors import ConfigError, check_input_file, read_input_text
 from featherweight.parallel.sharding import MeshSettings
 from featherweight.peft.lora import LoraConfig
@@ -43,19 +53,64 @@ class ModelSettings(_Section):
     quantize_head: bool = Field(False, description="QLoRA: NF4 LM head (or tied embedding) too")
 
 
-class DataSettings(_Section):
-    """The dataset: JSONL of {"text"}, {"instruction","input","output"} or {"messages"}."""
+class InstructionTemplateSettings(_Section):
+    """Prompts for instruction records (format strings over {instruction} and {input})."""
 
-    train: str = Field("demo", description="JSONL path, or 'demo' for the built-in generated task")
+    prompt: str = Field(ALPACA.prompt, description="when the record has an input")
+    prompt_no_input: str = Field(ALPACA.prompt_no_input, description="when it has none")
+
+    @model_validator(mode="after")
+    def _check(self) -> InstructionTemplateSettings:
+        self.template().check()  # only {instruction} (and {input}) may be named
+        return self
+
+    def template(self) -> InstructionTemplate:
+        """The data layer's form of these prompts."""
+        return InstructionTemplate(self.prompt, self.prompt_no_input)
+
+
+class DataSettings(_Section):
+    """The dataset: records of {"text"}, {"instruction","input","output"} or {"messages"}."""
+
+    train: str = Field(
+        "demo",
+        description=(
+            "a JSONL, JSON, CSV, TSV, Parquet, Arrow or .txt file, a save_to_disk directory, a "
+            "Hugging Face dataset name in the local cache, or 'demo' (the generated task)"
+        ),
+    )
     eval: str | None = None
     eval_fraction: float = Field(
         0.0, ge=0.0, lt=1.0, description="split off train when eval is None"
     )
     seq_len: int = Field(256, gt=0)
-    pack: bool = True
+    pack: bool = Field(True, description="several examples per row; false: one (padded)")
     overflow: Literal["truncate", "error"] = "truncate"
     skip_bad: bool = False
     shuffle_seed: int = Field(0, ge=0, le=MAX_SEED)
+    columns: tuple[tuple[Literal[COLUMN_KEYS], str], ...] = Field(  # type: ignore[valid-type]
+        (), description="featherweight field -> the dataset's column, e.g. {output: answer}"
+    )
+    chat_template: str | None = Field(
+        None, description="a Jinja file, or a built-in name (chatml, llama3, zephyr)"
+    )
+    instruction_template: InstructionTemplateSettings | None = Field(
+        None,
+        description=(
+            "instruction records as plain prompts (default without a chat template: "
+            "### Instruction / ### Input / ### Response)"
+        ),
+    )
+
+    @field_validator("columns", mode="before")
+    @classmethod
+    def _columns_as_pairs(cls, columns: Any) -> Any:
+        """Written as a mapping; held as sorted pairs, so the frozen settings stay hashable."""
+        return tuple(sorted(columns.items())) if isinstance(columns, dict) else columns
+
+    @field_serializer("columns")
+    def _columns_as_mapping(self, columns: tuple[tuple[str, str], ...]) -> dict[str, str]:
+        return dict(columns)
 
 
 class OptimizerSettings(_Section):
@@ -134,9 +189,15 @@ class TrainConfig(_Section):
     )
     batch_size: int = Field(4, gt=0)
     steps: int = Field(100, gt=0)
+    epochs: float | None = Field(
+        None, gt=0, description="when set, steps = epochs x steps per epoch (rounded up)"
+    )
     eval_every: int = Field(0, ge=0, description="0: evaluate only at the end")
     eval_batches: int = Field(4, gt=0)
-    log_every: int = Field(1, gt=0)
+    log_every: int = Field(1, gt=0, description="steps between host syncs and progress lines")
+    report_to: tuple[Literal["tensorboard", "wandb"], ...] = Field(
+        (), description="loggers besides metrics.jsonl: tensorboard (event files), wandb"
+    )
     seed: int = Field(0, ge=0, le=MAX_SEED)
     output_dir: str = "runs/run"
 

@@ -25,7 +25,8 @@ import yaml
 
 from featherweight.data.demo_task import invented_world, write_training_data
 from featherweight.data.iterator import DataIterator
-from featherweight.data.records import Dataset, prepare_dataset
+from featherweight.data.records import Dataset
+from featherweight.data.sources import is_dataset_name
 from featherweight.errors import ModelChangedError, ModelConfigError, OutputExistsError
 from featherweight.io.atomic import atomic_write_text, probe_writable
 from featherweight.io.embedded_model import cache_dir, require_demo_model
@@ -55,6 +56,7 @@ from featherweight.recipe.schema import TrainConfig
 from featherweight.step.loss import resolve_chunk_size
 from featherweight.train import run_dir
 from featherweight.train.checkpoint import Checkpointer
+from featherweight.train.dataset import build_dataset, steps_from_epochs
 from featherweight.train.run_dir import CHECKPOINT_DIR, CONFIG_FILE, RUN_FILE
 
 FINGERPRINT_BYTES = 1 << 20  # of a GGUF file: its header (metadata, tensor table) lies in here
@@ -93,7 +95,7 @@ def absolute_paths(config: TrainConfig) -> TrainConfig:
     or a resume from another working directory reads the same files."""
 
     def absolute(path: str | None) -> str | None:
-        if path is None or path == "demo":
+        if path is None or path == "demo" or is_dataset_name(path):
             return path
         return str(resolved(path))
 
@@ -299,32 +301,15 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
         from featherweight.errors import DataError
 
         raise DataError(f"{model_path} has no tokenizer; the trainer needs one to read the dataset")
-    data_settings = config.data
-    dataset = prepare_dataset(
-        resolve_data_path(config),
-        tokenizer,
-        data_settings.seq_len,
-        skip_bad=data_settings.skip_bad,
-        overflow=data_settings.overflow,
-        eval_fraction=0.0 if data_settings.eval else data_settings.eval_fraction,
-        seed=data_settings.shuffle_seed,
-    )
-    if data_settings.eval:
-        eval_set = prepare_dataset(
-            data_settings.eval,
-            tokenizer,
-            data_settings.seq_len,
-            skip_bad=data_settings.skip_bad,
-            overflow=data_settings.overflow,
-        )
-        dataset = dataset._replace(eval=eval_set.train, eval_stats=eval_set.train_stats)
+    dataset = build_dataset(config, tokenizer, resolve_data_path(config))
     data = DataIterator(
         dataset.train,
         config.batch_size,
-        data_settings.shuffle_seed,
+        config.data.shuffle_seed,
         jax.process_index(),
         jax.process_count(),
     )
+    config = steps_from_epochs(config, data.steps_per_epoch)
 
     with loading_device(mesh):
         model = load_weights(config, model_path)
