@@ -13,6 +13,8 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType, quants
 
+from tests.kquant_encoder import ENCODERS, quantize_k
+
 VOCAB = 256
 SIZES = dict(
     vocab_size=VOCAB,
@@ -164,10 +166,13 @@ def write_gguf(
     tensor_type: GGMLQuantizationType = GGMLQuantizationType.F32,
     architecture: str | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
+    type_of=None,
 ) -> Path:
     """Write `model` as llama.cpp would: 2-D weights in `tensor_type`, norms and biases in F32.
 
-    `architecture` overrides `general.architecture` (to test refusal of other architectures).
+    `architecture` overrides `general.architecture` (to test refusal of other architectures);
+    `type_of(gguf_name)`, when given, picks each 2-D weight's type (mixes such as Q4_K_M). K-quant
+    types are written with the test encoder of tests/kquant_encoder.py.
     """
     config = model.config
     arch = architecture or ("qwen2" if config.model_type == "qwen2" else "llama")
@@ -198,13 +203,14 @@ def write_gguf(
             values = llama_cpp_permute(values, config.num_attention_heads)
         if arch == "llama" and hf_name.endswith("k_proj.weight"):
             values = llama_cpp_permute(values, config.num_key_value_heads)
-        if values.ndim == 1 or tensor_type == GGMLQuantizationType.F32:
+        kind = tensor_type if type_of is None else type_of(_gguf_name(hf_name))
+        if values.ndim == 1 or kind == GGMLQuantizationType.F32:
             writer.add_tensor(_gguf_name(hf_name), values)
-        elif tensor_type == GGMLQuantizationType.F16:
+        elif kind == GGMLQuantizationType.F16:
             writer.add_tensor(_gguf_name(hf_name), values.astype(np.float16))
         else:
-            packed = quants.quantize(values, tensor_type)
-            writer.add_tensor(_gguf_name(hf_name), packed, raw_dtype=tensor_type)
+            packed = quantize_k(values, kind) if kind in ENCODERS else quants.quantize(values, kind)
+            writer.add_tensor(_gguf_name(hf_name), packed, raw_dtype=kind)
     for name, values in (extra_tensors or {}).items():
         writer.add_tensor(name, values)
     writer.write_header_to_file()

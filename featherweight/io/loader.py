@@ -97,7 +97,7 @@ def _stack_layers(source, name: str, shape, config: ModelConfig, dtype, quantize
     if quantize:
         parts = []
         for layer in range(config.num_layers):
-            values = source.read((name, layer)).astype(np.float32)
+            values = source.read((name, layer)).astype(np.float32, copy=False)
             check_finite(values, f"layer {layer} {name}", source.path)
             parts.append(quantize_nf4(values, name=f"layer {layer} {name}"))
         return jax.tree.map(lambda *leaves: jnp.stack(leaves), *parts)
@@ -158,7 +158,7 @@ def load_model(
                         f"{shape[-1]}; load with quantize_head=False"
                     )
                 values = check_finite(
-                    source.read((name, None)).astype(np.float32), name, source.path
+                    source.read((name, None)).astype(np.float32, copy=False), name, source.path
                 )
                 params[name] = quantize_nf4(values, name=name)
                 del values
