@@ -203,7 +203,8 @@ class Reporter:
             if self.primary else []
         )  # fmt: skip
         self.progress = training_progress(console, config.steps, run.start_step)
-        if run.start_step and self.metrics is not None:
+        if 0 < run.start_step < config.steps and self.metrics is not None:
+            # a resume mark only where training goes on (a finished run re-run changes nothing)
             self.metrics.write({"step": run.start_step, "resumed": True})
 
     def write(self, records: list[dict[str, Any]], show: bool = True) -> None:
