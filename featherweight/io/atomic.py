@@ -28,6 +28,7 @@ from featherweight.errors import (
     OutputExistsError,
     OutputNotWritableError,
 )
+from featherweight.io.output_paths import resolved
 
 TEMP_PREFIX = ".fw-tmp-"
 DISK_FULL_CODES = (errno.ENOSPC, errno.EDQUOT)
@@ -100,7 +101,7 @@ def probe_writable(location: Path, what: str = "output directory") -> None:
 
 def check_output_dir(out: Path, overwrite: bool) -> Path:
     """Refuse an existing output without `overwrite`, or a location that cannot be written."""
-    out = Path(out).expanduser().resolve()
+    out = resolved(out)
     if out.exists() and not overwrite:
         raise OutputExistsError(
             f"output directory {out} already exists; choose another path or pass --overwrite"
@@ -123,7 +124,7 @@ def _undo_interrupted_replace(out: Path) -> None:
 @contextlib.contextmanager
 def atomic_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that becomes `out` when the block finishes without error."""
-    _undo_interrupted_replace(Path(out).expanduser().resolve())
+    _undo_interrupted_replace(resolved(out))
     out = check_output_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f"{TEMP_PREFIX}{out.name}-*"):

@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 from featherweight.errors import ExportError
 from featherweight.io.atomic import atomic_directory, check_output_dir
 from featherweight.io.hf_writer import DEFAULT_SHARD_BYTES, iter_hf_tensors, save_hf_checkpoint
+from featherweight.io.output_paths import resolved
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params
@@ -154,4 +155,4 @@ def export_peft(
             str(staging / "adapter_model.safetensors"),
             metadata={"format": "pt"},
         )
-    return Path(out).expanduser().resolve()
+    return resolved(out)
