@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from featherweight.cli.output import console, friendly_errors
+from featherweight.models.registry import builtin_names
 
 DEFAULT_PROMPT = "Write one sentence about why the sky is blue."
 
@@ -82,7 +83,13 @@ def convert(
 
 @friendly_errors
 def plan(
-    model: Annotated[str, typer.Argument(help="dir with config.json, .gguf, or built-in name")],
+    model: Annotated[
+        str,
+        typer.Argument(
+            help=f"dir with config.json, .gguf, or a built-in name: {builtin_names()}",
+            show_default=False,
+        ),
+    ],
     method: Annotated[str, typer.Option(help="full, lora or qlora")] = "qlora",
     batch: Annotated[int, typer.Option(help="micro-batch size")] = 2,
     seq: Annotated[int, typer.Option(help="sequence length")] = 2048,
