@@ -18,7 +18,7 @@ def train(
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="replace another run in output_dir")] = False,
     skip_bad: Annotated[
-        bool, typer.Option("--skip-bad", help="skip (and count) bad JSONL lines")
+        bool, typer.Option("--skip-bad", help="skip (and count) bad records")
     ] = False,
 ) -> None:
     """Fine-tune as CONFIG says: memory plan first, then training with checkpoints (resumable).
@@ -42,6 +42,11 @@ def train(
     out = result.output_dir
     console.print(f"done: step {result.step}, loss {result.loss}, eval loss {result.eval_loss}")
     console.print(f"metrics: {out / 'metrics.jsonl'}  loss curve: {out / 'loss.png'}")
+    if "tensorboard" in settings.report_to:
+        console.print(f"tensorboard: tensorboard --logdir {out / 'tensorboard'}")
+    console.print(
+        f"try it: featherweight generate {out} --prompt '...'  (or featherweight chat {out})"
+    )
     console.print("export with:")
     console.print(f"  featherweight export {out} --format merged --out {out / 'merged'}")
     if settings.method != "full":
