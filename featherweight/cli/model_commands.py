@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from featherweight.cli.output import console, finite, friendly_errors, new_file, positive
+from featherweight.models.registry import builtin_names
 
 DEFAULT_PROMPT = "Write one sentence about why the sky is blue."
 PLANNED_DEVICES = 4096  # virtual CPU devices plan may ask JAX for (--mesh on a CPU machine)
@@ -85,7 +86,13 @@ def convert(
 
 @friendly_errors
 def plan(
-    model: Annotated[str, typer.Argument(help="dir with config.json, .gguf, or built-in name")],
+    model: Annotated[
+        str,
+        typer.Argument(
+            help=f"dir with config.json, .gguf, or a built-in name: {builtin_names()}",
+            show_default=False,
+        ),
+    ],
     method: Annotated[str, typer.Option(help="full, lora or qlora")] = "qlora",
     batch: Annotated[int, typer.Option(help="micro-batch size")] = 2,
     seq: Annotated[int, typer.Option(help="sequence length")] = 2048,

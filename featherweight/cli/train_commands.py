@@ -18,7 +18,7 @@ def train(
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="replace another run in output_dir")] = False,
     skip_bad: Annotated[
-        bool, typer.Option("--skip-bad", help="skip (and count) bad JSONL lines")
+        bool, typer.Option("--skip-bad", help="skip (and count) bad records")
     ] = False,
 ) -> None:
     """Fine-tune as CONFIG says: memory plan first, then training with checkpoints (resumable).
@@ -42,6 +42,11 @@ def train(
     out = result.output_dir
     console.print(f"done: step {result.step}, loss {result.loss}, eval loss {result.eval_loss}")
     console.print(f"metrics: {out / 'metrics.jsonl'}  loss curve: {out / 'loss.png'}")
+    if "tensorboard" in settings.report_to:
+        console.print(f"tensorboard: tensorboard --logdir {out / 'tensorboard'}")
+    console.print(
+        f"try it: featherweight generate {out} --prompt '...'  (or featherweight chat {out})"
+    )
     console.print("export with:")
     console.print(f"  featherweight export {out} --format merged --out {out / 'merged'}")
     if settings.method != "full":
@@ -70,9 +75,24 @@ def export(
     out: Annotated[Path, typer.Option(help="output directory")],
     dtype: Annotated[str, typer.Option(help="merged weights dtype")] = "bfloat16",
     overwrite: bool = False,
+    base_model: Annotated[
+        str | None,
+        typer.Option(help="peft: the base to record, an HF id or directory (default: the run's)"),
+    ] = None,
+    check: Annotated[
+        bool, typer.Option(help="merged: compare greedy outputs with the run in float32")
+    ] = True,
 ) -> None:
     """Export a run's checkpoint: merged Hugging Face weights, or a PEFT LoRA adapter."""
-    from featherweight.train.export_run import export_run
+    from featherweight.train.export_check import merged_output_check, qlora_note
+    from featherweight.train.export_run import export_run, locate, read_run_config
 
-    written = export_run(run, format_, out, dtype=dtype, overwrite=overwrite)
+    written = export_run(run, format_, out, dtype=dtype, overwrite=overwrite, base_model=base_model)
     console.print(f"wrote {written}")
+    notes = []
+    if format_ == "peft" and read_run_config(locate(run)[0]).method == "qlora":
+        notes.append(qlora_note(written))
+    if format_ == "merged" and check:
+        notes.append(merged_output_check(run, written, dtype))
+    for note in filter(None, notes):
+        console.print(f"[yellow]warning:[/] {note}", highlight=False)

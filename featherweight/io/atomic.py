@@ -121,6 +121,21 @@ def _undo_interrupted_replace(out: Path) -> None:
             return
 
 
+def current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(tree: Path) -> None:
+    """Give `tree` and everything in it the modes a plain write would (0666/0777 minus the
+    umask): temporary files and directories start private (0600/0700), outputs should not."""
+    mask = current_umask()
+    for path in [tree, *tree.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 @contextlib.contextmanager
 def atomic_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that becomes `out` when the block finishes without error."""
@@ -132,6 +147,7 @@ def atomic_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
     temporary = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{out.name}-", dir=out.parent))
     try:
         yield temporary
+        follow_umask(temporary)
         _fsync_tree(temporary)
         if out.exists():
             aside = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{out.name}-old-", dir=out.parent))
@@ -156,6 +172,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     path = Path(path)
     descriptor, temporary = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{path.name}-", dir=path.parent)
     try:
+        os.fchmod(descriptor, 0o666 & ~current_umask())  # mkstemp's 0600 is for secrets
         with os.fdopen(descriptor, "w") as handle:
             handle.write(text)
             handle.flush()

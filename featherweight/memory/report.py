@@ -62,6 +62,10 @@ def comparison_notes(plan: MemoryPlan, measurement: MemoryMeasurement | None) ->
             "accelerators"
         )
     notes.append(
+        "diff: (planned - measured) / measured; + means the plan is above what the compiled "
+        "step uses, - below it"
+    )
+    notes.append(
         f"measured: compiled.memory_analysis() on {measurement.platform} "
         f"({measurement.compile_seconds:.1f} s compile)"
     )

@@ -340,3 +340,25 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             )
         values = loaded
     return parse_config(apply_overrides(values, overrides or []), source, key_lines)
+
+
+def _flatten(values: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(values, dict):
+        return {prefix: values}
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        flat.update(_flatten(value, f"{prefix}{key}."))
+    return flat
+
+
+def changed_settings(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """The settings that differ between two config dumps, as `key: old -> new` (at most
+    MAX_ERRORS of them, then a count): what a refused resume names."""
+    before, after = _flatten(old), _flatten(new)
+    keys = sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
+    shown = [
+        f"{key.rstrip('.')}: {_SHORT.repr(before.get(key))} -> {_SHORT.repr(after.get(key))}"
+        for key in keys[:MAX_ERRORS]
+    ]
+    more = f"; and {len(keys) - MAX_ERRORS} more" if len(keys) > MAX_ERRORS else ""
+    return "; ".join(shown) + more

@@ -14,6 +14,7 @@ state the run builds anyway (any optax state, NF4 or not, restores without regis
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,10 @@ from featherweight.errors import CorruptCheckpointError
 from featherweight.io.atomic import write_failure
 
 DELETING_DIR = ".deleting"  # old checkpoints are renamed here, then removed
+# orbax warns on every read-only open (export, generate RUN_DIR) about its own option changes
+logging.getLogger("absl").addFilter(
+    lambda note: "read only" not in note.getMessage().replace("_", " ")
+)
 
 
 class Checkpointer:

@@ -15,6 +15,7 @@ import yaml
 
 from featherweight.errors import CheckpointNotFoundError, CorruptCheckpointError, ExportError
 from featherweight.io.atomic import check_output_dir
+from featherweight.io.convert import convert
 from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint
 from featherweight.io.output_paths import refuse_inside, refuse_overlap, resolved
 from featherweight.io.peft_export import check_merged_dtype, export_merged, export_peft
@@ -79,8 +80,13 @@ def export_run(
     out: str | Path,
     dtype: str | None = "bfloat16",
     overwrite: bool = False,
+    base_model: str | None = None,
 ) -> Path:
-    """Write `out` from a run's checkpoint: `merged` (HF directory) or `peft` (adapter)."""
+    """Write `out` from a run's checkpoint: `merged` (HF directory) or `peft` (adapter).
+
+    A PEFT adapter records a base transformers loads: `base_model` (an HF id or directory) when
+    given, else the run's HF directory, else (a GGUF base) the base written as an HF directory
+    into `out/base` in the run's dtype."""
     if export_format not in FORMATS:
         raise ExportError(
             f"export format {export_format!r} is unknown; use one of {', '.join(FORMATS)}"
@@ -114,7 +120,14 @@ def export_run(
     (trainable, _), _ = checkpointer.restore(step, (abstract_trainable, abstract_state))
 
     if export_format == "peft":
-        return export_peft(trainable, model_config, lora, out, str(model_path), overwrite=overwrite)
+        write_base = None
+        if base_model is None and not model_path.is_dir():
+            write_base = lambda directory: convert(model_path, directory, config.model.dtype)
+        base = base_model or (str(model_path) if model_path.is_dir() else None)
+        return export_peft(
+            trainable, model_config, lora, out, base, overwrite, write_base,
+            quantized_base=config.method == "qlora",
+        )  # fmt: skip
     if lora is None:
         return save_hf_checkpoint(
             out,

@@ -52,7 +52,7 @@ from featherweight.recipe.build import (
     split_params,
 )
 from featherweight.recipe.optimizer import make_optimizer
-from featherweight.recipe.schema import TrainConfig
+from featherweight.recipe.schema import TrainConfig, changed_settings
 from featherweight.step.loss import resolve_chunk_size
 from featherweight.train import run_dir
 from featherweight.train.checkpoint import Checkpointer
@@ -131,7 +131,7 @@ def check_run_dir(config: TrainConfig, overwrite: bool) -> tuple[Path, bool]:
             resuming = True
         elif any(out.iterdir()):
             what = (
-                "another run (its config differs)"
+                f"another run (its config differs: {changed_settings(_comparable(_saved_config(saved)), _comparable(config))})"
                 if saved.is_file()
                 else "files that are not a featherweight run"
             )

@@ -61,14 +61,21 @@ def _overlay(base: Params, trained: Params) -> Params:
     return merged
 
 
-def load_run_model(run_or_checkpoint: str | Path) -> tuple[Model, int]:
-    """(the model of a run's latest checkpoint, or of `RUN/checkpoints/STEP`; that step)."""
+def load_run_model(run_or_checkpoint: str | Path, dtype: str | None = None) -> tuple[Model, int]:
+    """(the model of a run's latest checkpoint, or of `RUN/checkpoints/STEP`; that step).
+
+    `dtype` ("float32", "bfloat16") computes in another dtype than the run's: the base loads in
+    it (an NF4 base stays NF4) and the trained arrays are cast to it."""
     run_dir, step = locate(run_or_checkpoint)
     config = read_run_config(run_dir)
     model_path = resolve_model_path(config)
     check_same_model(run_dir, model_path)
     model_config, _ = read_header(model_path)
     trainable = restore_trainable(run_dir, step, config, model_config)
+    if dtype is not None:
+        model_settings = config.model.model_copy(update={"dtype": dtype})
+        config = config.model_copy(update={"model": model_settings})
+        trainable = jax.tree.map(lambda leaf: leaf.astype(dtype), trainable)
     base = load_weights(config, model_path)
     lora = lora_config_of(config)
     model = Model(
