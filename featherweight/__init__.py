@@ -11,6 +11,10 @@ Public API (pure functions over pytrees; frozen and trainable parameters always 
 - memory: `plan_for_config`, `fit_budget`, `measure_compiled`, `measure_device_peak`
 """
 
+from featherweight.parallel.backend import quiet_cuda_plugin
+
+quiet_cuda_plugin()  # before jax is imported: see featherweight/parallel/backend.py
+
 from featherweight import errors
 from featherweight.inference.generate import generate, generate_ids, logits
 from featherweight.io.convert import convert

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Annotated
@@ -121,13 +122,31 @@ def plan(
     mesh: Annotated[
         str | None, typer.Option(help="devices, e.g. fsdp=8 or data=2,fsdp=4: bytes per device")
     ] = None,
+    target: Annotated[
+        str | None,
+        typer.Option(
+            help="the device to plan and compile for: h100, h200, a100-80gb, a100-40gb, l40s, "
+            "l4, rtx4090, rtx3090 (XLA's GPU compiler, no GPU needed) or cpu; default: this "
+            "machine's backend"
+        ),
+    ] = None,
 ) -> None:
     """Plan every byte of a train step before compiling; measure the compiled step next to it."""
     import json
 
-    from featherweight.errors import ShardingError
+    from featherweight.errors import ConfigError, ShardingError
+    from featherweight.memory.targets import get_target, require_gpu_compiler
     from featherweight.parallel.sharding import parse_mesh, request_cpu_devices, requested_devices
 
+    chosen = None if target is None else get_target(target)
+    if chosen is not None and chosen.platform == "gpu":
+        if mesh is not None:
+            raise ConfigError(
+                f"--target {chosen.name} compiles for one device; drop --mesh (a mesh is planned "
+                "per device of this machine's virtual CPU devices)"
+            )
+        if measure:
+            require_gpu_compiler(chosen)
     mesh_settings = None if mesh is None else parse_mesh(mesh)
     if mesh_settings is not None and (requested_devices(mesh_settings) or 0) > PLANNED_DEVICES:
         raise ShardingError(
@@ -138,11 +157,8 @@ def plan(
     if mesh_settings is not None and requested_devices(mesh_settings):
         request_cpu_devices(requested_devices(mesh_settings))  # a CPU-only machine compiles it too
 
-    from featherweight.errors import ConfigError
     from featherweight.io.model_source import model_config_from
-    from featherweight.memory.budget import describe_changes, fit_budget, parse_budget
-    from featherweight.memory.measure import measure_compiled
-    from featherweight.memory.plan import plan_for_config
+    from featherweight.memory.budget import describe_changes, parse_budget
     from featherweight.memory.report import plot_plan, print_report, report_json
     from featherweight.recipe.schema import parse_config
 
@@ -176,17 +192,60 @@ def plan(
         source="plan options",
     )
     model_config = model_config_from(model)
-    if budget_bytes is None:
-        config, memory_plan = requested, plan_for_config(requested, model_config)
-    else:
-        config, memory_plan = fit_budget(requested, model_config, budget_bytes)
+    config, memory_plan, measurement, judged = _plan_on_target(
+        requested, model_config, chosen, budget_bytes, measure
+    )
     changes = describe_changes(requested, config)
-    measurement = measure_compiled(config, model_config) if measure else None
     if plot is not None:
         plot_plan(memory_plan, measurement, plot, budget_bytes)
     if json_output:
-        typer.echo(json.dumps(report_json(memory_plan, measurement, changes), indent=2))
+        report = report_json(memory_plan, measurement, changes, judged)
+        typer.echo(json.dumps(report, indent=2))
         return
+    if judged is not None:
+        console.print(f"[bold]{judged.line}[/]", highlight=False)
     print_report(memory_plan, measurement, console, changes)
+    if judged is not None:
+        console.print(f"[dim]note: {judged.limit_note}[/]", highlight=False)
     if plot is not None:
         console.print(f"plot: {plot}")
+
+
+def _plan_on_target(requested, model_config, target, budget_bytes, measure):
+    """(config, plan, measurement, verdict) for `target` (None: this machine's backend): the
+    plan with the target compiler's calibration, fitted to the budget when one is given; the
+    step compiled for the target; and, where the plan does not fit a GPU, the settings the
+    budget search would pick as an option."""
+    from featherweight.errors import BudgetError
+    from featherweight.memory.budget import describe_changes, fit_budget
+    from featherweight.memory.measure import measure_compiled, measure_for_target
+    from featherweight.memory.plan import plan_for_config
+    from featherweight.memory.targets import usable_bytes
+    from featherweight.memory.verdict import verdict
+    from featherweight.memory.working_set import calibration_for
+
+    compiler = None if target is None else f"xla-{target.platform}"
+    with calibration_for(compiler) if compiler else contextlib.nullcontext():
+        if budget_bytes is None:
+            config, memory_plan = requested, plan_for_config(requested, model_config)
+        else:
+            config, memory_plan = fit_budget(requested, model_config, budget_bytes)
+        usable = None if target is None else usable_bytes(target)
+        options = []
+        if budget_bytes is None and usable is not None and memory_plan.device_bytes > usable:
+            try:
+                fitted, _ = fit_budget(requested, model_config, usable)
+                options.append(
+                    f"--budget {usable / 2**30:.2f}GiB picks "
+                    + ", ".join(describe_changes(requested, fitted))
+                )
+            except BudgetError:
+                options.append("a GPU with more memory, a shorter sequence or a lighter method")
+    if not measure:
+        measurement = None
+    elif target is None:
+        measurement = measure_compiled(config, model_config)
+    else:
+        measurement = measure_for_target(config, model_config, target.name)
+    judged = verdict(memory_plan, target, budget_bytes, measurement, options)
+    return config, memory_plan, measurement, judged

@@ -51,6 +51,7 @@ from featherweight.memory.state_bytes import (
 from featherweight.memory.working_set import (
     StepShapes,
     attention_of,
+    calibration_key,
     phase_working_sets,
     working_set_floor,
 )
@@ -188,6 +189,7 @@ def plan_settings(config: TrainConfig) -> dict[str, Any]:
         "attention": attention_of(config),
         "save": list(memory.save),
         "step": memory.step,
+        "calibration": calibration_key(config),
     }
 
 
