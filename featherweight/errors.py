@@ -100,7 +100,7 @@ class QuantizationError(FeatherweightError, ValueError):
 
 
 class StepConfigError(ConfigError):
-    """A train-step setting that cannot work (optimizer, policy, accumulation with fused update)."""
+    """A train-step setting that cannot work (optimizer, policy, clipping or accumulation)."""
 
 
 class BudgetError(FeatherweightError):

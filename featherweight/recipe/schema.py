@@ -125,7 +125,15 @@ class OptimizerSettings(_Section):
     schedule: Literal["constant", "cosine", "linear"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
     clip_norm: float | None = Field(
-        None, gt=0, description="per-layer clipping with the streamed step"
+        None, gt=0, description="clip gradients to this norm (how: optimizer.clipping)"
+    )
+    clipping: Literal["global", "two_pass", "per_tensor"] = Field(
+        "global",
+        description=(
+            "global: the whole gradient's norm (LoRA/QLoRA streamed: adapters' gradient kept; "
+            "reference step; accumulation); two_pass: global for full fine-tuning with the "
+            "streamed step, a norm-only backward pass first; per_tensor: each tensor alone"
+        ),
     )
 
 
@@ -158,7 +166,14 @@ class MemorySettings(_Section):
     step: Literal["streamed", "reference"] = Field(
         "streamed", description="fused-update or jax.grad step"
     )
-    accumulation_steps: int = Field(1, ge=1, description="reference step only")
+    accumulation_steps: int = Field(
+        1,
+        ge=1,
+        description=(
+            "split each batch of batch_size rows into this many micro-batches, gradients summed "
+            "before one update: same training, one micro-batch's activations"
+        ),
+    )
 
     @property
     def policy(self) -> MemoryPolicy:
@@ -208,6 +223,13 @@ class TrainConfig(_Section):
 
 
 MAX_ERRORS = 5  # problems named in one message
+# keys other trainers spell differently: (their name) -> ours, suggested for an unknown key
+OTHER_SPELLINGS = {
+    "gradient_accumulation_steps": "memory.accumulation_steps",
+    "grad_accum": "memory.accumulation_steps",
+    "max_grad_norm": "optimizer.clip_norm",
+    "clip_grad_norm": "optimizer.clip_norm",
+}
 _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 2, 4, 4
 _SHORT.maxstring = _SHORT.maxother = 60
@@ -266,6 +288,8 @@ def _format_errors(error: ValidationError, source: str, key_lines: dict[str, int
         if item["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             allowed = _allowed_keys(TrainConfig, location)
             close = difflib.get_close_matches(str(location[-1]), allowed, n=1)
+            if str(location[-1]) in OTHER_SPELLINGS:
+                close = [OTHER_SPELLINGS[str(location[-1])]]
             hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(allowed)}"
             lines.append(f"unknown key {dotted!r}{where} ({hint})")
         else:

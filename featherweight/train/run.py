@@ -267,6 +267,23 @@ def check_step_settings(config: TrainConfig) -> None:
     resolve_chunk_size(config.data.seq_len, config.memory.loss_chunk)
 
 
+def restore_state(
+    checkpointer: Checkpointer, step: int, trainable: Params, opt_state: Any
+) -> tuple[tuple[Params, Any], dict[str, Any]]:
+    """Checkpoint `step` in place of the state just built: that state (loaded or initialised) is
+    only a template -- its shapes, dtypes and shardings (memory kinds included) become the restore
+    targets and its buffers are freed first, so one copy of the state exists at any time and
+    host-resident leaves are read straight into host memory."""
+    live = (trainable, opt_state)
+    targets = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding), live
+    )
+    for leaf in jax.tree.leaves(live):
+        leaf.delete()  # built by prepare_run a moment ago; nothing else holds it
+    del live, trainable, opt_state
+    return checkpointer.restore(step, targets)
+
+
 def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> Run:
     """Check, plan, load and (when resuming) restore: a run ready for its first step.
 
@@ -333,7 +350,7 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     start_step = 0
     latest = checkpointer.latest_step() if resuming else None
     if latest is not None:
-        (trainable, opt_state), metadata = checkpointer.restore(latest, (trainable, opt_state))
+        (trainable, opt_state), metadata = restore_state(checkpointer, latest, trainable, opt_state)
         data.restore(metadata["data"])
         start_step = int(metadata["step"])
     return Run(

@@ -228,12 +228,12 @@ def quantized_head(env: Env) -> Action:
 
 
 @case(
-    "accumulation with the streamed step",
-    r"memory\.accumulation_steps > 1",
-    r"set memory\.step: reference, or raise batch_size",
+    "global clipping the step cannot do in one pass",
+    r"optimizer\.clipping: global with method: full and the streamed step",
+    r"choose optimizer\.clipping: two_pass .*, per_tensor .*memory\.step: reference",
 )
-def accumulation(env: Env) -> Action:
-    return env.train(**{"memory.accumulation_steps": 2})
+def global_clipping(env: Env) -> Action:
+    return env.train(**{"method": "full", "optimizer.clip_norm": 1.0})
 
 
 @case(

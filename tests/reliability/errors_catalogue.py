@@ -56,7 +56,7 @@ config | malformed override | `--set steps` | ConfigError | overrides look like 
 config | unknown LoRA target | `lora: {targets: [q, qq]}` | ConfigError | names `qq` and lists the valid targets
 config | LoRA rank larger than a target weight | `lora: {rank: 128}` on a model 64 wide | AdapterConfigError | names the target and its shape: a smaller rank, or drop the target
 config | quantized head without QLoRA | `method: lora` with `model.quantize_head: true` | ConfigError | needs `method: qlora`
-config | accumulation with the streamed step | `memory: {accumulation_steps: 2}` | ConfigError | set `memory.step: reference`, or raise `batch_size`
+config | global clipping the step cannot do in one pass | `method: full`, `optimizer.clip_norm: 1.0` (streamed step) | ConfigError | choose `optimizer.clipping: two_pass` or `per_tensor`, accumulation, or `memory.step: reference`
 config | loss chunk that does not divide the sequence | `memory.loss_chunk: 48`, `seq_len: 64` | StepConfigError | names both sizes and a divisor to use
 config | MLP chunk that does not divide the sequence | `memory.mlp_chunk: 48`, `seq_len: 64` | ConfigError | names both sizes and a divisor to use
 config | host placement on a mesh | `memory.optimizer_state: host` with `mesh: {fsdp: 8}` | ConfigError | says it is one-device only: drop the host placement or the mesh
