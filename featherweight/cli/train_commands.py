@@ -64,13 +64,23 @@ def demo(
 @friendly_errors
 def export(
     run: Annotated[str, typer.Argument(help="run directory, or RUN/checkpoints/STEP")],
-    format_: Annotated[str, typer.Option("--format", help="merged (HF weights) or peft (adapter)")],
+    format_: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="merged (HF weights), peft (adapter), gguf (merged, llama.cpp) or gguf-adapter",
+        ),
+    ],
     out: Annotated[Path, typer.Option(help="output directory")],
     dtype: Annotated[str, typer.Option(help="merged weights dtype")] = "bfloat16",
     overwrite: bool = False,
+    quant: Annotated[
+        str, typer.Option(help="--format gguf: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0")
+    ] = "f16",
 ) -> None:
-    """Export a run's checkpoint: merged Hugging Face weights, or a PEFT LoRA adapter."""
+    """Export a run's checkpoint: merged Hugging Face weights, a PEFT LoRA adapter, or GGUF (the
+    merged model, or the adapter for llama-server --lora) with an Ollama Modelfile."""
     from featherweight.train.export_run import export_run
 
-    written = export_run(run, format_, out, dtype=dtype, overwrite=overwrite)
+    written = export_run(run, format_, out, dtype=dtype, overwrite=overwrite, quant=quant)
     console.print(f"wrote {written}")
