@@ -206,8 +206,9 @@ def write_gguf(
         kind = tensor_type if type_of is None else type_of(_gguf_name(hf_name))
         if values.ndim == 1 or kind == GGMLQuantizationType.F32:
             writer.add_tensor(_gguf_name(hf_name), values)
-        elif kind == GGMLQuantizationType.F16:
-            writer.add_tensor(_gguf_name(hf_name), values.astype(np.float16))
+        elif kind in (GGMLQuantizationType.F16, GGMLQuantizationType.I32):
+            dtype = np.float16 if kind == GGMLQuantizationType.F16 else np.int32
+            writer.add_tensor(_gguf_name(hf_name), values.astype(dtype))
         else:
             packed = quantize_k(values, kind) if kind in ENCODERS else quants.quantize(values, kind)
             writer.add_tensor(_gguf_name(hf_name), packed, raw_dtype=kind)
@@ -225,3 +226,38 @@ def hf_from_gguf(path: Path) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
+
+
+def save_byte_level_tokenizer(directory: Path) -> Path:
+    """Write a 256-token byte-level BPE tokenizer (tokenizer.json) into an HF model directory: the
+    vocabulary the tiny GGUF files carry."""
+    from featherweight.io.tokenizer import tokenizer_from_gguf_fields
+
+    tokenizer = tokenizer_from_gguf_fields(
+        {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.tokens": _byte_level_tokens(),
+            "tokenizer.ggml.token_type": [TokenType.NORMAL] * VOCAB,
+            "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2,
+        }
+    )
+    tokenizer.save(Path(directory))
+    return Path(directory)
+
+
+def with_weights_through(
+    model: torch.nn.Module, tensor_type: GGMLQuantizationType
+) -> torch.nn.Module:
+    """A copy of `model` whose 2-D weights went through `tensor_type` and back (what a GGUF file
+    of that type holds): the reference a quantized export is compared with."""
+    import copy
+
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in rounded.parameters():
+            if parameter.ndim == 2:
+                values = parameter.detach().float().numpy()
+                back = quants.dequantize(quants.quantize(values, tensor_type), tensor_type)
+                parameter.copy_(torch.from_numpy(np.asarray(back, dtype=np.float32)))
+    return rounded

@@ -69,18 +69,29 @@ def generate(
 @friendly_errors
 def convert(
     source: Annotated[str, typer.Argument(help="GGUF file or HF directory")],
-    out: Annotated[Path, typer.Option(help="Output HF directory")],
+    out: Annotated[Path, typer.Option(help="Output directory")],
     dtype: Annotated[str | None, typer.Option(help="cast tensors, e.g. bfloat16")] = None,
     overwrite: bool = False,
     max_shard_gib: Annotated[
         float, typer.Option(callback=positive, help="shard size in GiB")
     ] = 2.0,
+    to: Annotated[str, typer.Option(help="hf (transformers) or gguf (llama.cpp, Ollama)")] = "hf",
+    quant: Annotated[
+        str, typer.Option(help="GGUF type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0")
+    ] = "f16",
 ) -> None:
-    """Convert a checkpoint into a Hugging Face directory that transformers loads."""
+    """Convert a checkpoint into a Hugging Face directory that transformers loads, or (--to gguf)
+    a GGUF file llama.cpp runs with an Ollama Modelfile beside it."""
     from featherweight.io.convert import convert as convert_checkpoint
 
     written = convert_checkpoint(
-        source, out, dtype=dtype, overwrite=overwrite, max_shard_bytes=int(max_shard_gib * 1024**3)
+        source,
+        out,
+        dtype=dtype,
+        overwrite=overwrite,
+        max_shard_bytes=int(max_shard_gib * 1024**3),
+        to=to,
+        quant=quant,
     )
     console.print(f"wrote {written}")
 

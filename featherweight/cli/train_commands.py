@@ -71,7 +71,13 @@ def demo(
 @friendly_errors
 def export(
     run: Annotated[str, typer.Argument(help="run directory, or RUN/checkpoints/STEP")],
-    format_: Annotated[str, typer.Option("--format", help="merged (HF weights) or peft (adapter)")],
+    format_: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="merged (HF weights), peft (adapter), gguf (merged, llama.cpp) or gguf-adapter",
+        ),
+    ],
     out: Annotated[Path, typer.Option(help="output directory")],
     dtype: Annotated[str, typer.Option(help="merged weights dtype")] = "bfloat16",
     overwrite: bool = False,
@@ -82,12 +88,18 @@ def export(
     check: Annotated[
         bool, typer.Option(help="merged: compare greedy outputs with the run in float32")
     ] = True,
+    quant: Annotated[
+        str, typer.Option(help="--format gguf: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0")
+    ] = "f16",
 ) -> None:
-    """Export a run's checkpoint: merged Hugging Face weights, or a PEFT LoRA adapter."""
+    """Export a run's checkpoint: merged Hugging Face weights, a PEFT LoRA adapter, or GGUF (the
+    merged model, or the adapter for llama-server --lora) with an Ollama Modelfile."""
     from featherweight.train.export_check import merged_output_check, qlora_note
     from featherweight.train.export_run import export_run, locate, read_run_config
 
-    written = export_run(run, format_, out, dtype=dtype, overwrite=overwrite, base_model=base_model)
+    written = export_run(
+        run, format_, out, dtype=dtype, overwrite=overwrite, base_model=base_model, quant=quant
+    )
     console.print(f"wrote {written}")
     notes = []
     if format_ == "peft" and read_run_config(locate(run)[0]).method == "qlora":

@@ -59,12 +59,14 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         pad_token: str | None = None,
+        gguf_pre: str | None = None,
     ) -> None:
         self.backend = backend
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.pad_token = pad_token
+        self.gguf_pre = gguf_pre  # a GGUF file's `tokenizer.ggml.pre`, kept for writing GGUF again
 
     @property
     def vocab_size(self) -> int:
@@ -319,4 +321,5 @@ def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> Tokenizer:
         bos_token=bos,
         eos_token=eos,
         pad_token=token_of("padding_token_id"),
+        gguf_pre=fields.get("tokenizer.ggml.pre"),
     )

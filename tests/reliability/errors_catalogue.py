@@ -116,7 +116,10 @@ meshes | mesh axis of size 0 | `mesh: {data: 0}` | ConfigError | a mesh axis is 
 exports | convert to an integer dtype | `convert MODEL --dtype int8` | ConfigError | weights are floating point: use float32, float16 or bfloat16
 exports | run with a relative model path | a run whose config.yaml names its model as `models/base` | ExportError | set model.path in the run's config.yaml to the absolute path
 checkpoints | base model changed since the run | the model at the run's model.path replaced by another | ModelChangedError | the checkpoints are intact: put the original model back, or start a new run
-exports | unknown export format | `--format gguf` | ExportError | use merged or peft
+exports | unknown export format | `--format onnx` | ExportError | use merged, peft, gguf or gguf-adapter
+exports | GGUF type featherweight does not write | `export --format gguf --quant q4_k_m` | ConfigError | lists the types written (f32 ... q4_0); K-quants via llama.cpp's llama-quantize
+checkpoints | GGUF tensor type that cannot be dequantized | a weight stored as I32 | UnsupportedModelError | names the tensor, its type and the types supported: upgrade gguf or use another file
+checkpoints | GGUF of an unsupported architecture | `general.architecture: gemma3` | UnsupportedModelError | names the architecture and the supported ones (llama, qwen2)
 exports | PEFT export of a full fine-tune | `--format peft` on a `method: full` run | ExportError | use --format merged
 exports | merged export to an integer dtype | `--dtype int8` | ExportError | use bfloat16, float16 or float32
 exports | disk full while exporting | the disk fills while shards are written | DiskFullError | the partial copy is removed, nothing is written: free space and rerun
