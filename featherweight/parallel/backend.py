@@ -17,6 +17,7 @@ With a driver present nothing changes: a GPU machine starts its GPU.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import ctypes.util
 import importlib.util
 import os
@@ -72,6 +73,11 @@ def quiet_cuda_plugin() -> None:
     with native_stderr_silenced():
         import jax  # noqa: F401
 
-        # the extension the plugin loads when the backends start: imported (and logged) now
+        # what the plugin loads when the backends start (its extension and its PJRT library):
+        # loaded, and logged, now; the later loads find them loaded
         with contextlib.suppress(ImportError):
             importlib.import_module(PLUGIN_EXTENSION)
+        spec = importlib.util.find_spec(CUDA_PLUGIN)
+        library = os.path.join(os.path.dirname(spec.origin), "xla_cuda_plugin.so")
+        with contextlib.suppress(OSError):
+            ctypes.CDLL(library)
