@@ -9,11 +9,16 @@ A save that fails for lack of space or permission removes its partial temporary 
 error naming the checkpoint that is intact.
 
 The array state is stored as a flat list of leaves; the structure comes back from the abstract
-state the run builds anyway (any optax state, NF4 or not, restores without registration).
+state the run builds anyway (any optax state, NF4 or not, restores without registration). Each
+leaf is restored into the memory its target names and never passes through another: a device
+leaf is read onto the device; a host-resident leaf (optimizer state, embedding on the host) is
+read into a NumPy array and placed in pinned host memory from there. (Orbax restoring straight
+into a `pinned_host` sharding gives XLA:CPU arrays that abort the next step.)
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,10 @@ from featherweight.errors import CorruptCheckpointError
 from featherweight.io.atomic import write_failure
 
 DELETING_DIR = ".deleting"  # old checkpoints are renamed here, then removed
+# orbax warns on every read-only open (export, generate RUN_DIR) about its own option changes
+logging.getLogger("absl").addFilter(
+    lambda note: "read only" not in note.getMessage().replace("_", " ")
+)
 
 
 class Checkpointer:
@@ -110,27 +119,29 @@ class Checkpointer:
                 f"checkpoint {self.directory / str(step)} holds {len(leaves)} arrays, this run "
                 f"expects {len(abstract_leaves)}; it belongs to another configuration"
             )
-        leaves = [_place_like(value, leaf) for value, leaf in zip(leaves, abstract_leaves)]
+        leaves = [_place_on_host(value, leaf) for value, leaf in zip(leaves, abstract_leaves)]
         return jax.tree.unflatten(treedef, leaves), dict(restored["metadata"])
 
     def close(self) -> None:
         self.manager.close()
 
 
+def _on_host(leaf: Any) -> bool:
+    return getattr(getattr(leaf, "sharding", None), "memory_kind", None) not in (None, "device")
+
+
 def _restore_target(leaf: Any) -> Any:
-    """A restore target for one leaf: its shape, dtype and (single-device default) sharding, in
-    device memory (host-resident leaves are moved to the host after reading: see `restore`)."""
+    """A restore target for one leaf: a host-resident leaf as a NumPy array (an untouched
+    `np.empty`: no pages are written until the restore fills them), any other as its shape, dtype
+    and sharding (single-device default without one)."""
+    if _on_host(leaf):
+        return np.empty(np.shape(leaf), leaf.dtype)
     sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
         jax.devices()[0]
     )
-    if getattr(sharding, "memory_kind", None) not in (None, "device"):
-        sharding = sharding.with_memory_kind("device")
     return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
 
 
-def _place_like(restored: Any, leaf: Any) -> Any:
-    """`restored` moved to the memory `leaf` lives in (pinned host for host-resident state)."""
-    sharding = getattr(leaf, "sharding", None)
-    if getattr(sharding, "memory_kind", None) in (None, "device"):
-        return restored
-    return jax.device_put(restored, sharding)
+def _place_on_host(restored: Any, leaf: Any) -> Any:
+    """A host-resident leaf's restored NumPy array put in the host memory `leaf` names."""
+    return jax.device_put(restored, leaf.sharding) if _on_host(leaf) else restored
