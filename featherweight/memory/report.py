@@ -83,6 +83,10 @@ def comparison_notes(plan: MemoryPlan, measurement: MemoryMeasurement | None) ->
         notes += [f"derived: {text}" for text in measurement.derived]
         return notes
     notes.append(
+        "diff: (planned - measured) / measured; + means the plan is above what the compiled "
+        "step uses, - below it"
+    )
+    notes.append(
         f"measured: compiled.memory_analysis() on {measurement.platform} "
         f"({measurement.compile_seconds:.1f} s compile)"
     )
