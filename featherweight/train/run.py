@@ -17,8 +17,9 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import yaml
@@ -27,7 +28,7 @@ from featherweight.data.demo_task import invented_world, write_training_data
 from featherweight.data.iterator import DataIterator
 from featherweight.data.records import Dataset
 from featherweight.data.sources import is_dataset_name
-from featherweight.errors import ModelChangedError, ModelConfigError, OutputExistsError
+from featherweight.errors import BudgetError, ModelChangedError, ModelConfigError, OutputExistsError
 from featherweight.io.atomic import atomic_write_text, probe_writable
 from featherweight.io.embedded_model import cache_dir, require_demo_model
 from featherweight.io.loader import load_model, open_checkpoint
@@ -223,6 +224,43 @@ def check_tokenizer_fits(
         )
 
 
+class DeviceCapacity(NamedTuple):
+    """One local device's memory: how many bytes, read from where, and whether host-placed
+    parts share it (a CPU backend's "device" is the host)."""
+
+    bytes: int
+    source: str
+    holds_host: bool
+
+
+def device_capacity() -> DeviceCapacity | None:
+    """The allocator's limit on an accelerator; the machine's physical memory on a CPU backend."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return DeviceCapacity(int(stats["bytes_limit"]), "memory_stats bytes_limit", False)
+    if device.platform == "cpu":
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return DeviceCapacity(physical, "physical memory of the CPU backend", True)
+    return None
+
+
+def check_plan_fits(plan, capacity: DeviceCapacity | None) -> None:
+    """Refuse a run whose planned step needs more memory than the device has (an absurd
+    batch_size or seq_len): it would fail after loading and compiling -- or take the machine's
+    memory first -- instead of now."""
+    if plan is None or capacity is None:
+        return
+    needed = plan.device_bytes + (plan.host_bytes if capacity.holds_host else 0)
+    if needed > capacity.bytes:
+        raise BudgetError(
+            f"the memory plan needs {needed / 2**30:.2f} GiB but the device has "
+            f"{capacity.bytes / 2**30:.2f} GiB ({capacity.source}); lower batch_size or "
+            f"data.seq_len, or set memory.budget (e.g. {max(capacity.bytes // 2**30, 1)}GiB) to "
+            "let the planner fit the step"
+        )
+
+
 def load_weights(config: TrainConfig, model_path: Path) -> Model:
     quantize = "nf4" if config.method == "qlora" else None
     return load_model(
@@ -309,6 +347,7 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     plan = None
     if plan_fn is not None:
         config, plan = plan_fn(config, model_config)
+        check_plan_fits(plan, device_capacity())
     check_step_settings(config)
     mesh = mesh_from_settings(config.mesh)
     if mesh is not None:

@@ -338,6 +338,12 @@ def huge_seed(env: Env) -> Action:
     return train(env, seed=2**64)
 
 
+@case("batch larger than the device", r"the memory plan needs [\d.]+ GiB but the device has "
+      r"[\d.]+ GiB", r"lower batch_size or data\.seq_len, or set memory\.budget")  # fmt: skip
+def batch_beyond_the_device(env: Env) -> Action:
+    return train(env, batch_size=10**7)
+
+
 # --- faults while a run writes its last files ---------------------------------------------------
 
 

@@ -109,6 +109,7 @@ data | every line bad with --skip-bad | two bad lines and --skip-bad | DataError
 data | eval split larger than the data | one example and `eval_fraction: 0.5` | DataError | add examples or set eval_fraction to 0
 data | example longer than a row | `overflow: error` with `seq_len: 8` | DataError | names file:line and the lengths: raise seq_len, shorten, or truncate
 budgets | budget that is not a size | `memory.budget: 8 gigs` | ConfigError | write a number and a unit, e.g. 8GiB
+budgets | batch larger than the device | `batch_size: 10000000` without a budget | BudgetError | names the planned and the available memory (before any weight is read): lower batch_size or seq_len, or set memory.budget
 budgets | budget nothing fits | `memory.budget: 1MiB` | BudgetError | names the shortfall and largest component, and what would fit
 meshes | mesh that does not fill the devices | `mesh: {data: 3, fsdp: 3}` on 8 devices | ShardingError | names both sizes and a mesh that works
 meshes | batch that does not split over the mesh | `batch_size: 3` on a 2 x 4 mesh | ShardingError | use a batch_size whose global batch is a multiple of 8

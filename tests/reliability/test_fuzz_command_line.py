@@ -29,7 +29,7 @@ from featherweight.cli.main import app
 from featherweight.recipe.schema import TrainConfig
 
 QUICK = settings(
-    max_examples=40,
+    max_examples=100,
     derandomize=True,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
