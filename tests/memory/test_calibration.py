@@ -137,3 +137,25 @@ def test_a_held_out_gpu_measurement_is_todays_compiler():
     measured = measure_for_target(config, model, "h100")
     drift = percent_difference(measured.device_bytes, record["device_bytes"])
     assert abs(drift) <= 2.0, f"the compiler changed ({drift:+.1f}%): re-run the calibration"
+
+
+GPU_F32_KEY = "xla-gpu/float32"
+GPU_F32 = json.loads(calibrate.calibration_path().read_text())["calibrations"].get(GPU_F32_KEY)
+# percent, held-out device error of the float32 step compiled for the H100: worst 20.2 (S 4096,
+# the S x S scores planned low), median 2
+GPU_F32_WORST, GPU_F32_MEDIAN = 21.0, 5.0
+
+
+@pytest.mark.skipif(GPU_F32 is None, reason=f"no {GPU_F32_KEY} calibration yet")
+def test_the_gpu_float32_calibration_refits_and_holds_on_its_held_out_grid():
+    assert GPU_F32["target"] == "h100" and GPU_F32["dtype"] == "float32"
+    assert calibrate.fit(GPU_F32["fit_measurements"]) == GPU_F32["counts"]
+
+    def errors(counts):
+        rows = calibrate.errors_of(GPU_F32["held_out_measurements"], counts)
+        return sorted(abs(row["device_error"]) for row in rows)
+
+    fitted = errors(GPU_F32["counts"])
+    assert fitted[-1] <= GPU_F32_WORST and fitted[len(fitted) // 2] <= GPU_F32_MEDIAN, fitted
+    # negative control: XLA:CPU's counts, the fallback without this fit, miss the median
+    assert errors(ENTRY["counts"])[len(fitted) // 2] > GPU_F32_MEDIAN
