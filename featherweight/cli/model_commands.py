@@ -141,7 +141,8 @@ def plan(
                 "residuals": "host" if "residuals" in offloaded else "device",
                 "optimizer_state": "host" if "optimizer_state" in offloaded else "device",
                 "embed": "host" if "embed" in offloaded else "device",
-                "loss_chunk": loss_chunk,
+                # unset: chosen from the shapes (memory/defaults.py)
+                **({} if loss_chunk is None else {"loss_chunk": loss_chunk}),
                 "vocab_chunk": vocab_chunk,
                 "mlp_chunk": mlp_chunk,
                 "attention": attention,

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 import jax
 
 from featherweight.errors import BudgetError, ConfigError
+from featherweight.memory.defaults import with_lean_defaults
 from featherweight.memory.plan import MemoryPlan, plan_for_config
 from featherweight.models.config import ModelConfig
 from featherweight.parallel.sharding import planning_mesh
@@ -261,6 +262,7 @@ def fit_budget(
     order of `PREFERENCE` only as far as needed. Raises `BudgetError` when nothing fits."""
     if budget_bytes <= 0:
         raise ConfigError(f"budget of {budget_bytes} bytes must be positive, e.g. 8GiB")
+    config = with_lean_defaults(config, model_config)
     fitted, plan = _search(config, model_config, budget_bytes)
     if plan.device_bytes <= budget_bytes:
         return fitted, plan
@@ -285,5 +287,6 @@ def plan_within_budget(
 ) -> tuple[TrainConfig, MemoryPlan]:
     """The trainer's planning step: fit `memory.budget` when set, else plan the config as is."""
     if config.memory.budget is None:
+        config = with_lean_defaults(config, model_config)
         return config, plan_for_config(config, model_config)
     return fit_budget(config, model_config, parse_budget(config.memory.budget))
