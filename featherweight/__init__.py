@@ -7,13 +7,19 @@ Public API (pure functions over pytrees; frozen and trainable parameters always 
 - adapters and quantization: `LoraConfig`, `init_lora`, `quantize_frozen_base`, `NF4Tensor`
 - steps: `build_streamed_step` (optimizer inside the backward pass), `build_reference_step`
   (`jax.grad`), `init_streamed_opt_state`, `MemoryPolicy`, `Batch`, `adamw_8bit`
-- training: `TrainConfig`, `load_config`, `train`, `export_run`, `export_merged`, `export_peft`
+- training: `TrainConfig`, `load_config`, `train`, `export_run`, `export_merged`, `export_peft`,
+  `export_merged_gguf`, `export_adapter_gguf` (llama.cpp / Ollama)
 - memory: `plan_for_config`, `fit_budget`, `measure_compiled`, `measure_device_peak`
 """
+
+from featherweight.parallel.backend import quiet_cuda_plugin
+
+quiet_cuda_plugin()  # before jax is imported: see featherweight/parallel/backend.py
 
 from featherweight import errors
 from featherweight.inference.generate import generate, generate_ids, logits
 from featherweight.io.convert import convert
+from featherweight.io.gguf_export import export_adapter_gguf, export_merged_gguf
 from featherweight.io.loader import load_model, open_checkpoint, params_nbytes
 from featherweight.io.model_source import model_config_from
 from featherweight.io.peft_export import export_merged, export_peft
@@ -56,7 +62,9 @@ __all__ = [
     "convert",
     "dequantize_nf4",
     "errors",
+    "export_adapter_gguf",
     "export_merged",
+    "export_merged_gguf",
     "export_peft",
     "export_run",
     "fit_budget",

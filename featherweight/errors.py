@@ -2,9 +2,17 @@
 
 Every message names the offending value, what was expected, and what to do about it. The CLI turns
 any `FeatherweightError` into a one-line message and exit code 2, before any expensive work starts.
+At the end, the two checks every reader of an input file goes through (`check_input_file`,
+`read_input_text`), so a FIFO, a link loop, a file without read permission or bytes that are not
+UTF-8 are named as what they are, with the path, instead of surfacing as an OS exception.
 """
 
 from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
 
 
 class FeatherweightError(Exception):
@@ -12,6 +20,11 @@ class FeatherweightError(Exception):
 
 
 # --- paths and files --------------------------------------------------------------------------
+
+
+class InputFileError(FeatherweightError, OSError):
+    """An input path that cannot be read as a file: no permission, not UTF-8 text, a symbolic
+    link loop, a FIFO or device where a regular file is expected, a file where a directory is."""
 
 
 class CheckpointNotFoundError(FeatherweightError, FileNotFoundError):
@@ -87,7 +100,7 @@ class QuantizationError(FeatherweightError, ValueError):
 
 
 class StepConfigError(ConfigError):
-    """A train-step setting that cannot work (optimizer, policy, accumulation with fused update)."""
+    """A train-step setting that cannot work (optimizer, policy, clipping or accumulation)."""
 
 
 class BudgetError(FeatherweightError):
@@ -112,3 +125,57 @@ class ModelChangedError(FeatherweightError):
 
 class TrainingDivergedError(FeatherweightError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+# --- reading input files ----------------------------------------------------------------------
+
+
+def input_file_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be read as a regular file, in words; None when it can. Asked before
+    opening: opening a FIFO would block until someone writes to it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "is a broken symbolic link" if os.path.islink(path) else "does not exist"
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return "is a symbolic link loop"
+        if error.errno == errno.ENOTDIR:
+            return "does not exist (a part of the path is a file, not a directory)"
+        return f"cannot be read ({error.strerror})"
+    if stat.S_ISDIR(mode):
+        return "is a directory"
+    if stat.S_ISFIFO(mode):
+        return "is a FIFO (named pipe), not a regular file"
+    if not stat.S_ISREG(mode):
+        return "is a device or socket, not a regular file"
+    return None
+
+
+def check_input_file(
+    path: str | Path, what: str, fix: str, missing: type[FeatherweightError]
+) -> Path:
+    """`path` when it is a regular file. A missing path or a directory raises `missing` (the
+    caller's type: a config, a dataset, a model); a FIFO, a device or a link loop `InputFileError`."""
+    problem = input_file_problem(path)
+    if problem is None:
+        return Path(path)
+    expected = problem.startswith("does not exist") or problem == "is a directory"
+    raise (missing if expected else InputFileError)(f"{what} {path} {problem}; {fix}")
+
+
+def read_input_text(path: str | Path, what: str) -> str:
+    """The UTF-8 text of the input file `path`; an unreadable file or bytes that are not UTF-8
+    raise `InputFileError` naming `what`, the path and the fix."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise InputFileError(
+            f"{what} {path} is not UTF-8 text ({error.reason} at byte {error.start}); save it "
+            "as UTF-8"
+        ) from None
+    except OSError as error:
+        raise InputFileError(
+            f"{what} {path} cannot be read ({error.strerror or error}); check that it is a file "
+            "you may read"
+        ) from None

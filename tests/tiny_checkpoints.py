@@ -13,6 +13,8 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType, quants
 
+from tests.kquant_encoder import ENCODERS, quantize_k
+
 VOCAB = 256
 SIZES = dict(
     vocab_size=VOCAB,
@@ -164,10 +166,13 @@ def write_gguf(
     tensor_type: GGMLQuantizationType = GGMLQuantizationType.F32,
     architecture: str | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
+    type_of=None,
 ) -> Path:
     """Write `model` as llama.cpp would: 2-D weights in `tensor_type`, norms and biases in F32.
 
-    `architecture` overrides `general.architecture` (to test refusal of other architectures).
+    `architecture` overrides `general.architecture` (to test refusal of other architectures);
+    `type_of(gguf_name)`, when given, picks each 2-D weight's type (mixes such as Q4_K_M). K-quant
+    types are written with the test encoder of tests/kquant_encoder.py.
     """
     config = model.config
     arch = architecture or ("qwen2" if config.model_type == "qwen2" else "llama")
@@ -198,13 +203,15 @@ def write_gguf(
             values = llama_cpp_permute(values, config.num_attention_heads)
         if arch == "llama" and hf_name.endswith("k_proj.weight"):
             values = llama_cpp_permute(values, config.num_key_value_heads)
-        if values.ndim == 1 or tensor_type == GGMLQuantizationType.F32:
+        kind = tensor_type if type_of is None else type_of(_gguf_name(hf_name))
+        if values.ndim == 1 or kind == GGMLQuantizationType.F32:
             writer.add_tensor(_gguf_name(hf_name), values)
-        elif tensor_type == GGMLQuantizationType.F16:
-            writer.add_tensor(_gguf_name(hf_name), values.astype(np.float16))
+        elif kind in (GGMLQuantizationType.F16, GGMLQuantizationType.I32):
+            dtype = np.float16 if kind == GGMLQuantizationType.F16 else np.int32
+            writer.add_tensor(_gguf_name(hf_name), values.astype(dtype))
         else:
-            packed = quants.quantize(values, tensor_type)
-            writer.add_tensor(_gguf_name(hf_name), packed, raw_dtype=tensor_type)
+            packed = quantize_k(values, kind) if kind in ENCODERS else quants.quantize(values, kind)
+            writer.add_tensor(_gguf_name(hf_name), packed, raw_dtype=kind)
     for name, values in (extra_tensors or {}).items():
         writer.add_tensor(name, values)
     writer.write_header_to_file()
@@ -219,3 +226,38 @@ def hf_from_gguf(path: Path) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
+
+
+def save_byte_level_tokenizer(directory: Path) -> Path:
+    """Write a 256-token byte-level BPE tokenizer (tokenizer.json) into an HF model directory: the
+    vocabulary the tiny GGUF files carry."""
+    from featherweight.io.tokenizer import tokenizer_from_gguf_fields
+
+    tokenizer = tokenizer_from_gguf_fields(
+        {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.tokens": _byte_level_tokens(),
+            "tokenizer.ggml.token_type": [TokenType.NORMAL] * VOCAB,
+            "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2,
+        }
+    )
+    tokenizer.save(Path(directory))
+    return Path(directory)
+
+
+def with_weights_through(
+    model: torch.nn.Module, tensor_type: GGMLQuantizationType
+) -> torch.nn.Module:
+    """A copy of `model` whose 2-D weights went through `tensor_type` and back (what a GGUF file
+    of that type holds): the reference a quantized export is compared with."""
+    import copy
+
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in rounded.parameters():
+            if parameter.ndim == 2:
+                values = parameter.detach().float().numpy()
+                back = quants.dequantize(quants.quantize(values, tensor_type), tensor_type)
+                parameter.copy_(torch.from_numpy(np.asarray(back, dtype=np.float32)))
+    return rounded

@@ -11,16 +11,18 @@ from typing import Annotated
 
 import typer
 
+from featherweight.cli.chat_commands import chat
 from featherweight.cli.model_commands import convert, generate, plan, setup
-from featherweight.cli.output import set_debug
+from featherweight.cli.output import OneLineErrors, set_debug
 from featherweight.cli.train_commands import demo, export, train
 
 app = typer.Typer(
+    cls=OneLineErrors,
     add_completion=False,
     no_args_is_help=True,
     help="Fine-tune LLMs in JAX inside a memory budget: LoRA, QLoRA and full fine-tuning.",
 )
-for command in (setup, generate, convert, plan, train, demo, export):
+for command in (setup, generate, chat, convert, plan, train, demo, export):
     app.command()(command)
 
 

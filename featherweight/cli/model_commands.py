@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from featherweight.cli.output import console, friendly_errors
+from featherweight.cli.output import console, finite, friendly_errors, new_file, positive
+from featherweight.models.registry import builtin_names
 
 DEFAULT_PROMPT = "Write one sentence about why the sky is blue."
+PLANNED_DEVICES = 4096  # virtual CPU devices plan may ask JAX for (--mesh on a CPU machine)
 
 
 def _model_path(model: str | None) -> Path:
@@ -31,22 +34,29 @@ def setup() -> None:
 @friendly_errors
 def generate(
     model: Annotated[
-        str | None, typer.Argument(help="HF directory or .gguf; default: demo model")
+        str | None,
+        typer.Argument(help="HF directory, .gguf, or a training run's directory; default: demo"),
     ] = None,
     prompt: Annotated[str, typer.Option(help="Text to continue or answer.")] = DEFAULT_PROMPT,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
-    seed: int = 0,
+    temperature: Annotated[float, typer.Option(min=0.0, callback=finite, help="0 = greedy.")] = 0.0,
+    seed: Annotated[int, typer.Option(min=0, max=2**32 - 1)] = 0,
     dtype: Annotated[str | None, typer.Option(help="float32 or bfloat16")] = None,
     chat: Annotated[
         bool | None, typer.Option(help="Use the chat template (default: if any)")
     ] = None,
 ) -> None:
-    """Generate text with a KV cache (greedy by default), via the chat template when present."""
+    """Generate text with a KV cache (greedy by default), via the chat template when present.
+
+    A run directory generates with its latest checkpoint (base + adapters, no export needed)."""
     from featherweight.inference.generate import generate as generate_text
     from featherweight.io.loader import load_model
+    from featherweight.train.run_model import is_run_dir, load_run_model
 
-    loaded = load_model(_model_path(model), dtype=dtype)
+    if model is not None and is_run_dir(model):
+        loaded, _ = load_run_model(model)
+    else:
+        loaded = load_model(_model_path(model), dtype=dtype)
     console.print(f"[dim]model: {loaded.source} ({loaded.config.num_layers} layers)[/]")
     console.print(f"[bold]prompt:[/] {prompt}")
     start = time.perf_counter()
@@ -59,23 +69,42 @@ def generate(
 @friendly_errors
 def convert(
     source: Annotated[str, typer.Argument(help="GGUF file or HF directory")],
-    out: Annotated[Path, typer.Option(help="Output HF directory")],
+    out: Annotated[Path, typer.Option(help="Output directory")],
     dtype: Annotated[str | None, typer.Option(help="cast tensors, e.g. bfloat16")] = None,
     overwrite: bool = False,
-    max_shard_gib: Annotated[float, typer.Option(help="shard size in GiB")] = 2.0,
+    max_shard_gib: Annotated[
+        float, typer.Option(callback=positive, help="shard size in GiB")
+    ] = 2.0,
+    to: Annotated[str, typer.Option(help="hf (transformers) or gguf (llama.cpp, Ollama)")] = "hf",
+    quant: Annotated[
+        str, typer.Option(help="GGUF type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0")
+    ] = "f16",
 ) -> None:
-    """Convert a checkpoint into a Hugging Face directory that transformers loads."""
+    """Convert a checkpoint into a Hugging Face directory that transformers loads, or (--to gguf)
+    a GGUF file llama.cpp runs with an Ollama Modelfile beside it."""
     from featherweight.io.convert import convert as convert_checkpoint
 
     written = convert_checkpoint(
-        source, out, dtype=dtype, overwrite=overwrite, max_shard_bytes=int(max_shard_gib * 1024**3)
+        source,
+        out,
+        dtype=dtype,
+        overwrite=overwrite,
+        max_shard_bytes=int(max_shard_gib * 1024**3),
+        to=to,
+        quant=quant,
     )
     console.print(f"wrote {written}")
 
 
 @friendly_errors
 def plan(
-    model: Annotated[str, typer.Argument(help="dir with config.json, .gguf, or built-in name")],
+    model: Annotated[
+        str,
+        typer.Argument(
+            help=f"dir with config.json, .gguf, or a built-in name: {builtin_names()}",
+            show_default=False,
+        ),
+    ],
     method: Annotated[str, typer.Option(help="full, lora or qlora")] = "qlora",
     batch: Annotated[int, typer.Option(help="micro-batch size")] = 2,
     seq: Annotated[int, typer.Option(help="sequence length")] = 2048,
@@ -98,25 +127,49 @@ def plan(
     quantize_head: Annotated[bool, typer.Option(help="QLoRA: NF4 LM head")] = False,
     measure: Annotated[bool, typer.Option(help="compile the step on abstract shapes")] = True,
     json_output: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
-    plot: Annotated[Path | None, typer.Option(help="stacked bar chart, e.g. plan.png")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(callback=new_file, help="stacked bar chart, e.g. plan.png")
+    ] = None,
     mesh: Annotated[
         str | None, typer.Option(help="devices, e.g. fsdp=8 or data=2,fsdp=4: bytes per device")
+    ] = None,
+    target: Annotated[
+        str | None,
+        typer.Option(
+            help="the device to plan and compile for: h100, h200, a100-80gb, a100-40gb, l40s, "
+            "l4, rtx4090, rtx3090 (XLA's GPU compiler, no GPU needed) or cpu; default: this "
+            "machine's backend"
+        ),
     ] = None,
 ) -> None:
     """Plan every byte of a train step before compiling; measure the compiled step next to it."""
     import json
 
+    from featherweight.errors import ConfigError, ShardingError
+    from featherweight.memory.targets import get_target, require_gpu_compiler
     from featherweight.parallel.sharding import parse_mesh, request_cpu_devices, requested_devices
 
+    chosen = None if target is None else get_target(target)
+    if chosen is not None and chosen.platform == "gpu":
+        if mesh is not None:
+            raise ConfigError(
+                f"--target {chosen.name} compiles for one device; drop --mesh (a mesh is planned "
+                "per device of this machine's virtual CPU devices)"
+            )
+        if measure:
+            require_gpu_compiler(chosen)
     mesh_settings = None if mesh is None else parse_mesh(mesh)
+    if mesh_settings is not None and (requested_devices(mesh_settings) or 0) > PLANNED_DEVICES:
+        raise ShardingError(
+            f"--mesh {mesh!r} names {requested_devices(mesh_settings)} devices; plan compiles "
+            f"on up to {PLANNED_DEVICES} (virtual) devices -- plan a smaller mesh: bytes per "
+            "device depend on the axis sizes, not on how many replicas run"
+        )
     if mesh_settings is not None and requested_devices(mesh_settings):
         request_cpu_devices(requested_devices(mesh_settings))  # a CPU-only machine compiles it too
 
-    from featherweight.errors import ConfigError
     from featherweight.io.model_source import model_config_from
-    from featherweight.memory.budget import describe_changes, fit_budget, parse_budget
-    from featherweight.memory.measure import measure_compiled
-    from featherweight.memory.plan import plan_for_config
+    from featherweight.memory.budget import describe_changes, parse_budget
     from featherweight.memory.report import plot_plan, print_report, report_json
     from featherweight.recipe.schema import parse_config
 
@@ -151,17 +204,60 @@ def plan(
         source="plan options",
     )
     model_config = model_config_from(model)
-    if budget_bytes is None:
-        config, memory_plan = requested, plan_for_config(requested, model_config)
-    else:
-        config, memory_plan = fit_budget(requested, model_config, budget_bytes)
+    config, memory_plan, measurement, judged = _plan_on_target(
+        requested, model_config, chosen, budget_bytes, measure
+    )
     changes = describe_changes(requested, config)
-    measurement = measure_compiled(config, model_config) if measure else None
     if plot is not None:
         plot_plan(memory_plan, measurement, plot, budget_bytes)
     if json_output:
-        typer.echo(json.dumps(report_json(memory_plan, measurement, changes), indent=2))
+        report = report_json(memory_plan, measurement, changes, judged)
+        typer.echo(json.dumps(report, indent=2))
         return
+    if judged is not None:
+        console.print(f"[bold]{judged.line}[/]", highlight=False)
     print_report(memory_plan, measurement, console, changes)
+    if judged is not None:
+        console.print(f"[dim]note: {judged.limit_note}[/]", highlight=False)
     if plot is not None:
         console.print(f"plot: {plot}")
+
+
+def _plan_on_target(requested, model_config, target, budget_bytes, measure):
+    """(config, plan, measurement, verdict) for `target` (None: this machine's backend): the
+    plan with the target compiler's calibration, fitted to the budget when one is given; the
+    step compiled for the target; and, where the plan does not fit a GPU, the settings the
+    budget search would pick as an option."""
+    from featherweight.errors import BudgetError
+    from featherweight.memory.budget import describe_changes, fit_budget
+    from featherweight.memory.measure import measure_compiled, measure_for_target
+    from featherweight.memory.plan import plan_for_config
+    from featherweight.memory.targets import usable_bytes
+    from featherweight.memory.verdict import verdict
+    from featherweight.memory.working_set import calibration_for
+
+    compiler = None if target is None else f"xla-{target.platform}"
+    with calibration_for(compiler) if compiler else contextlib.nullcontext():
+        if budget_bytes is None:
+            config, memory_plan = requested, plan_for_config(requested, model_config)
+        else:
+            config, memory_plan = fit_budget(requested, model_config, budget_bytes)
+        usable = None if target is None else usable_bytes(target)
+        options = []
+        if budget_bytes is None and usable is not None and memory_plan.device_bytes > usable:
+            try:
+                fitted, _ = fit_budget(requested, model_config, usable)
+                options.append(
+                    f"--budget {usable / 2**30:.2f}GiB picks "
+                    + ", ".join(describe_changes(requested, fitted))
+                )
+            except BudgetError:
+                options.append("a GPU with more memory, a shorter sequence or a lighter method")
+    if not measure:
+        measurement = None
+    elif target is None:
+        measurement = measure_compiled(config, model_config)
+    else:
+        measurement = measure_for_target(config, model_config, target.name)
+    judged = verdict(memory_plan, target, budget_bytes, measurement, options)
+    return config, memory_plan, measurement, judged

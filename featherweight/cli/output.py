@@ -3,7 +3,9 @@
 Every command runs inside `friendly_errors`:
 - featherweight's typed errors, and the errors a bad input raises from below (a file that cannot
   be read, bytes that are not UTF-8, a value that is not valid) become one plain line on stderr
-  and exit code 2;
+  and exit code 2 (named `InputFileError` or `ConfigError`, the typed errors they are);
+- an option of the wrong type or out of its range (`--steps 0`, `--batch abc`) is refused by
+  typer before the command runs; `OneLineErrors` prints that as the same one line, exit code 2;
 - anything else is a bug in featherweight: one line that says so and where to report it, exit
   code 1; `featherweight --debug ...` shows the traceback instead.
 User text (paths, values) is printed as it is, never read as rich markup: a file named
@@ -13,8 +15,12 @@ User text (paths, values) is printed as it is, never read as rich markup: a file
 from __future__ import annotations
 
 import functools
+import math
+import sys
+from pathlib import Path
 
 import typer
+import typer.core
 import yaml
 from rich.console import Console
 from rich.text import Text
@@ -57,14 +63,14 @@ def friendly_errors(command):
             _print_error(type(error).__name__, str(error))
             raise typer.Exit(code=2) from None
         except UnicodeDecodeError as error:
-            _print_error("InputError", f"a file is not UTF-8 text ({error.reason} at byte "
+            _print_error("InputFileError", f"a file is not UTF-8 text ({error.reason} at byte "
                          f"{error.start}); save it as UTF-8")  # fmt: skip
             raise typer.Exit(code=2) from None
         except OSError as error:
-            _print_error("InputError", _describe_os_error(error))
+            _print_error("InputFileError", _describe_os_error(error))
             raise typer.Exit(code=2) from None
         except (ValueError, yaml.YAMLError) as error:  # pydantic's, json's and yaml's errors
-            _print_error("InputError", f"{type(error).__name__}: {error}")
+            _print_error("ConfigError", f"{type(error).__name__}: {error}")
             raise typer.Exit(code=2) from None
         except Exception as error:
             if _debug:
@@ -78,3 +84,65 @@ def friendly_errors(command):
             raise typer.Exit(code=1) from None
 
     return wrapper
+
+
+# --- option checks (typer callbacks: they run while the options are parsed, before the command) --
+
+
+def finite(value: float | None) -> float | None:
+    """A number option that must be finite (typer's `min`/`max` let `inf` through)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def positive(value: float | None) -> float | None:
+    """A finite number option that must be greater than 0."""
+    if finite(value) is not None and value <= 0:
+        raise typer.BadParameter(f"{value} is not greater than 0")
+    return value
+
+
+def path_text(value: str | None) -> str | None:
+    """A path option given as text: not empty (an empty path would mean the current directory)."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("the path is empty; give a directory, e.g. runs/demo")
+    return value
+
+
+def new_file(value: Path | None) -> Path | None:
+    """An output file option: not a directory, in a directory that exists (checked before the
+    work whose result it holds)."""
+    if value is None:
+        return value
+    if not str(value).strip():
+        raise typer.BadParameter("the path is empty; give a file name, e.g. plan.png")
+    if value.is_dir():
+        raise typer.BadParameter(f"{value} is a directory; give a file name inside it")
+    if not value.expanduser().absolute().parent.is_dir():
+        raise typer.BadParameter(f"the directory of {value} does not exist; create it first")
+    return value
+
+
+class OneLineErrors(typer.core.TyperGroup):
+    """The app's command group: a usage error (an unknown option, an option value of the wrong
+    type or out of range, a missing argument) is one plain line and exit code 2, like every other
+    refused input, instead of click's boxed usage text."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            result = super().main(args, prog_name, complete_var, False, **extra)
+        except typer.TyperException as error:  # typer's (vendored click's) usage errors
+            if type(error).__name__ == "NoArgsIsHelpError":
+                error.show()  # no arguments at all: the help is the answer
+                sys.exit(2)
+            context = getattr(error, "ctx", None)
+            command = context.command_path if context is not None else "featherweight"
+            _print_error("ConfigError", f"{error.format_message()} (see {command} --help)")
+            sys.exit(2)
+        except typer.Abort:
+            error_console.print("aborted", highlight=False)
+            sys.exit(1)
+        sys.exit(result if isinstance(result, int) else 0)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from featherweight.cli.output import console, friendly_errors
+from featherweight.cli.output import console, friendly_errors, path_text
 
 
 @friendly_errors
@@ -18,7 +18,7 @@ def train(
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="replace another run in output_dir")] = False,
     skip_bad: Annotated[
-        bool, typer.Option("--skip-bad", help="skip (and count) bad JSONL lines")
+        bool, typer.Option("--skip-bad", help="skip (and count) bad records")
     ] = False,
 ) -> None:
     """Fine-tune as CONFIG says: memory plan first, then training with checkpoints (resumable).
@@ -42,6 +42,11 @@ def train(
     out = result.output_dir
     console.print(f"done: step {result.step}, loss {result.loss}, eval loss {result.eval_loss}")
     console.print(f"metrics: {out / 'metrics.jsonl'}  loss curve: {out / 'loss.png'}")
+    if "tensorboard" in settings.report_to:
+        console.print(f"tensorboard: tensorboard --logdir {out / 'tensorboard'}")
+    console.print(
+        f"try it: featherweight generate {out} --prompt '...'  (or featherweight chat {out})"
+    )
     console.print("export with:")
     console.print(f"  featherweight export {out} --format merged --out {out / 'merged'}")
     if settings.method != "full":
@@ -50,7 +55,9 @@ def train(
 
 @friendly_errors
 def demo(
-    output_dir: Annotated[str, typer.Option(help="where the demo run goes")] = "runs/demo",
+    output_dir: Annotated[
+        str, typer.Option(callback=path_text, help="where the demo run goes")
+    ] = "runs/demo",
     steps: Annotated[
         int | None, typer.Option(min=1, help="training steps (default: the demo's)")
     ] = None,
@@ -64,13 +71,40 @@ def demo(
 @friendly_errors
 def export(
     run: Annotated[str, typer.Argument(help="run directory, or RUN/checkpoints/STEP")],
-    format_: Annotated[str, typer.Option("--format", help="merged (HF weights) or peft (adapter)")],
+    format_: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="merged (HF weights), peft (adapter), gguf (merged, llama.cpp) or gguf-adapter",
+        ),
+    ],
     out: Annotated[Path, typer.Option(help="output directory")],
     dtype: Annotated[str, typer.Option(help="merged weights dtype")] = "bfloat16",
     overwrite: bool = False,
+    base_model: Annotated[
+        str | None,
+        typer.Option(help="peft: the base to record, an HF id or directory (default: the run's)"),
+    ] = None,
+    check: Annotated[
+        bool, typer.Option(help="merged: compare greedy outputs with the run in float32")
+    ] = True,
+    quant: Annotated[
+        str, typer.Option(help="--format gguf: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0")
+    ] = "f16",
 ) -> None:
-    """Export a run's checkpoint: merged Hugging Face weights, or a PEFT LoRA adapter."""
-    from featherweight.train.export_run import export_run
+    """Export a run's checkpoint: merged Hugging Face weights, a PEFT LoRA adapter, or GGUF (the
+    merged model, or the adapter for llama-server --lora) with an Ollama Modelfile."""
+    from featherweight.train.export_check import merged_output_check, qlora_note
+    from featherweight.train.export_run import export_run, locate, read_run_config
 
-    written = export_run(run, format_, out, dtype=dtype, overwrite=overwrite)
+    written = export_run(
+        run, format_, out, dtype=dtype, overwrite=overwrite, base_model=base_model, quant=quant
+    )
     console.print(f"wrote {written}")
+    notes = []
+    if format_ == "peft" and read_run_config(locate(run)[0]).method == "qlora":
+        notes.append(qlora_note(written))
+    if format_ == "merged" and check:
+        notes.append(merged_output_check(run, written, dtype))
+    for note in filter(None, notes):
+        console.print(f"[yellow]warning:[/] {note}", highlight=False)

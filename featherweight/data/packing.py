@@ -94,9 +94,14 @@ def _fit(example: Example, capacity: int, overflow: Overflow) -> tuple[Example, 
 
 
 def pack(
-    examples: Sequence[Example], seq_len: int, pad_id: int, overflow: Overflow = "truncate"
+    examples: Sequence[Example],
+    seq_len: int,
+    pad_id: int,
+    overflow: Overflow = "truncate",
+    several_per_row: bool = True,
 ) -> tuple[PackedRows, PackStats]:
-    """Pack examples into rows of `seq_len + 1` tokens by best-fit decreasing.
+    """Pack examples into rows of `seq_len + 1` tokens by best-fit decreasing
+    (`several_per_row=False`: one example per row, in order, the rest padding).
 
     Longest examples are placed first, each into the fullest row that still has room (ties keep
     the input order, so the result is deterministic). An example longer than a row is cut to
@@ -119,7 +124,9 @@ def pack(
             dropped += 1
             continue
         kept.append(fitted)
-
+    counts = (truncated_examples, truncated_tokens, dropped)
+    if not several_per_row:
+        return _packed(kept, [[index] for index in range(len(kept))], seq_len, pad_id, counts)
     order = sorted(range(len(kept)), key=lambda index: -len(kept[index].ids))
     rows: list[list[int]] = []
     open_rows: list[tuple[int, int]] = []  # (free slots, row index), sorted
@@ -136,17 +143,24 @@ def pack(
         if free > 0:
             bisect.insort(open_rows, (free, row))
 
+    return _packed(kept, rows, seq_len, pad_id, counts)
+
+
+def _packed(
+    kept: list[Example], rows: list[list[int]], seq_len: int, pad_id: int, counts: tuple[int, ...]
+) -> tuple[PackedRows, PackStats]:
+    """The rows and their statistics; `counts`: (truncated examples, tokens cut, dropped)."""
     packed = PackedRows(tuple(kept), tuple(tuple(row) for row in rows), seq_len, pad_id)
     tokens = sum(len(example.ids) for example in kept)
     stats = PackStats(
         examples=len(kept),
         rows=len(rows),
         tokens=tokens,
-        padding_tokens=len(rows) * capacity - tokens,
+        padding_tokens=len(rows) * (seq_len + 1) - tokens,
         loss_tokens=sum(int(example.target_mask[1:].sum()) for example in kept),
-        truncated_examples=truncated_examples,
-        truncated_tokens=truncated_tokens,
-        dropped_examples=dropped,
+        truncated_examples=counts[0],
+        truncated_tokens=counts[1],
+        dropped_examples=counts[2],
     )
     return packed, stats
 

@@ -1,4 +1,5 @@
-"""Training data: JSONL records -> tokenized examples with loss masks -> packed train/eval rows.
+"""Training data: records (any format `data/sources.py` reads) -> tokenized examples with loss
+masks -> packed train/eval rows. Records stream through: only the tokenized examples are kept.
 
 Three record shapes, told apart by their keys:
 
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Sequence
+import string
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -29,6 +32,12 @@ import jinja2
 import numpy as np
 
 from featherweight.data.packing import Example, Overflow, PackedRows, PackStats, pack
+from featherweight.data.sources import (
+    is_jsonl,
+    map_columns,
+    parse_jsonl_line,
+    read_raw_records,
+)
 from featherweight.errors import ConfigError, DataError
 from featherweight.io.tokenizer import Tokenizer
 
@@ -41,7 +50,7 @@ Item = TypeVar("Item")
 
 
 class Record(NamedTuple):
-    """One parsed JSONL line: its object, its shape ("text" | "instruction" | "chat"), and where
+    """One parsed record: its fields, its shape ("text" | "instruction" | "chat"), and where
     it came from."""
 
     fields: dict[str, Any]
@@ -104,40 +113,80 @@ def _check_text(fields: Any) -> None:
     json.dumps(fields, ensure_ascii=False).encode("utf-8")
 
 
-def load_jsonl(path: str | Path, skip_bad: bool = False) -> tuple[list[Record], int]:
-    """Read a JSONL dataset: (records, number of bad lines skipped). Blank lines are ignored.
+class Skipped:
+    """Records skipped with skip_bad: how many, for what reason, and the first place of each."""
 
-    A line that is not JSON, or matches no record shape, raises a DataError naming the file and
-    line -- or, with `skip_bad`, is skipped and counted. A missing or empty file, or one with no
-    good line, raises a DataError.
+    def __init__(self) -> None:
+        self.reasons: Counter[str] = Counter()
+        self.first: dict[str, str] = {}
+
+    @property
+    def count(self) -> int:
+        return sum(self.reasons.values())
+
+    def add(self, reason: str, location: str) -> None:
+        self.reasons[reason] += 1
+        self.first.setdefault(reason, location)
+
+
+def _reason(error: Exception, location: str) -> str:
+    """A skip reason without its location, so equal problems count together."""
+    if isinstance(error, json.JSONDecodeError):
+        return "not valid JSON"
+    if isinstance(error, UnicodeDecodeError):
+        return "not valid UTF-8"
+    if isinstance(error, UnicodeEncodeError):
+        return "holds half of a UTF-16 surrogate pair"
+    text = str(error).removeprefix(f"{location}: ")
+    return text.split(";")[0][:120]
+
+
+def read_records(
+    source: str | Path,
+    skip_bad: bool = False,
+    columns: Mapping[str, str] | None = None,
+    skipped: Skipped | None = None,
+) -> Iterator[Record]:
+    """The good records of `source` (any format `data/sources.py` reads), one at a time.
+
+    A record that is not JSON, or matches no record shape, raises a DataError naming the file and
+    line (or record) -- or, with `skip_bad`, is skipped and counted in `skipped`. A missing source
+    raises a DataError.
     """
-    path = Path(path)
-    if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
-        raise DataError(f"dataset {path} {what}; pass a JSONL file (one JSON object per line)")
-    records: list[Record] = []
-    skipped = 0
-    with path.open("rb") as lines:
-        for number, raw in enumerate(lines, start=1):
-            if not raw.strip():
-                continue
-            location = f"{path}:{number}"
-            try:
-                fields = json.loads(raw.strip().decode("utf-8"))
-                _check_text(fields)
-                records.append(Record(fields, record_shape(fields), location))
-            except ValueError as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-                if not skip_bad:
-                    raise DataError(
-                        f"{location}: {_describe(error)}; fix the line, or pass --skip-bad to skip "
-                        "bad lines"
-                    ) from None
-                skipped += 1
-    if not records:
-        if skipped:
-            raise DataError(f"dataset {path}: all {skipped} lines are bad and were skipped")
-        raise DataError(f"dataset {path} is empty; it needs one JSON object per line")
-    return records, skipped
+    for raw in read_raw_records(source):
+        try:
+            value = parse_jsonl_line(raw.fields) if isinstance(raw.fields, bytes) else raw.fields
+            fields = map_columns(value, columns)
+            _check_text(fields)
+            yield Record(fields, record_shape(fields), raw.location)
+        except ValueError as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if not skip_bad:
+                raise DataError(
+                    f"{raw.location}: {_describe(error)}; fix the record, or pass --skip-bad to "
+                    "skip (and count) bad records"
+                ) from None
+            if skipped is not None:
+                skipped.add(_reason(error, raw.location), raw.location)
+
+
+def _refuse_empty(source: str | Path, kept: int, skipped: Skipped) -> None:
+    if kept:
+        return
+    jsonl = is_jsonl(source)
+    if skipped.count:
+        what = "lines" if jsonl else "records"
+        raise DataError(f"dataset {source}: all {skipped.count} {what} are bad and were skipped")
+    needs = "one JSON object per line" if jsonl else "at least one record"
+    raise DataError(f"dataset {source} is empty; it needs {needs}")
+
+
+def load_jsonl(path: str | Path, skip_bad: bool = False) -> tuple[list[Record], int]:
+    """Read a whole dataset (any format `read_records` reads) into a list: (records, number of
+    bad records skipped). Blank JSONL lines are ignored; no good record raises a DataError."""
+    skipped = Skipped()
+    records = list(read_records(path, skip_bad, skipped=skipped))
+    _refuse_empty(path, len(records), skipped)
+    return records, skipped.count
 
 
 # --- tokenizing --------------------------------------------------------------------------------
@@ -250,12 +299,40 @@ def instruction_messages(fields: dict[str, Any]) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": fields["output"]}]
 
 
-def plain_instruction_prompt(fields: dict[str, Any]) -> str:
-    """The prompt of an instruction record for tokenizers without a chat template (Alpaca style)."""
-    prompt = f"### Instruction:\n{fields['instruction']}\n\n"
+class InstructionTemplate(NamedTuple):
+    """How an instruction record becomes a prompt without a chat template: Python format strings
+    over {instruction} and {input}; the response follows the prompt, then EOS."""
+
+    prompt: str = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+    prompt_no_input: str = "### Instruction:\n{instruction}\n\n### Response:\n"
+
+    def check(self) -> None:
+        """Raise ConfigError for a template naming a field other than {instruction}, {input}."""
+        for name, template, allowed in (
+            ("prompt", self.prompt, {"instruction", "input"}),
+            ("prompt_no_input", self.prompt_no_input, {"instruction"}),
+        ):
+            try:
+                fields = {field for _, field, _, _ in string.Formatter().parse(template) if field}
+            except ValueError as error:
+                raise ConfigError(f"data.instruction_template.{name}: {error}") from None
+            if "instruction" not in fields or fields - allowed:
+                raise ConfigError(
+                    f"data.instruction_template.{name} names {sorted(fields)}; it must name "
+                    f"{{instruction}}"
+                    + (" (and may name {input})" if len(allowed) > 1 else "")
+                    + " and nothing else (write {{ and }} for literal braces)"
+                )
+
+
+ALPACA = InstructionTemplate()
+
+
+def plain_instruction_prompt(fields: dict[str, Any], template: InstructionTemplate = ALPACA) -> str:
+    """The prompt of an instruction record without a chat template (Alpaca style by default)."""
     if fields.get("input"):
-        prompt += f"### Input:\n{fields['input']}\n\n"
-    return prompt + "### Response:\n"
+        return template.prompt.format(instruction=fields["instruction"], input=fields["input"])
+    return template.prompt_no_input.format(instruction=fields["instruction"])
 
 
 def _require_template(tokenizer: Tokenizer, where: str) -> None:
@@ -271,23 +348,30 @@ def max_token_chars(tokenizer: Tokenizer) -> int:
     return max(len(token) for token in tokenizer.backend.get_vocab())
 
 
-def tokenize_example(record: Record, tokenizer: Tokenizer, max_chars: int | None = None) -> Example:
+def tokenize_example(
+    record: Record,
+    tokenizer: Tokenizer,
+    max_chars: int | None = None,
+    instruction_template: InstructionTemplate | None = None,
+) -> Example:
     """Token ids and the targets of one record (see the module docstring for what is a target).
 
-    Instruction records use the chat template when the tokenizer has one, else the plain
-    "### Instruction / ### Input / ### Response" format. Chat records need a chat template.
-    `max_chars` cuts a text record before it is tokenized (bounded memory for a huge record):
-    callers pass more characters than the tokens they keep can cover.
+    Instruction records use `instruction_template` when one is given, else the chat template
+    when the tokenizer has one, else the Alpaca "### Instruction / ### Input / ### Response"
+    format (`ALPACA`). Chat records need a chat template. `max_chars` cuts a text record before it
+    is tokenized (bounded memory for a huge record): callers pass more characters than the tokens
+    they keep can cover.
     """
     fields, where = record.fields, record.location
     if record.shape == "text":
         text = fields["text"] if max_chars is None else fields["text"][:max_chars]
         ids = tokenizer.encode(text, add_special_tokens=True)
         ids, targets = _append_eos(tokenizer, ids, np.ones(len(ids), bool))
-    elif record.shape == "instruction" and tokenizer.chat_template is None:
-        ids, targets = _plain_instruction(
-            tokenizer, plain_instruction_prompt(fields), fields["output"]
-        )
+    elif record.shape == "instruction" and (
+        instruction_template is not None or tokenizer.chat_template is None
+    ):
+        prompt = plain_instruction_prompt(fields, instruction_template or ALPACA)
+        ids, targets = _plain_instruction(tokenizer, prompt, fields["output"])
     elif record.shape == "instruction":
         ids, targets = _chat_ids(tokenizer, instruction_messages(fields), where)
     else:
@@ -296,33 +380,51 @@ def tokenize_example(record: Record, tokenizer: Tokenizer, max_chars: int | None
     return Example(np.asarray(ids, np.int32), targets, where)
 
 
-def tokenize_records(
-    records: Sequence[Record],
+def tokenize_stream(
+    records: Iterable[Record],
     tokenizer: Tokenizer,
     skip_bad: bool = False,
     max_tokens: int | None = None,
-) -> tuple[list[Example], int]:
-    """Tokenize every record: (examples, number skipped). A record the template refuses raises
-    its DataError, or with `skip_bad` is skipped and counted. A tokenizer without a chat template
-    meeting chat records is a setting problem and raises whatever `skip_bad` says.
+    instruction_template: InstructionTemplate | None = None,
+    skipped: Skipped | None = None,
+) -> Iterator[Example]:
+    """Tokenize records one at a time (only the examples are kept by whoever consumes this).
+
+    A record the template refuses raises its DataError, or with `skip_bad` is skipped and counted.
+    A tokenizer without a chat template meeting a chat record is a setting problem and raises
+    whatever `skip_bad` says.
 
     With `max_tokens` (what packing keeps of an example at most), a text record is cut to
     `(max_tokens + 2) x max_token_chars` characters before tokenizing: every kept token is the same
     as from the whole text (a cut can change only the token it falls in), and a multi-megabyte
     record costs memory in proportion to the sequence length, not to its size."""
     max_chars = None if max_tokens is None else (max_tokens + 2) * max_token_chars(tokenizer)
+    for record in records:
+        if record.shape == "chat":
+            _require_template(tokenizer, record.location)
+        try:
+            yield tokenize_example(record, tokenizer, max_chars, instruction_template)
+        except DataError as error:
+            if not skip_bad:
+                raise
+            if skipped is not None:
+                skipped.add(_reason(error, record.location), record.location)
+
+
+def tokenize_records(
+    records: Sequence[Record],
+    tokenizer: Tokenizer,
+    skip_bad: bool = False,
+    max_tokens: int | None = None,
+) -> tuple[list[Example], int]:
+    """Tokenize every record (see `tokenize_stream`): (examples, number skipped). Chat records
+    without a chat template are refused before any record is tokenized."""
     chat = next((record for record in records if record.shape == "chat"), None)
     if chat is not None:
         _require_template(tokenizer, chat.location)
-    examples, skipped = [], 0
-    for record in records:
-        try:
-            examples.append(tokenize_example(record, tokenizer, max_chars))
-        except DataError:
-            if not skip_bad:
-                raise
-            skipped += 1
-    return examples, skipped
+    skipped = Skipped()
+    examples = list(tokenize_stream(records, tokenizer, skip_bad, max_tokens, skipped=skipped))
+    return examples, skipped.count
 
 
 # --- splitting and the whole pipeline ----------------------------------------------------------
@@ -351,7 +453,9 @@ class Dataset(NamedTuple):
     eval: PackedRows | None
     train_stats: PackStats
     eval_stats: PackStats | None
-    skipped: int  # bad lines or records skipped with skip_bad
+    skipped: int  # bad records skipped with skip_bad
+    records: int = 0  # records read (good and skipped)
+    skip_reasons: tuple[tuple[str, int, str], ...] = ()  # (reason, count, first location)
 
 
 def prepare_dataset(
@@ -363,22 +467,36 @@ def prepare_dataset(
     overflow: Overflow = "truncate",
     eval_fraction: float = 0.0,
     seed: int = 0,
+    columns: Mapping[str, str] | None = None,
+    instruction_template: InstructionTemplate | None = None,
+    pack_examples: bool = True,
 ) -> Dataset:
-    """Read, tokenize, split (seeded) and pack a JSONL file into rows of `seq_len + 1` tokens."""
-    records, skipped_lines = load_jsonl(path, skip_bad)
+    """Read, tokenize (streamed), split (seeded) and pack a dataset into rows of `seq_len + 1`
+    tokens. `pack_examples=False` puts one example in each row (the rest padding)."""
+    skipped = Skipped()
+    records = read_records(path, skip_bad, columns, skipped)
     # packing keeps at most seq_len + 1 tokens of an example ("truncate"), and "error" refuses
     # one longer than that, which a cut at more characters than those tokens cover still shows
-    examples, skipped_records = tokenize_records(records, tokenizer, skip_bad, seq_len + 1)
-    if not examples:
-        raise DataError(f"dataset {path}: every record was skipped; nothing is left to train on")
+    examples = list(
+        tokenize_stream(records, tokenizer, skip_bad, seq_len + 1, instruction_template, skipped)
+    )
+    _refuse_empty(path, len(examples), skipped)
     train_examples, eval_examples = split(examples, eval_fraction, seed)
-    train, train_stats = pack(train_examples, seq_len, tokenizer.pad_id, overflow)
+    train, train_stats = pack(train_examples, seq_len, tokenizer.pad_id, overflow, pack_examples)
     if train_stats.rows == 0:
         raise DataError(
             f"dataset {path}: no training example has a loss token within seq_len={seq_len}; "
             "raise seq_len"
         )
     evaluation, eval_stats = (
-        pack(eval_examples, seq_len, tokenizer.pad_id, overflow) if eval_examples else (None, None)
+        pack(eval_examples, seq_len, tokenizer.pad_id, overflow, pack_examples)
+        if eval_examples
+        else (None, None)
     )
-    return Dataset(train, evaluation, train_stats, eval_stats, skipped_lines + skipped_records)
+    reasons = tuple(
+        (reason, count, skipped.first[reason]) for reason, count in skipped.reasons.most_common()
+    )
+    return Dataset(
+        train, evaluation, train_stats, eval_stats, skipped.count,
+        len(examples) + skipped.count, reasons,
+    )  # fmt: skip

@@ -28,6 +28,7 @@ from featherweight.errors import (
     OutputExistsError,
     OutputNotWritableError,
 )
+from featherweight.io.output_paths import resolved
 
 TEMP_PREFIX = ".fw-tmp-"
 DISK_FULL_CODES = (errno.ENOSPC, errno.EDQUOT)
@@ -83,6 +84,11 @@ def probe_writable(location: Path, what: str = "output directory") -> None:
     parent = Path(location)
     while not parent.exists():
         parent = parent.parent
+    if not parent.is_dir():  # e.g. an output "inside" the dataset or the .gguf it reads
+        raise OutputNotWritableError(
+            f"cannot write under {parent}: it is a file, not a directory, so the {what} "
+            f"{location} cannot go inside it; choose a {what} outside that file"
+        )
     try:
         descriptor, probe = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}probe-", dir=parent)
         os.close(descriptor)
@@ -95,7 +101,7 @@ def probe_writable(location: Path, what: str = "output directory") -> None:
 
 def check_output_dir(out: Path, overwrite: bool) -> Path:
     """Refuse an existing output without `overwrite`, or a location that cannot be written."""
-    out = Path(out).expanduser().resolve()
+    out = resolved(out)
     if out.exists() and not overwrite:
         raise OutputExistsError(
             f"output directory {out} already exists; choose another path or pass --overwrite"
@@ -115,10 +121,25 @@ def _undo_interrupted_replace(out: Path) -> None:
             return
 
 
+def current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(tree: Path) -> None:
+    """Give `tree` and everything in it the modes a plain write would (0666/0777 minus the
+    umask): temporary files and directories start private (0600/0700), outputs should not."""
+    mask = current_umask()
+    for path in [tree, *tree.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 @contextlib.contextmanager
 def atomic_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that becomes `out` when the block finishes without error."""
-    _undo_interrupted_replace(Path(out).expanduser().resolve())
+    _undo_interrupted_replace(resolved(out))
     out = check_output_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f"{TEMP_PREFIX}{out.name}-*"):
@@ -126,6 +147,7 @@ def atomic_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
     temporary = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{out.name}-", dir=out.parent))
     try:
         yield temporary
+        follow_umask(temporary)
         _fsync_tree(temporary)
         if out.exists():
             aside = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{out.name}-old-", dir=out.parent))
@@ -150,6 +172,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     path = Path(path)
     descriptor, temporary = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{path.name}-", dir=path.parent)
     try:
+        os.fchmod(descriptor, 0o666 & ~current_umask())  # mkstemp's 0600 is for secrets
         with os.fdopen(descriptor, "w") as handle:
             handle.write(text)
             handle.flush()

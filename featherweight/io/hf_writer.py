@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 
 from featherweight.io.atomic import atomic_directory
 from featherweight.io.names import hf_name
+from featherweight.io.output_paths import resolved
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params
@@ -125,4 +126,4 @@ def save_hf_checkpoint(
         write_safetensors_shards(staging, tensors, target, max_shard_bytes)
         if tokenizer is not None:
             tokenizer.save(staging)
-    return Path(out).expanduser().resolve()
+    return resolved(out)

@@ -19,7 +19,9 @@ from featherweight.errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
+    InputFileError,
     QuantizationError,
+    input_file_problem,
 )
 from featherweight.io.gguf_reader import GGUFSource
 from featherweight.io.safetensors_reader import PICKLE_SUFFIXES, SafetensorsSource, refuse_pickle
@@ -38,9 +40,10 @@ _HOST_ALIGNMENT = 64  # bytes; what XLA's CPU client needs to alias a host array
 def open_checkpoint(path: str | Path) -> SafetensorsSource | GGUFSource:
     """Open a Hugging Face directory or a GGUF file; validates names and shapes from headers."""
     path = Path(path).expanduser()
-    if not path.exists():
-        raise CheckpointNotFoundError(
-            f"model path {path} does not exist; give a Hugging Face model directory or a .gguf file"
+    problem = input_file_problem(path)
+    if problem is not None and problem != "is a directory":
+        raise (CheckpointNotFoundError if problem.startswith("does not exist") else InputFileError)(
+            f"model path {path} {problem}; give a Hugging Face model directory or a .gguf file"
         )
     if path.is_file():
         if path.suffix == ".gguf":
@@ -94,7 +97,7 @@ def _stack_layers(source, name: str, shape, config: ModelConfig, dtype, quantize
     if quantize:
         parts = []
         for layer in range(config.num_layers):
-            values = source.read((name, layer)).astype(np.float32)
+            values = source.read((name, layer)).astype(np.float32, copy=False)
             check_finite(values, f"layer {layer} {name}", source.path)
             parts.append(quantize_nf4(values, name=f"layer {layer} {name}"))
         return jax.tree.map(lambda *leaves: jnp.stack(leaves), *parts)
@@ -155,7 +158,7 @@ def load_model(
                         f"{shape[-1]}; load with quantize_head=False"
                     )
                 values = check_finite(
-                    source.read((name, None)).astype(np.float32), name, source.path
+                    source.read((name, None)).astype(np.float32, copy=False), name, source.path
                 )
                 params[name] = quantize_nf4(values, name=name)
                 del values

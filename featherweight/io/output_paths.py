@@ -17,11 +17,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from featherweight.errors import OutputNotWritableError
+from featherweight.errors import InputFileError, OutputNotWritableError
 
 
 def resolved(path: str | Path) -> Path:
-    return Path(path).expanduser().resolve()
+    """`path` made absolute, `~`, `..` and symlinks resolved; a link loop is refused by name."""
+    try:
+        return Path(path).expanduser().resolve()
+    except (RuntimeError, OSError) as error:  # Python 3.11 says RuntimeError("Symlink loop ...")
+        raise InputFileError(
+            f"{path} cannot be resolved ({error}); it leads through a symbolic link loop -- "
+            "remove or fix the link"
+        ) from None
 
 
 def inside(path: Path, base: Path) -> bool:

@@ -10,6 +10,7 @@ loads. Both are atomic: the directory appears complete or not at all.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -19,6 +20,7 @@ from safetensors.numpy import save_file
 from featherweight.errors import ExportError
 from featherweight.io.atomic import atomic_directory, check_output_dir
 from featherweight.io.hf_writer import DEFAULT_SHARD_BYTES, iter_hf_tensors, save_hf_checkpoint
+from featherweight.io.output_paths import resolved
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params
@@ -133,6 +135,49 @@ def peft_tensors(stacks: dict[str, dict[str, np.ndarray]]) -> dict[str, np.ndarr
     return tensors
 
 
+BASE_DIR = "base"  # a GGUF base, written as an HF directory inside the adapter's export
+BNB_CONFIG = (
+    "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
+    "bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)"
+)
+
+
+def adapter_readme(base: str | None, quantized_base: bool) -> str:
+    """How to load the adapter: peft over its recorded base (and, for QLoRA, the NF4 base)."""
+    lines = [
+        "# LoRA adapter (exported by featherweight)",
+        "",
+        "```python",
+        "import torch",
+        "from peft import PeftModel",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f"base = AutoModelForCausalLM.from_pretrained({base!r})",
+        "model = PeftModel.from_pretrained(base, 'PATH/TO/THIS/DIRECTORY')",
+        "```",
+        "",
+        f"`adapter_config.json` names the base model: `{base}`.",
+    ]
+    if quantized_base:
+        lines += [
+            "",
+            "## QLoRA: the base was NF4 during training",
+            "",
+            "These adapters were trained on the base quantized to NF4 with double quantization",
+            "(bit-compatible with bitsandbytes). To reproduce training's outputs exactly, load the",
+            "base quantized the same way (needs bitsandbytes):",
+            "",
+            "```python",
+            "from transformers import BitsAndBytesConfig",
+            f"base = AutoModelForCausalLM.from_pretrained({base!r},",
+            f"    quantization_config={BNB_CONFIG})",
+            "```",
+            "",
+            "On a full-precision base the adapters work too; outputs differ slightly from training.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
 def export_peft(
     adapters: Params,
     model_config: ModelConfig,
@@ -140,18 +185,29 @@ def export_peft(
     out: str | Path,
     base_model_name_or_path: str | None = None,
     overwrite: bool = False,
+    write_base: Callable[[Path], Path] | None = None,
+    quantized_base: bool = False,
 ) -> Path:
-    """Write a PEFT LoRA adapter directory, loadable with `PeftModel.from_pretrained(base, out)`.
+    """Write a PEFT LoRA adapter directory, loadable with `PeftModel.from_pretrained(base, out)`,
+    with a README saying how to load it (and, with `quantized_base`, how to load the NF4 base).
 
     The adapters keep their dtype; `base_model_name_or_path` is recorded for PEFT's loaders.
+    `write_base(directory)`, when given, writes the base as an HF directory into `out/base`
+    (for a base transformers cannot load, a GGUF file), which is then the recorded base.
     """
     stacks = adapter_stacks(adapters, model_config, lora_config, "peft")
-    config = peft_adapter_config(lora_config, base_model_name_or_path)
+    final = resolved(out)
     with atomic_directory(Path(out), overwrite=overwrite) as staging:
+        if write_base is not None:
+            write_base(staging / BASE_DIR)
+            base_model_name_or_path = str(final / BASE_DIR)
+        config = peft_adapter_config(lora_config, base_model_name_or_path)
         (staging / "adapter_config.json").write_text(json.dumps(config, indent=2))
         save_file(
             peft_tensors(stacks),
             str(staging / "adapter_model.safetensors"),
             metadata={"format": "pt"},
         )
-    return Path(out).expanduser().resolve()
+        readme = adapter_readme(base_model_name_or_path, quantized_base)
+        (staging / "README.md").write_text(readme)
+    return final

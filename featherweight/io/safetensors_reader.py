@@ -8,6 +8,7 @@ Pickle-based weights (`.bin`, `.pt`, `.pth`, `.ckpt`) are never opened.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,11 +42,18 @@ def safetensors_files(directory: Path) -> list[Path]:
     if index_path.is_file():
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            weight_map.values()
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
             raise CorruptCheckpointError(
                 f"{index_path} is not a valid shard index ({error}); restore it from the original"
             ) from None
-        files = sorted({directory / name for name in weight_map.values()})
+        names = set(weight_map.values())
+        if not all(isinstance(name, str) and Path(name).name == name for name in names):
+            raise CorruptCheckpointError(
+                f"{index_path} names shard files outside its directory or not as text; "
+                "restore it from the original"
+            )
+        files = sorted(directory / name for name in names)
         missing = [path.name for path in files if not path.is_file()]
         if missing:
             raise CheckpointNotFoundError(
@@ -196,8 +204,8 @@ class SafetensorsSource:
         return out
 
     def tokenizer(self) -> Tokenizer | None:
-        if not (self.path / "tokenizer.json").is_file():
-            return None
+        if not os.path.lexists(self.path / "tokenizer.json"):
+            return None  # a FIFO, a link loop or an unreadable file is named by the tokenizer
         return load_hf_tokenizer(self.path)
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -20,7 +21,13 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-from featherweight.errors import CheckpointNotFoundError, UnsupportedModelError
+from featherweight.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsupportedModelError,
+    check_input_file,
+    read_input_text,
+)
 
 # Pre-tokenizer split patterns for byte-level BPE vocabularies, by GGUF `tokenizer.ggml.pre`.
 _LLAMA3_SPLIT = (
@@ -52,12 +59,14 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         pad_token: str | None = None,
+        gguf_pre: str | None = None,
     ) -> None:
         self.backend = backend
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.pad_token = pad_token
+        self.gguf_pre = gguf_pre  # a GGUF file's `tokenizer.ggml.pre`, kept for writing GGUF again
 
     @property
     def vocab_size(self) -> int:
@@ -147,30 +156,49 @@ def _compile_template(template: str) -> jinja2.Template:
 
 def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
-        return value.get("content")
-    return value
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def load_hf_tokenizer(directory: Path) -> Tokenizer:
-    """Read `tokenizer.json` (+ `tokenizer_config.json` when present) from a model directory."""
+    """Read `tokenizer.json` (+ `tokenizer_config.json` when present) from a model directory.
+
+    Each file is checked as it is read -- a regular file, UTF-8, JSON of the expected shape -- so
+    a truncated or damaged tokenizer is named (CorruptCheckpointError) before any weight is read.
+    """
     directory = Path(directory)
     path = directory / "tokenizer.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointNotFoundError(
             f"{directory} has no tokenizer.json; copy it from the original model repository"
         )
-    backend = tokenizers.Tokenizer.from_file(str(path))
-    config: dict[str, Any] = {}
-    config_path = directory / "tokenizer_config.json"
-    if config_path.is_file():
-        config = json.loads(config_path.read_text())
+    redownload = "download it again from the original model repository"
+    check_input_file(path, "tokenizer file", redownload, CheckpointNotFoundError)
+    text = read_input_text(path, "tokenizer file")
+    try:
+        backend = tokenizers.Tokenizer.from_str(text)
+    except Exception as error:  # the Rust library raises a plain Exception
+        raise CorruptCheckpointError(
+            f"{path} is not a valid tokenizer ({' '.join(str(error).split())[:160]}); it is "
+            f"truncated or damaged -- {redownload}"
+        ) from None
+    config = _json_object(directory / "tokenizer_config.json", redownload)
     template = config.get("chat_template")
     template_file = directory / "chat_template.jinja"
-    if template is None and template_file.is_file():
-        template = template_file.read_text()
+    if template is None and os.path.lexists(template_file):
+        check_input_file(template_file, "chat template", redownload, CheckpointNotFoundError)
+        template = read_input_text(template_file, "chat template")
     if isinstance(template, list):  # named templates: use the default one
-        named = {entry["name"]: entry["template"] for entry in template}
+        try:
+            named = {entry["name"]: entry["template"] for entry in template}
+        except (KeyError, TypeError):
+            named = {}
         template = named.get("default", next(iter(named.values()), None))
+    if template is not None and not isinstance(template, str):
+        raise CorruptCheckpointError(
+            f"{directory / 'tokenizer_config.json'}: chat_template is a "
+            f"{type(template).__name__}, not text; {redownload}"
+        )
     return Tokenizer(
         backend,
         chat_template=template,
@@ -178,6 +206,22 @@ def load_hf_tokenizer(directory: Path) -> Tokenizer:
         eos_token=_token_content(config.get("eos_token")),
         pad_token=_token_content(config.get("pad_token")),
     )
+
+
+def _json_object(path: Path, fix: str) -> dict[str, Any]:
+    """The JSON object in the optional file `path` ({} when absent), or CorruptCheckpointError."""
+    if not os.path.lexists(path):
+        return {}
+    check_input_file(path, "tokenizer file", fix, CheckpointNotFoundError)
+    try:
+        value = json.loads(read_input_text(path, "tokenizer file"))
+    except json.JSONDecodeError as error:
+        raise CorruptCheckpointError(f"{path} is not valid JSON ({error}); {fix}") from None
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(
+            f"{path} must hold a JSON object, found {type(value).__name__}; {fix}"
+        )
+    return value
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> tokenizers.Tokenizer:
@@ -277,4 +321,5 @@ def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> Tokenizer:
         bos_token=bos,
         eos_token=eos,
         pad_token=token_of("padding_token_id"),
+        gguf_pre=fields.get("tokenizer.ggml.pre"),
     )

@@ -203,6 +203,17 @@ def describe_changes(before: TrainConfig, after: TrainConfig) -> list[str]:
     return [f"{name}: {old} -> {new}" for name, old, new in pairs if old != new]
 
 
+def _plan_if_valid(config: TrainConfig, model_config: ModelConfig) -> MemoryPlan | None:
+    """The plan of a candidate, or None when the config validation refuses it (e.g. 8-bit AdamW
+    after the embedding moved to the host with full fine-tuning): the search never proposes a
+    configuration the trainer would then refuse."""
+    try:
+        TrainConfig.model_validate(config.model_dump(mode="json"))
+        return plan_for_config(config, model_config)
+    except (ConfigError, ValueError):
+        return None
+
+
 def _search(
     config: TrainConfig, model_config: ModelConfig, budget: int
 ) -> tuple[TrainConfig, MemoryPlan]:
@@ -217,8 +228,8 @@ def _search(
     while plan.device_bytes > budget and level < len(PREFERENCE):
         _, candidates = PREFERENCE[level]
         for candidate in candidates(config, model_config):
-            candidate_plan = plan_for_config(candidate, model_config)
-            if candidate_plan.device_bytes < plan.device_bytes:
+            candidate_plan = _plan_if_valid(candidate, model_config)
+            if candidate_plan is not None and candidate_plan.device_bytes < plan.device_bytes:
                 config, plan, level = candidate, candidate_plan, 0
                 break
         else:

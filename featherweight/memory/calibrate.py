@@ -1,7 +1,8 @@
 """Fit the working set's buffer counts to compiled steps, and check them on configurations held out.
 
-    python -m featherweight.memory.calibrate              # measure both grids, fit, write, check
-    python -m featherweight.memory.calibrate --refit      # refit from the stored measurements only
+    python -m featherweight.memory.calibrate                  # XLA:CPU float32: measure, fit, write
+    python -m featherweight.memory.calibrate --target h100    # XLA:GPU bfloat16 (deviceless H100)
+    python -m featherweight.memory.calibrate --refit [--target h100]  # refit the stored measurements
 
 The planner's working set (`working_set.py`) is a sum of terms -- one layer's weights, its
 activations, the attention scores, a logits chunk, ... -- each times a count of how many such
@@ -13,6 +14,13 @@ seed. `calibration.json` stores the counts together with the measurements they w
 their provenance (compiler, jax version, machine, dtype, date), keyed by compiler and dtype, so a
 reader can refit them (`--refit`, deterministic) and a test can check both the fit and the
 held-out error.
+
+Per compiler: XLA:CPU float32 (`--target cpu`, toys and real shapes) and XLA:GPU bfloat16
+(`--target h100`: the step compiled for an H100 without one, `measure.measure_for_target`; real
+model shapes 1B-8B only, each compile takes a minute). Compiles are slow, so each measurement is
+appended to a progress file (`--progress`, default next to calibration.json) and an interrupted
+run picks up where it stopped. A change to the step's program (attention, chunking) needs a
+re-run: `python -m featherweight.memory.calibrate --target h100 --fresh`.
 
 The fit model: planned temporaries = stored activations + max(backward phase, loss phase), each
 phase a linear function of its counts; which phase is the peak depends on the counts, so the fit
@@ -38,13 +46,15 @@ from scipy.optimize import nnls
 from featherweight.errors import FeatherweightError
 from featherweight.memory import working_set
 from featherweight.memory.device_plan import plan_one_device
-from featherweight.memory.measure import measure_compiled
+from featherweight.memory.measure import measure_for_target
 from featherweight.memory.report import percent_difference
+from featherweight.memory.targets import Target, get_target
 from featherweight.models.config import ModelConfig, config_from_hf_dict
 from featherweight.models.registry import builtin_config
 from featherweight.recipe.schema import TrainConfig, parse_config
 
 KEY = "xla-cpu/float32"
+GPU_TARGET, GPU_DTYPE = "h100", "bfloat16"
 # each count: the phase it belongs to, and the raw term(s) it multiplies
 COUNTS = {
     "layer_weights": ("backward", ("layer_weights",)),
@@ -191,25 +201,95 @@ def grid(seed: int, size: int, held_out: bool) -> list[tuple[ModelConfig, TrainC
     return cases
 
 
+GPU_MODELS = ("Llama-3.2-1B", "SmolLM2-1.7B", "Llama-3.2-3B", "Llama-3.1-8B")
+
+
+def _gpu_settings(rng: random.Random, dtype: str) -> dict[str, Any]:
+    """Settings a GPU user runs: LoRA/QLoRA/full, AdamW or 8-bit AdamW, b1-4, S 512-4096, with
+    and without each memory setting."""
+    method = rng.choice(("lora", "qlora", "full"))
+    seq = rng.choice((512, 1024, 2048, 4096))
+    memory: dict[str, Any] = {
+        "residuals": rng.choice(("device", "host")),
+        "loss_chunk": rng.choice((None, seq // 4)),
+        "vocab_chunk": rng.choice((None, None, 16384)),
+        "mlp_chunk": rng.choice((None, None, 512)),
+        "save": rng.choice(((), (), ("qkv",))),
+        "optimizer_state": rng.choice(("device", "device", "host")),
+        "embed": rng.choice(("device", "device", "host")),
+    }
+    return {
+        "method": method,
+        "model": {"dtype": dtype, "quantize_head": method == "qlora" and rng.random() < 0.3},
+        "optimizer": {"name": rng.choice(("adamw", "adamw_8bit"))},
+        "batch_size": rng.choice((1, 2, 4)),
+        "data": {"seq_len": seq},
+        "memory": memory,
+    }
+
+
+def gpu_grid(seed: int, size: int, dtype: str) -> list[tuple[ModelConfig, TrainConfig]]:
+    """`size` valid configurations of real models (1B-8B) drawn with `seed`; the fit grid
+    (`FIT_SEED`) starts with the planner's reference, Llama-3.1-8B QLoRA b2 x 2048."""
+    rng, cases = random.Random(seed), []
+    if seed == FIT_SEED:
+        reference = {"method": "qlora", "model": {"dtype": dtype}, "batch_size": 2,
+                     "data": {"seq_len": 2048}}  # fmt: skip
+        cases.append((builtin_config("Llama-3.1-8B"), parse_config(reference, source="grid")))
+    while len(cases) < size:
+        model = builtin_config(rng.choice(GPU_MODELS))
+        try:
+            config = parse_config(_gpu_settings(rng, dtype), source="calibration grid")
+            plan_one_device(config, model)
+        except FeatherweightError:
+            continue
+        cases.append((model, config))
+    return cases
+
+
 REAL_WEIGHT = 3.0  # a real model's shape counts as much as this many random toys
 
 
-def measure(cases: list[tuple[ModelConfig, TrainConfig]], real_from: int) -> list[dict[str, Any]]:
-    """Compile each case's step and record what the fit needs (and what reproduces the case);
-    cases from index `real_from` on are real model shapes, weighted `REAL_WEIGHT` in the fit."""
+def _case_id(model: ModelConfig, config: TrainConfig) -> str:
+    return json.dumps([model.to_hf_dict(), config.model_dump(mode="json")], sort_keys=True)
+
+
+def measure(
+    cases: list[tuple[ModelConfig, TrainConfig]],
+    real_from: int,
+    target: str = "cpu",
+    progress: Path | None = None,
+    reuse: bool = True,
+) -> list[dict[str, Any]]:
+    """Compile each case's step for `target` and record what the fit needs (and what reproduces
+    the case); cases from index `real_from` on are real model shapes, weighted `REAL_WEIGHT` in
+    the fit. With `progress` (a JSON-lines file) each record is appended as it is measured and,
+    with `reuse`, cases already recorded there (the latest record of each) are not compiled again."""
+    done = {}
+    if reuse and progress is not None and progress.is_file():
+        for line in progress.read_text().splitlines():
+            record = json.loads(line)
+            done[record.pop("case")] = record
     records = []
     for index, (model, config) in enumerate(cases):
-        measured = measure_compiled(config, model)
-        records.append(
-            {
+        case = _case_id(model, config)
+        if case not in done:
+            measured = measure_for_target(config, model, target)
+            done[case] = {
                 "model": model.to_hf_dict(),
                 "config": config.model_dump(mode="json"),
-                "temp_bytes": measured.temp_bytes,
+                # every temporary, wherever placed (the plan's temporaries include host residuals)
+                "temp_bytes": measured.temp_bytes + measured.host_temp_bytes,
                 "total_bytes": measured.total_bytes,
+                "device_bytes": measured.device_bytes,
+                "compile_seconds": round(measured.compile_seconds, 1),
                 "weight": REAL_WEIGHT if index >= real_from else 1.0,
             }
-        )
-        print(f"  {index + 1}/{len(cases)} temp {measured.temp_bytes:,} B", file=sys.stderr)
+            if progress is not None:
+                with progress.open("a") as file:
+                    file.write(json.dumps({"case": case, **done[case]}) + "\n")
+        records.append(done[case])
+        print(f"  {index + 1}/{len(cases)} temp {done[case]['temp_bytes']:,} B", file=sys.stderr)
     return records
 
 
@@ -270,19 +350,23 @@ def fit(records: list[dict[str, Any]], start: dict[str, float] | None = None) ->
 
 
 def errors_of(records: list[dict[str, Any]], counts: dict[str, float]) -> list[dict[str, Any]]:
-    """Planned vs measured for each record with `counts`: temp and total, in percent."""
+    """Planned vs measured for each record with `counts`, in percent: temp, total (device + host)
+    and, where the record has them (GPU), the device bytes alone."""
     rows = []
     for record in records:
         model, config = case_of(record)
         plan = plan_one_device(config, model, calibration=counts)
         planned_temp = plan.measured_groups()["temporaries"]
-        rows.append(
-            {
-                "method": config.method,
-                "temp_error": percent_difference(planned_temp, record["temp_bytes"]),
-                "total_error": percent_difference(plan.cpu_comparable_bytes, record["total_bytes"]),
-            }
-        )
+        row = {
+            "method": config.method,
+            "temp_error": percent_difference(planned_temp, record["temp_bytes"]),
+            "total_error": percent_difference(plan.cpu_comparable_bytes, record["total_bytes"]),
+        }
+        if "device_bytes" in record and record["device_bytes"] != record["total_bytes"]:
+            row["device_error"] = percent_difference(plan.device_bytes, record["device_bytes"])
+        else:
+            row["device_error"] = row["total_error"]
+        rows.append(row)
     return rows
 
 
@@ -294,31 +378,70 @@ def calibration_path() -> Path:
     return Path(working_set.__file__).with_name("calibration.json")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--refit", action="store_true", help="refit from stored measurements")
-    parser.add_argument("--fit-size", type=int, default=40)
-    parser.add_argument("--held-out-size", type=int, default=24)
-    args = parser.parse_args(argv)
-    path = calibration_path()
-    data = json.loads(path.read_text()) if path.is_file() else {"calibrations": {}}
-    if args.refit:
-        entry = data["calibrations"][KEY]
-        fit_records, held_out = entry["fit_measurements"], entry["held_out_measurements"]
-    else:
-        print("measuring the fit grid", file=sys.stderr)
-        fit_cases = grid(FIT_SEED, args.fit_size, False)
-        fit_records = measure(fit_cases, len(fit_cases) - len(_real_cases(False)))
-        print("measuring the held-out grid", file=sys.stderr)
-        held_out = measure(grid(HELD_OUT_SEED, args.held_out_size, True), args.held_out_size)
-    counts = fit(fit_records)
-    fitted, checked = errors_of(fit_records, counts), errors_of(held_out, counts)
-    data["calibrations"][KEY] = {
-        "compiler": f"XLA:CPU ({jax.default_backend()})",
-        "dtype": "float32",
+def _grids(args: argparse.Namespace) -> tuple[list, int, list, int]:
+    """(fit cases, index of the first real shape, held-out cases, its first real shape)."""
+    if args.target != "cpu":
+        return (
+            gpu_grid(FIT_SEED, args.fit_size, args.dtype),
+            0,
+            gpu_grid(HELD_OUT_SEED, args.held_out_size, args.dtype),
+            0,
+        )
+    fit_cases = grid(FIT_SEED, args.fit_size, False)
+    held_out = grid(HELD_OUT_SEED, args.held_out_size, True)
+    return fit_cases, len(fit_cases) - len(_real_cases(False)), held_out, args.held_out_size
+
+
+def _provenance(target: Target, dtype: str) -> dict[str, Any]:
+    compiler = (
+        f"XLA:GPU, deviceless for {target.description} (jax[cuda12-local])"
+        if target.platform == "gpu"
+        else f"XLA:CPU ({jax.default_backend()})"
+    )
+    return {
+        "compiler": compiler,
+        "target": target.name,
+        "dtype": dtype,
         "jax_version": jax.__version__,
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
         "date": datetime.date.today().isoformat(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--refit", action="store_true", help="refit from stored measurements")
+    parser.add_argument("--target", default="cpu", help="cpu (XLA:CPU) or a GPU target, e.g. h100")
+    parser.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on GPU")
+    parser.add_argument("--fit-size", type=int, default=None, help="default: 40 cpu, 15 GPU")
+    parser.add_argument("--held-out-size", type=int, default=None, help="default: 24 cpu, 10 GPU")
+    parser.add_argument("--progress", type=Path, default=None, help="JSON lines of measurements")
+    parser.add_argument(
+        "--fresh", action="store_true", help="compile every case again (new records are appended)"
+    )
+    args = parser.parse_args(argv)
+    target = get_target(args.target)
+    gpu = target.platform == "gpu"
+    args.dtype = args.dtype or (GPU_DTYPE if gpu else "float32")
+    args.fit_size = args.fit_size or (15 if gpu else 40)
+    args.held_out_size = args.held_out_size or (10 if gpu else 24)
+    key = target.calibration_key(args.dtype)
+    path = calibration_path()
+    data = json.loads(path.read_text()) if path.is_file() else {"calibrations": {}}
+    if args.refit:
+        entry = data["calibrations"][key]
+        fit_records, held_out = entry["fit_measurements"], entry["held_out_measurements"]
+    else:
+        progress = args.progress or path.with_name(f"calibration-{key.replace('/', '-')}.jsonl")
+        fit_cases, fit_real, held_cases, held_real = _grids(args)
+        print(f"measuring the fit grid ({target.name})", file=sys.stderr)
+        fit_records = measure(fit_cases, fit_real, target.name, progress, not args.fresh)
+        print("measuring the held-out grid", file=sys.stderr)
+        held_out = measure(held_cases, held_real, target.name, progress, not args.fresh)
+    counts = fit(fit_records)
+    fitted, checked = errors_of(fit_records, counts), errors_of(held_out, counts)
+    data["calibrations"][key] = {
+        **_provenance(target, args.dtype),
         "fit": "non-negative least squares on the temporaries' error relative to the total, peak "
         "phase reassigned until stable; counts rounded to 0.01",
         "counts": counts,
@@ -326,11 +449,12 @@ def main(argv: list[str] | None = None) -> int:
         "fit_worst_total_error_percent": round(_worst(fitted, "total_error"), 2),
         "held_out_worst_temp_error_percent": round(_worst(checked, "temp_error"), 2),
         "held_out_worst_total_error_percent": round(_worst(checked, "total_error"), 2),
+        "held_out_worst_device_error_percent": round(_worst(checked, "device_error"), 2),
         "fit_measurements": fit_records,
         "held_out_measurements": held_out,
     }
     path.write_text(json.dumps(data, indent=1) + "\n")
-    entry = data["calibrations"][KEY]
+    entry = data["calibrations"][key]
     print(json.dumps({k: v for k, v in entry.items() if "measurements" not in k}, indent=1))
     return 0
 

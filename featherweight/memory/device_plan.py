@@ -30,7 +30,10 @@ shrink a working-set term without changing how plans are summed, compared or bud
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+import jax
 
 from featherweight.errors import ConfigError
 from featherweight.memory.components import (
@@ -46,11 +49,13 @@ from featherweight.memory.state_bytes import (
     host_embedding_bytes,
     optimizer_state_bytes,
     output_buffer_count,
+    state_shapes,
     trainable_bytes,
 )
 from featherweight.memory.working_set import (
     StepShapes,
     attention_of,
+    calibration_key,
     phase_working_sets,
     working_set_floor,
 )
@@ -188,7 +193,49 @@ def plan_settings(config: TrainConfig) -> dict[str, Any]:
         "attention": attention_of(config),
         "save": list(memory.save),
         "step": memory.step,
+        "calibration": calibration_key(config),
     }
+
+
+def micro_batch_config(config: TrainConfig) -> TrainConfig:
+    """`config` with batch_size one micro-batch's rows: what the activations are planned for."""
+    steps = config.memory.accumulation_steps
+    return config.model_copy(update={"batch_size": max(config.batch_size // steps, 1)})
+
+
+def gradient_buffers(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
+    """What the step keeps of the gradient beyond one layer's (step/streamed.py, gradient modes):
+    a float32 buffer of every trainable tensor when it accumulates micro-batches or clips
+    globally in one pass (streamed LoRA/QLoRA: adapter-sized), and the head's gradient kept
+    between the two passes of two-pass clipping (untied full fine-tuning; a tied table's
+    gradient is already planned as the tied embedding's)."""
+    memory, settings = config.memory, config.optimizer
+    clip = settings.clip_norm is not None
+    streamed_global = memory.step == "streamed" and clip and settings.clipping == "global"
+    if memory.accumulation_steps > 1 or streamed_global:
+        shapes = state_shapes(config, model_config).trainable
+        float32_bytes = sum(math.prod(leaf.shape) * 4 for leaf in jax.tree.leaves(shapes))
+        return [
+            PlanComponent(
+                "gradient_buffer",
+                float32_bytes,
+                DEVICE,
+                "every trainable tensor's gradient in float32 (accumulation / global clipping)",
+            )
+        ]
+    if memory.step == "streamed" and clip and settings.clipping == "two_pass":
+        if model_config.tie_word_embeddings:
+            return []
+        s = StepShapes(config, model_config)
+        return [
+            PlanComponent(
+                "head_gradient_kept",
+                s.V * s.D * s.a,
+                DEVICE,
+                f"V x D x {s.a}: the head's gradient, kept between the two clipping passes",
+            )
+        ]
+    return []
 
 
 def plan_one_device(
@@ -197,11 +244,12 @@ def plan_one_device(
     """The memory plan of the train step `config` describes on one device (`config.mesh` is not
     read): no weights read, nothing compiled. Raises `ConfigError` for inputs that cannot be planned."""
     warnings = check_plan_inputs(config, model_config)
-    phases = phase_working_sets(config, model_config, calibration)
+    micro = micro_batch_config(config)  # activations are one micro-batch's
+    phases = phase_working_sets(micro, model_config, calibration)
     phase_bytes = {name: sum(b.bytes for b in buffers) for name, buffers in phases.items()}
     peak = max(phase_bytes, key=phase_bytes.get)
     working = [PlanComponent(b.name, b.bytes, DEVICE, b.formula) for b in phases[peak]]
-    before = _persistent(config, model_config) + _stored(config, model_config)
+    before = _persistent(config, model_config) + _stored(micro, model_config)
     outputs = PlanComponent(
         OUTPUTS,
         METRIC_BYTES + 8 * _output_buffers(config, model_config),
@@ -217,17 +265,17 @@ def plan_one_device(
         before.append(
             PlanComponent(
                 "full_gradient",
-                trainable_bytes(config, model_config)
-                * (1 + (config.memory.accumulation_steps > 1)),
+                trainable_bytes(config, model_config),
                 DEVICE,
-                "every trainable tensor's gradient (x2 with gradient accumulation)",
+                "every trainable tensor's gradient",
             )
         )
+    before.extend(gradient_buffers(config, model_config))
     return MemoryPlan(
         components=(*before, *working, outputs),
         phases=phase_bytes,
         peak_phase=peak,
-        lower_bound_bytes=on_device + working_set_floor(config, model_config),
+        lower_bound_bytes=on_device + working_set_floor(micro, model_config),
         settings=plan_settings(config),
         warnings=warnings,
     )

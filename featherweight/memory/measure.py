@@ -35,8 +35,16 @@ import jax.numpy as jnp
 
 from featherweight.errors import ConfigError
 from featherweight.memory.defaults import with_lean_defaults
+from featherweight.memory.state_bytes import host_embedding_bytes, optimizer_state_bytes
+from featherweight.memory.targets import (
+    DEVICELESS_COMPILER_OPTIONS,
+    get_target,
+    require_gpu_compiler,
+    target_mesh,
+)
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
+from featherweight.parallel.backend import native_stderr_silenced
 from featherweight.parallel.memory_kinds import abstract_on_host, host_resident_bytes
 from featherweight.parallel.sharding import per_device_bytes
 from featherweight.recipe.build import (
@@ -49,6 +57,7 @@ from featherweight.recipe.optimizer import make_optimizer
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.loss import Batch
 
+HOST_ARGUMENTS = ("optimizer_state", "embed")  # memory settings that place step arguments on host
 MEASURED_COMPONENTS = (
     "frozen_base",
     "trainable_weights",
@@ -76,18 +85,28 @@ class MemoryMeasurement:
     platform: str
     compile_seconds: float
     host_argument_bytes: int = 0
+    host_temp_bytes: int = 0
+    target: str | None = None
+    derived: tuple[str, ...] = ()
 
     @property
     def total_bytes(self) -> int:
-        """temp + argument + output - alias: the step's bytes at its peak."""
-        return self.temp_bytes + self.argument_bytes + self.output_bytes - self.alias_bytes
+        """temp + argument + output - alias (+ host temp): the step's bytes at its peak, device
+        and host together."""
+        device_side = self.temp_bytes + self.argument_bytes + self.output_bytes - self.alias_bytes
+        return device_side + self.host_temp_bytes
 
     @property
     def device_bytes(self) -> int:
-        """`total_bytes` less the arguments the compiled program keeps in pinned host memory
-        (optimizer state, embedding table): on CPU, with one memory for both, the analysis
-        counts them with the rest; the program's input layouts tell them apart."""
-        return self.total_bytes - self.host_argument_bytes
+        """`total_bytes` less what the compiled program keeps in pinned host memory: arguments
+        (optimizer state, embedding table) and, on a GPU, host temporaries (offloaded residuals).
+        On CPU, with one memory for both, the analysis counts host-placed temporaries in temp."""
+        return self.total_bytes - self.host_argument_bytes - self.host_temp_bytes
+
+    @property
+    def compiled(self) -> bool:
+        """Whether every number is the compiler's own (no host bytes subtracted by us)."""
+        return not self.derived
 
 
 def tree_nbytes(tree: Any) -> int:
@@ -139,14 +158,15 @@ def measure_compiled(
 
 
 def measurement_of(
-    compiled, trainable, opt_state, frozen, compile_seconds: float
+    compiled, trainable, opt_state, frozen, compile_seconds: float, platform: str | None = None
 ) -> MemoryMeasurement:
     """The components of a compiled train step's `memory_analysis()` (the trainer's own, or
-    one compiled on abstract shapes)."""
+    one compiled on abstract shapes; `platform`: the compiler's, default the local backend)."""
+    platform = platform or jax.default_backend()
     analysis = compiled.memory_analysis()
     if analysis is None:
         raise ConfigError(
-            f"the {jax.default_backend()} backend reports no memory analysis; measure on CPU or GPU"
+            f"the {platform} backend reports no memory analysis; measure on CPU or GPU"
         )
     temp, argument = analysis.temp_size_in_bytes, analysis.argument_size_in_bytes
     output, alias = analysis.output_size_in_bytes, analysis.alias_size_in_bytes
@@ -176,9 +196,57 @@ def measurement_of(
         argument,
         output,
         alias,
-        jax.default_backend(),
+        platform,
         compile_seconds,
         host_arguments,
+        getattr(analysis, "host_temp_size_in_bytes", 0),
+    )
+
+
+def measure_for_target(
+    config: TrainConfig, model_config: ModelConfig, target: str
+) -> MemoryMeasurement:
+    """The configured step compiled for `target` ("h100", "rtx4090", ..., "cpu": this machine's
+    XLA:CPU) on abstract shapes, on any machine: a GPU target is compiled by XLA's GPU compiler
+    against the target's description (`memory.targets`), with no GPU present.
+
+    The deviceless GPU compiler refuses host memory kinds for arguments: a step with its
+    optimizer state or embedding table on the host is compiled with those arrays given as device
+    arrays, and their exact bytes (`jax.eval_shape` of the real initialisers) are then counted as
+    host bytes (`MemoryMeasurement.derived` says so). Residuals offloaded inside the step compile
+    as they run: XLA reports them as host temporaries.
+    """
+    resolved = get_target(target)
+    if resolved.platform == "cpu":
+        return dataclasses.replace(measure_compiled(config, model_config), target=resolved.name)
+    require_gpu_compiler(resolved)
+    on_host = [name for name in HOST_ARGUMENTS if getattr(config.memory, name) == "host"]
+    as_device = config.model_copy(
+        update={"memory": config.memory.model_copy(update=dict.fromkeys(on_host, "device"))}
+    )
+    step, arguments = abstract_step_arguments(as_device, model_config, target_mesh(resolved.name))
+    trainable, opt_state, frozen, _, _ = arguments
+    start = time.perf_counter()
+    lowered = step.lower(*arguments)
+    with native_stderr_silenced():  # deviceless warnings: "compile with a GPU present"
+        compiled = lowered.compile(DEVICELESS_COMPILER_OPTIONS)
+    measured = measurement_of(
+        compiled, trainable, opt_state, frozen, time.perf_counter() - start, "gpu"
+    )
+    host_bytes = {
+        "optimizer_state": optimizer_state_bytes(config, model_config),
+        "embed": host_embedding_bytes(config, model_config),
+    }
+    derived = tuple(
+        f"memory.{name}: host compiled as a device array; its {host_bytes[name]:,} B "
+        "(exact, from eval_shape) counted as host bytes"
+        for name in on_host
+    )
+    return dataclasses.replace(
+        measured,
+        host_argument_bytes=sum(host_bytes[name] for name in on_host),
+        target=resolved.name,
+        derived=derived,
     )
 
 

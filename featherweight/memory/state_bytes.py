@@ -92,7 +92,7 @@ def trainable_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
 
 def optimizer_state_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
     """The optimizer state in the configured step's layout (streamed: one state per tensor and
-    layer, step counters included; reference: optax's own, or `optax.MultiSteps`')."""
+    layer, step counters included; reference: optax's own)."""
     return tree_bytes(state_shapes(config, model_config).opt_state)
 
 

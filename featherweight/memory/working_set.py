@@ -27,17 +27,23 @@ The buffer counts c_* are how many such buffers XLA keeps alive at once. They ar
 `calibration.json` holds them per compiler and dtype together with the compiled measurements they
 were fitted on and their provenance; `python -m featherweight.memory.calibrate` measures a fit grid
 and a held-out grid, fits them (non-negative least squares on the relative error of temp) and
-writes the file; tests/memory/test_calibration.py checks the fit and the held-out error. The
-XLA:CPU float32 counts are used for every dtype and backend until a calibration for that compiler
-exists; attention is XLA's (scores materialized), a fused attention kernel would remove
-`attention_scores`.
+writes the file; tests/memory/test_calibration.py checks the fit and the held-out error.
+
+Which counts a plan uses is the compiler it is for, never the machine it runs on: the target
+(`featherweight plan --target h100` plans within `calibration_for("xla-gpu/bfloat16")`), else the
+local backend and the config's dtype. A compiler and dtype without a fit of their own use the
+XLA:CPU float32 counts, and the plan says so. Attention is XLA's (scores materialized); a fused
+attention kernel would remove `attention_scores`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import NamedTuple
 
@@ -55,6 +61,37 @@ from featherweight.step.loss import resolve_chunk_size
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 DEFAULT_CALIBRATION = "xla-cpu/float32"
+_TARGET_CALIBRATION: ContextVar[str | None] = ContextVar("target_calibration", default=None)
+
+
+@functools.lru_cache(maxsize=1)
+def known_calibrations() -> frozenset[str]:
+    """The compiler/dtype keys calibration.json holds."""
+    return frozenset(json.loads(CALIBRATION_FILE.read_text())["calibrations"])
+
+
+@contextlib.contextmanager
+def calibration_for(compiler: str) -> Iterator[None]:
+    """Plans made inside use the counts of `compiler` ("xla-gpu" or "xla-cpu") and each config's
+    dtype: how `--target` picks the calibration for every plan of a command (the budget search's
+    candidates included)."""
+    token = _TARGET_CALIBRATION.set(compiler)
+    try:
+        yield
+    finally:
+        _TARGET_CALIBRATION.reset(token)
+
+
+def calibration_key(config: TrainConfig) -> str:
+    """The calibration a plan of `config` uses: the target's compiler (`calibration_for`, else
+    the local backend's) and the config's dtype; `DEFAULT_CALIBRATION` when that has no fit."""
+    compiler = _TARGET_CALIBRATION.get()
+    if compiler is None:
+        import jax
+
+        compiler = f"xla-{jax.default_backend()}"
+    key = f"{compiler}/{config.model.dtype}"
+    return key if key in known_calibrations() else DEFAULT_CALIBRATION
 
 
 @functools.lru_cache(maxsize=8)
@@ -145,9 +182,9 @@ def phase_working_sets(
     config: TrainConfig, model_config: ModelConfig, calibration: dict[str, float] | None = None
 ) -> dict[str, list[WorkingBuffer]]:
     """Each phase's working set, buffer group by buffer group, with its formula; the buffer counts
-    are `calibration` (default: the XLA:CPU float32 fit in calibration.json)."""
+    are `calibration` (default: the fit `calibration_key` names in calibration.json)."""
     s, t = StepShapes(config, model_config), raw_terms(config, model_config)
-    c = calibration or calibration_counts()
+    c = calibration or calibration_counts(calibration_key(config))
     attention_width = (s.H + 2 * s.K) * s.h
     backward = [
         WorkingBuffer(

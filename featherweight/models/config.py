@@ -9,10 +9,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
-from featherweight.errors import CheckpointNotFoundError, ModelConfigError, UnsupportedModelError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+)
+
+from featherweight.errors import (
+    CheckpointNotFoundError,
+    ModelConfigError,
+    UnsupportedModelError,
+    check_input_file,
+    read_input_text,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 ARCHITECTURES = {
@@ -28,6 +45,75 @@ _REQUIRED_HF_FIELDS = (
     "num_hidden_layers",
     "num_attention_heads",
 )
+
+
+Positive = Field(None, gt=0)
+Number = StrictFloat  # strict: an int (JSON's 10000) is a number, a bool or a string is not
+
+
+class _RopeFields(BaseModel):
+    """A `rope_scaling` (transformers 4) or `rope_parameters` (5) mapping."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    rope_type: str | None = None
+    type: str | None = None
+    rope_theta: Number | None = Positive
+    factor: Number | None = Positive
+    low_freq_factor: Number | None = Positive
+    high_freq_factor: Number | None = Positive
+    original_max_position_embeddings: StrictInt | None = Positive
+
+
+class _HFFields(BaseModel):
+    """The types and ranges of the config.json fields featherweight reads, checked before any of
+    them is used (a `"64"`, a negative size or a `rope_scaling` that is not a mapping would
+    otherwise surface mid-compile)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    vocab_size: StrictInt = Field(gt=0)
+    hidden_size: StrictInt = Field(gt=0)
+    intermediate_size: StrictInt = Field(gt=0)
+    num_hidden_layers: StrictInt = Field(gt=0)
+    num_attention_heads: StrictInt = Field(gt=0)
+    num_key_value_heads: StrictInt | None = Positive
+    head_dim: StrictInt | None = Positive
+    rms_norm_eps: Number | None = Positive
+    rope_theta: Number | None = Positive
+    max_position_embeddings: StrictInt | None = Positive
+    tie_word_embeddings: StrictBool | None = None
+    attention_bias: StrictBool | None = None
+    mlp_bias: StrictBool | None = None
+    bos_token_id: StrictInt | None = Field(None, ge=0)
+    eos_token_id: StrictInt | list[StrictInt] | None = None
+    sliding_window: StrictInt | None = None
+    use_sliding_window: StrictBool | None = None
+    rope_scaling: _RopeFields | None = None
+    rope_parameters: _RopeFields | None = None
+
+
+def _check_field_types(hf: dict[str, Any], source: str) -> None:
+    """Refuse wrongly typed or impossible config.json values, naming each (up to three)."""
+    try:
+        _HFFields.model_validate(hf)
+    except ValidationError as error:
+        problems = [
+            f"{'.'.join(str(part) for part in item['loc'])}: "
+            f"{item['msg'].replace(' or instance of _RopeFields', '')} "
+            f"(got {repr(item.get('input'))[:40]})"
+            for item in error.errors()
+        ]
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise ModelConfigError(
+            f"{source} holds invalid values: {'; '.join(problems[:3])}{more}; restore the "
+            "model's original config.json"
+        ) from None
+    heads, head_dim = hf["num_attention_heads"], hf.get("head_dim")
+    if head_dim is None and hf["hidden_size"] % heads:
+        raise ModelConfigError(
+            f"{source}: hidden_size={hf['hidden_size']} is not divisible by "
+            f"num_attention_heads={heads} and no head_dim is given; restore the model's original "
+            "config.json"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +274,7 @@ def config_from_hf_dict(hf: dict[str, Any], source: str = "config.json") -> Mode
             f"{source} lacks required field(s) {', '.join(missing)}; "
             "copy the model's original config.json"
         )
+    _check_field_types(hf, source)
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
@@ -223,13 +310,14 @@ def config_from_hf_dict(hf: dict[str, Any], source: str = "config.json") -> Mode
 def read_hf_config(directory: Path) -> ModelConfig:
     """Read and validate `directory/config.json`."""
     path = Path(directory) / "config.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointNotFoundError(
             f"{directory} has no config.json; point at a Hugging Face model directory "
             "(config.json + *.safetensors) or a .gguf file"
         )
+    check_input_file(path, "model config", "restore the original", CheckpointNotFoundError)
     try:
-        hf = json.loads(path.read_text())
+        hf = json.loads(read_input_text(path, "model config"))
     except json.JSONDecodeError as error:
         raise ModelConfigError(
             f"{path} is not valid JSON ({error}); restore the original"

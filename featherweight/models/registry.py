@@ -118,21 +118,37 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
 BUILTIN_MODELS: tuple[str, ...] = tuple(HF_CONFIGS)
 
 
+DEMO_MODEL = "SmolLM2-135M"  # `demo`: the embedded SmolLM2-135M-Instruct has its shapes
+# fine-tuned variants share their base model's shapes: Qwen2.5-7B-Instruct plans as Qwen2.5-7B
+_VARIANT_TAGS = ("-instruct", "-chat", "-it")
+
+
 def _lookup_key(name: str) -> str:
-    return name.strip().lower().rsplit("/", 1)[-1]
+    key = name.strip().lower().rsplit("/", 1)[-1].removeprefix("meta-")
+    if key == "demo":
+        return DEMO_MODEL.lower()
+    for tag in _VARIANT_TAGS:
+        key = key.replace(tag, "")
+    return key
 
 
 def is_builtin_model(name: str) -> bool:
-    """Whether `name` (any case, with or without an `org/` prefix) is a built-in model."""
+    """Whether `name` is a built-in model: any case, with or without an `org/` prefix, its
+    -Instruct / -chat variants, or `demo`."""
     return any(_lookup_key(name) == _lookup_key(known) for known in BUILTIN_MODELS)
 
 
+def builtin_names() -> str:
+    """The built-in names as a user reads them (help texts, errors)."""
+    return ", ".join(BUILTIN_MODELS) + " (and their -Instruct variants), demo"
+
+
 def builtin_config(name: str) -> ModelConfig:
-    """The `ModelConfig` of a built-in model, by name (case-insensitive; `org/` ignored)."""
+    """The `ModelConfig` of a built-in model, by name (see `is_builtin_model`)."""
     for known, hf in HF_CONFIGS.items():
         if _lookup_key(name) == _lookup_key(known):
             return config_from_hf_dict(hf, source=f"built-in {known}")
     raise CheckpointNotFoundError(
         f"{name!r} is neither a model path nor a built-in model name; built-in models: "
-        f"{', '.join(BUILTIN_MODELS)} (or give a directory with config.json, or a .gguf file)"
+        f"{builtin_names()} (or give a directory with config.json, or a .gguf file)"
     )

@@ -125,9 +125,11 @@ def parse_mesh(text: str) -> MeshSettings:
     if text.strip() == "auto":
         return MeshSettings()
     sizes: dict[str, int | str] = {}
-    for part in filter(None, (piece.strip() for piece in text.split(","))):
+    parts = [piece.strip() for piece in text.split(",")]
+    for part in parts if any(parts) else [text]:
         axis, _, size = (piece.strip() for piece in part.partition("="))
-        if axis not in (DATA, FSDP) or not (size.isdigit() or size == "auto"):
+        digits = size.isascii() and size.isdigit()
+        if axis not in (DATA, FSDP) or axis in sizes or not (digits or size == "auto"):
             raise ShardingError(
                 f"mesh {text!r} cannot be read at {part!r}; write e.g. fsdp=8, data=2,fsdp=4 or "
                 "auto (axes: data, fsdp; sizes: positive integers or auto)"

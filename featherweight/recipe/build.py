@@ -33,6 +33,7 @@ from featherweight.step.reference import build_reference_step, model_loss
 from featherweight.step.streamed import (
     build_streamed_step,
     init_streamed_opt_state,
+    per_tensor_clipping,
     place_opt_state,
 )
 
@@ -94,17 +95,37 @@ def place_embedding(
     return trainable, {**frozen, "embed": move(frozen["embed"])}
 
 
+def step_optimizer(
+    config: TrainConfig, optimizer: optax.GradientTransformation
+) -> optax.GradientTransformation:
+    """The transformation the configured step applies: clipping, when the step does not do it
+    itself, is the first link of the chain. The reference step's `clip_by_global_norm` sees the
+    whole gradient (global); the streamed step applies the chain per tensor, so there it is
+    `per_tensor_clipping`. Global clipping with the streamed step is the step's (`step_clipping`)."""
+    clip = config.optimizer.clip_norm
+    if clip is None:
+        return optimizer
+    if config.memory.step == "reference":
+        return optax.chain(optax.clip_by_global_norm(clip), optimizer)
+    if config.optimizer.clipping == "per_tensor":
+        return optax.chain(per_tensor_clipping(clip), optimizer)
+    return optimizer
+
+
+def step_clipping(config: TrainConfig) -> tuple[float | None, bool]:
+    """(clip_norm, two_pass) for `build_streamed_step`: global clipping the step does itself."""
+    settings = config.optimizer
+    if settings.clip_norm is None or settings.clipping == "per_tensor":
+        return None, False
+    return settings.clip_norm, settings.clipping == "two_pass"
+
+
 def opt_state_initializer(
     config: TrainConfig, optimizer: optax.GradientTransformation
 ) -> Callable[[Params], Any]:
     """`trainable -> optimizer state` in the layout the configured step expects."""
+    optimizer = step_optimizer(config, optimizer)
     if config.memory.step == "reference":
-        if config.memory.accumulation_steps > 1:
-            return (
-                optax.MultiSteps(optimizer, config.memory.accumulation_steps)
-                .gradient_transformation()
-                .init
-            )
         return optimizer.init
     placement = config.memory.optimizer_state
     return lambda params: place_opt_state(init_streamed_opt_state(optimizer, params), placement)
@@ -118,7 +139,8 @@ def build_train_step(
     optimizer: optax.GradientTransformation,
     mesh: Mesh | None = None,
 ) -> tuple[Callable, Callable[[Params], Any]]:
-    """(jitted donated step, init_opt_state) for the configured step kind and memory policy.
+    """(jitted donated step, init_opt_state) for the configured step kind, memory policy,
+    clipping and accumulation.
 
     With a device mesh (`mesh`, default: the one `config.mesh` describes, which several
     processes always have) both are compiled for it: the step with the partition rules of
@@ -128,10 +150,7 @@ def build_train_step(
     spec: LoraSpec | None = None if lora is None else lora.spec
     policy = config.memory.policy
     init_opt_state = opt_state_initializer(config, optimizer)
-    if config.memory.step == "reference" and config.memory.accumulation_steps > 1:
-        optimizer = optax.MultiSteps(
-            optimizer, config.memory.accumulation_steps
-        ).gradient_transformation()
+    accumulation_steps = config.memory.accumulation_steps
     mesh, shardings = mesh or mesh_from_settings(config.mesh), None
     if mesh is not None:
         opt_state = jax.eval_shape(init_opt_state, trainable)
@@ -139,17 +158,22 @@ def build_train_step(
         init_opt_state = jax.jit(init_opt_state, out_shardings=shardings.inputs[1])
     if config.memory.step == "reference":
         step = build_reference_step(
-            model_config, optimizer, lora=spec, chunk_size=policy.loss_chunk, shardings=shardings
-        )
+            model_config, step_optimizer(config, optimizer), lora=spec,
+            chunk_size=policy.loss_chunk, shardings=shardings,
+            accumulation_steps=accumulation_steps,
+        )  # fmt: skip
         return step, init_opt_state
+    clip_norm, two_pass = step_clipping(config)
     step = build_streamed_step(
         model_config,
-        optimizer,
+        step_optimizer(config, optimizer),
         trainable,
         frozen,
         lora=spec,
         policy=policy,
-        accumulation_steps=config.memory.accumulation_steps,
+        accumulation_steps=accumulation_steps,
+        clip_norm=clip_norm,
+        two_pass=two_pass,
         shardings=shardings,
     )
     return step, init_opt_state
@@ -169,10 +193,48 @@ def check_method_settings(config: TrainConfig, model_config: ModelConfig) -> Non
             f"memory.mlp_chunk={mlp_chunk} must divide data.seq_len={seq}; use a divisor, e.g. "
             f"{next(c for c in range(mlp_chunk, 0, -1) if seq % c == 0)}"
         )
-    if config.memory.accumulation_steps > 1 and config.memory.step == "streamed":
+    check_clipping_and_accumulation(config)
+
+
+def check_clipping_and_accumulation(config: TrainConfig) -> None:
+    """Refuse clipping the configured step cannot do exactly as named, and accumulation that
+    cannot split the batch; each message lists the settings that do work."""
+    memory, settings = config.memory, config.optimizer
+    steps = memory.accumulation_steps
+    if config.batch_size % steps:
         raise ConfigError(
-            "memory.accumulation_steps > 1 needs a full gradient buffer, which the streamed step "
-            "never builds; set memory.step: reference, or raise batch_size instead"
+            f"batch_size={config.batch_size} cannot be split into memory.accumulation_steps="
+            f"{steps} equal micro-batches; use a batch_size that is a multiple of {steps}"
+        )
+    if steps > 1 and config.method == "full" and memory.embed == "host":
+        raise ConfigError(
+            "memory.accumulation_steps > 1 with method: full keeps a gradient buffer on the "
+            "device, which an embedding trained in host memory has not; use memory.embed: "
+            "device, or memory.accumulation_steps: 1"
+        )
+    if settings.clip_norm is None:
+        return
+    clipping = settings.clipping
+    if memory.step == "reference" and clipping != "global":
+        raise ConfigError(
+            f"optimizer.clipping: {clipping} with memory.step: reference, whose clipping sees "
+            "the whole gradient; use optimizer.clipping: global (or memory.step: streamed)"
+        )
+    if memory.step == "reference":
+        return
+    kept = config.method != "full" or steps > 1  # the streamed step keeps the gradient
+    if clipping == "two_pass" and kept:
+        raise ConfigError(
+            "optimizer.clipping: two_pass is for full fine-tuning without accumulation; here "
+            "the gradient is kept (adapters, or an accumulation buffer), so use "
+            "optimizer.clipping: global (exact in one pass) or per_tensor"
+        )
+    if clipping == "global" and not kept:
+        raise ConfigError(
+            "optimizer.clipping: global with method: full and the streamed step needs every "
+            "gradient before the first update; choose optimizer.clipping: two_pass (exact, a "
+            "second backward pass), per_tensor (each tensor clipped on its own), "
+            "memory.accumulation_steps >= 2 (a gradient buffer), or memory.step: reference"
         )
 
 

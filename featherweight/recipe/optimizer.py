@@ -1,4 +1,8 @@
-"""The optax transformation a config names: optimizer, learning-rate schedule, clipping."""
+"""The optax transformation a config names: optimizer and learning-rate schedule.
+
+Clipping is the train step's to apply (`recipe.build.step_optimizer`): global clipping with the
+streamed step is done by the step itself, not by a link of this chain.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ def learning_rate_schedule(settings: OptimizerSettings, total_steps: int) -> opt
 
 
 def make_optimizer(settings: OptimizerSettings, total_steps: int) -> optax.GradientTransformation:
-    """The optax transformation a config names (clipping first, when set)."""
+    """The optax transformation a config names (without clipping: `recipe.build.step_optimizer`)."""
     schedule = learning_rate_schedule(settings, total_steps)
     if settings.name == "adamw":
         optimizer = optax.adamw(
@@ -46,6 +50,4 @@ def make_optimizer(settings: OptimizerSettings, total_steps: int) -> optax.Gradi
         )
     else:
         optimizer = optax.adafactor(schedule, weight_decay_rate=settings.weight_decay or None)
-    if settings.clip_norm is not None:
-        optimizer = optax.chain(optax.clip_by_global_norm(settings.clip_norm), optimizer)
     return optimizer

@@ -15,14 +15,25 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
-from featherweight.errors import ConfigError
+from featherweight.data.records import ALPACA, InstructionTemplate
+from featherweight.data.sources import COLUMN_KEYS
+from featherweight.errors import ConfigError, check_input_file, read_input_text
 from featherweight.parallel.sharding import MeshSettings
 from featherweight.peft.lora import LoraConfig
 from featherweight.step.policy import MemoryPolicy
 
 Method = Literal["full", "lora", "qlora"]
+MAX_SEED = 2**32 - 1  # seeds are 32-bit: what jax.random.PRNGKey and numpy's generators take
 
 
 class _Section(BaseModel):
@@ -42,19 +53,64 @@ class ModelSettings(_Section):
     quantize_head: bool = Field(False, description="QLoRA: NF4 LM head (or tied embedding) too")
 
 
-class DataSettings(_Section):
-    """The dataset: JSONL of {"text"}, {"instruction","input","output"} or {"messages"}."""
+class InstructionTemplateSettings(_Section):
+    """Prompts for instruction records (format strings over {instruction} and {input})."""
 
-    train: str = Field("demo", description="JSONL path, or 'demo' for the built-in generated task")
+    prompt: str = Field(ALPACA.prompt, description="when the record has an input")
+    prompt_no_input: str = Field(ALPACA.prompt_no_input, description="when it has none")
+
+    @model_validator(mode="after")
+    def _check(self) -> InstructionTemplateSettings:
+        self.template().check()  # only {instruction} (and {input}) may be named
+        return self
+
+    def template(self) -> InstructionTemplate:
+        """The data layer's form of these prompts."""
+        return InstructionTemplate(self.prompt, self.prompt_no_input)
+
+
+class DataSettings(_Section):
+    """The dataset: records of {"text"}, {"instruction","input","output"} or {"messages"}."""
+
+    train: str = Field(
+        "demo",
+        description=(
+            "a JSONL, JSON, CSV, TSV, Parquet, Arrow or .txt file, a save_to_disk directory, a "
+            "Hugging Face dataset name in the local cache, or 'demo' (the generated task)"
+        ),
+    )
     eval: str | None = None
     eval_fraction: float = Field(
         0.0, ge=0.0, lt=1.0, description="split off train when eval is None"
     )
     seq_len: int = Field(256, gt=0)
-    pack: bool = True
+    pack: bool = Field(True, description="several examples per row; false: one (padded)")
     overflow: Literal["truncate", "error"] = "truncate"
     skip_bad: bool = False
-    shuffle_seed: int = 0
+    shuffle_seed: int = Field(0, ge=0, le=MAX_SEED)
+    columns: tuple[tuple[Literal[COLUMN_KEYS], str], ...] = Field(  # type: ignore[valid-type]
+        (), description="featherweight field -> the dataset's column, e.g. {output: answer}"
+    )
+    chat_template: str | None = Field(
+        None, description="a Jinja file, or a built-in name (chatml, llama3, zephyr)"
+    )
+    instruction_template: InstructionTemplateSettings | None = Field(
+        None,
+        description=(
+            "instruction records as plain prompts (default without a chat template: "
+            "### Instruction / ### Input / ### Response)"
+        ),
+    )
+
+    @field_validator("columns", mode="before")
+    @classmethod
+    def _columns_as_pairs(cls, columns: Any) -> Any:
+        """Written as a mapping; held as sorted pairs, so the frozen settings stay hashable."""
+        return tuple(sorted(columns.items())) if isinstance(columns, dict) else columns
+
+    @field_serializer("columns")
+    def _columns_as_mapping(self, columns: tuple[tuple[str, str], ...]) -> dict[str, str]:
+        return dict(columns)
 
 
 class OptimizerSettings(_Section):
@@ -69,7 +125,15 @@ class OptimizerSettings(_Section):
     schedule: Literal["constant", "cosine", "linear"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
     clip_norm: float | None = Field(
-        None, gt=0, description="per-layer clipping with the streamed step"
+        None, gt=0, description="clip gradients to this norm (how: optimizer.clipping)"
+    )
+    clipping: Literal["global", "two_pass", "per_tensor"] = Field(
+        "global",
+        description=(
+            "global: the whole gradient's norm (LoRA/QLoRA streamed: adapters' gradient kept; "
+            "reference step; accumulation); two_pass: global for full fine-tuning with the "
+            "streamed step, a norm-only backward pass first; per_tensor: each tensor alone"
+        ),
     )
 
 
@@ -102,7 +166,14 @@ class MemorySettings(_Section):
     step: Literal["streamed", "reference"] = Field(
         "streamed", description="fused-update or jax.grad step"
     )
-    accumulation_steps: int = Field(1, ge=1, description="reference step only")
+    accumulation_steps: int = Field(
+        1,
+        ge=1,
+        description=(
+            "split each batch of batch_size rows into this many micro-batches, gradients summed "
+            "before one update: same training, one micro-batch's activations"
+        ),
+    )
 
     @property
     def policy(self) -> MemoryPolicy:
@@ -133,10 +204,16 @@ class TrainConfig(_Section):
     )
     batch_size: int = Field(4, gt=0)
     steps: int = Field(100, gt=0)
+    epochs: float | None = Field(
+        None, gt=0, description="when set, steps = epochs x steps per epoch (rounded up)"
+    )
     eval_every: int = Field(0, ge=0, description="0: evaluate only at the end")
     eval_batches: int = Field(4, gt=0)
-    log_every: int = Field(1, gt=0)
-    seed: int = 0
+    log_every: int = Field(1, gt=0, description="steps between host syncs and progress lines")
+    report_to: tuple[Literal["tensorboard", "wandb"], ...] = Field(
+        (), description="loggers besides metrics.jsonl: tensorboard (event files), wandb"
+    )
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     output_dir: str = "runs/run"
 
     @field_validator("mesh", mode="before")
@@ -146,6 +223,13 @@ class TrainConfig(_Section):
 
 
 MAX_ERRORS = 5  # problems named in one message
+# keys other trainers spell differently: (their name) -> ours, suggested for an unknown key
+OTHER_SPELLINGS = {
+    "gradient_accumulation_steps": "memory.accumulation_steps",
+    "grad_accum": "memory.accumulation_steps",
+    "max_grad_norm": "optimizer.clip_norm",
+    "clip_grad_norm": "optimizer.clip_norm",
+}
 _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 2, 4, 4
 _SHORT.maxstring = _SHORT.maxother = 60
@@ -204,6 +288,8 @@ def _format_errors(error: ValidationError, source: str, key_lines: dict[str, int
         if item["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             allowed = _allowed_keys(TrainConfig, location)
             close = difflib.get_close_matches(str(location[-1]), allowed, n=1)
+            if str(location[-1]) in OTHER_SPELLINGS:
+                close = [OTHER_SPELLINGS[str(location[-1])]]
             hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(allowed)}"
             lines.append(f"unknown key {dotted!r}{where} ({hint})")
         else:
@@ -225,13 +311,25 @@ def parse_config(
 
 def _set_dotted(values: dict[str, Any], dotted: str, raw: str) -> None:
     keys = dotted.split(".")
+    if not all(keys):
+        raise ConfigError(
+            f"--set {dotted}={raw}: the key {dotted!r} has an empty part; write key.sub=value, "
+            "e.g. --set optimizer.learning_rate=1e-4"
+        )
     node = values
     for key in keys[:-1]:
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
             raise ConfigError(f"--set {dotted}: {key!r} is not a section")
         node = child
-    node[keys[-1]] = yaml.safe_load(raw) if raw != "" else None
+    try:
+        node[keys[-1]] = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as error:
+        problem = " ".join(str(getattr(error, "problem", None) or error).split())
+        raise ConfigError(
+            f"--set {dotted}={raw}: the value is not valid YAML ({problem}); quote it "
+            f"(--set '{dotted}=\"...\"') or fix the brackets"
+        ) from None
 
 
 def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -253,11 +351,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         path = Path(path)
         source = str(path)
-        if not path.is_file():
-            raise ConfigError(
-                f"config file {path} does not exist; pass a YAML file (see examples/)"
-            )
-        text = path.read_text()
+        check_input_file(path, "config file", "pass a YAML file (see examples/)", ConfigError)
+        text = read_input_text(path, "config file")
         key_lines = _key_lines(text)
         try:
             loaded = yaml.safe_load(text) or {}
@@ -269,3 +364,25 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             )
         values = loaded
     return parse_config(apply_overrides(values, overrides or []), source, key_lines)
+
+
+def _flatten(values: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(values, dict):
+        return {prefix: values}
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        flat.update(_flatten(value, f"{prefix}{key}."))
+    return flat
+
+
+def changed_settings(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """The settings that differ between two config dumps, as `key: old -> new` (at most
+    MAX_ERRORS of them, then a count): what a refused resume names."""
+    before, after = _flatten(old), _flatten(new)
+    keys = sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
+    shown = [
+        f"{key.rstrip('.')}: {_SHORT.repr(before.get(key))} -> {_SHORT.repr(after.get(key))}"
+        for key in keys[:MAX_ERRORS]
+    ]
+    more = f"; and {len(keys) - MAX_ERRORS} more" if len(keys) > MAX_ERRORS else ""
+    return "; ".join(shown) + more

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from featherweight.errors import StepConfigError
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LoraSpec
 
@@ -54,6 +55,32 @@ def squared_norm(tree) -> jax.Array:
         (jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree.leaves(tree)),
         jnp.float32(0),
     )
+
+
+def micro_batches(batch, count: int):
+    """`batch` [B, ...] as `count` micro-batches [count, B / count, ...] (row order kept), for a
+    scan that accumulates their gradients."""
+    rows = batch.input_ids.shape[0]
+    if rows % count:
+        raise StepConfigError(
+            f"batch of {rows} rows cannot be split into {count} equal micro-batches; use a "
+            f"batch_size that is a multiple of accumulation_steps={count}"
+        )
+    return jax.tree.map(lambda x: x.reshape(count, rows // count, *x.shape[1:]), batch)
+
+
+def clip_scale(grad_sq: jax.Array, max_norm: float) -> jax.Array:
+    """The factor global-norm clipping multiplies every gradient by: 1 when the global norm
+    sqrt(grad_sq) is below `max_norm`, else max_norm / norm (`optax.clip_by_global_norm`'s rule)."""
+    norm = jnp.sqrt(grad_sq)
+    return jnp.where(norm < max_norm, jnp.float32(1), max_norm / norm)
+
+
+def scaled(grad: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """`grad` times a clipping scale (in float32, back in the gradient's dtype); None: as is."""
+    if scale is None:
+        return grad
+    return (grad.astype(jnp.float32) * scale).astype(grad.dtype)
 
 
 def jit_shardings(shardings: Any) -> dict[str, Any]:

@@ -5,10 +5,13 @@ forward: a scan of the block over the stacked layers; each layer's input (and th
   the policy saves) is kept at the policy's placement -- the device, or pinned host memory, put
   there by the step itself (naming the block's input, not its output: XLA #17541).
 backward: a `fori_loop` from the last layer to the first. Layer l's saved input comes back (the
-  next one is fetched while l computes), its VJP is rebuilt (remat), and its gradient goes straight
-  into the optimizer on layer l's slice of each tensor's state; parameters and state are written
-  back in place on the donated stacks. The gradient is then dropped: at most one layer's gradient
-  is alive, and the full gradient pytree never exists.
+  next one is fetched while l computes), its VJP is rebuilt (remat), and its gradient goes to a
+  `LayerSink`: straight into the optimizer on layer l's slice of each tensor's state
+  (`update_sink`: parameters and state written back in place on the donated stacks, the fused
+  update), into slice l of a gradient buffer (`accumulate_sink`: global clipping of adapters,
+  accumulation over micro-batches), or nowhere but the squared norm (`norm_sink`: the first pass
+  of two-pass clipping). At most one layer's gradient is alive at a time; only the buffer sink
+  keeps a trainable-sized gradient.
 """
 
 from __future__ import annotations
@@ -18,12 +21,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import AttentionInputs, LoraSpec, Params
 from featherweight.parallel.memory_kinds import host_slice, host_write
-from featherweight.step.common import squared_norm
+from featherweight.step.common import scaled, squared_norm
 from featherweight.step.layer_grad import layer_forward, layer_vjp
 from featherweight.step.opt_state import guarded_update
 from featherweight.step.policy import MemoryPolicy
@@ -76,48 +78,109 @@ def forward_layers(
     return jax.lax.scan(forward_layer, x, (frozen_layers, trainable_layers, context.keys))
 
 
+class LayerSink(NamedTuple):
+    """What the backward loop does with layer l's gradient, and where it reads l's trainable slice.
+
+    `target` is the pytree the loop carries for the sink (updated stacks and states, a gradient
+    buffer, or nothing); the layer's parameters are read from it when the sink rewrites them in
+    place, so the donated stacks are updated without a copy.
+    """
+
+    params: Callable[[Any, jax.Array], Params]  # (target, l) -> layer l's trainable slice
+    absorb: Callable[[Any, jax.Array, Params], Any]  # (target, l, layer gradient) -> target
+
+
+def update_sink(optimizer, ok, treedef, scale: jax.Array | None = None) -> LayerSink:
+    """Update layer l's tensors at once from its gradient (times `scale`, the global clip).
+
+    target: (stacks, states) -- the trainable layer stacks (leaf order) and their per-tensor
+    states, written back in place at slice l.
+    """
+
+    def params(target, index):
+        return jax.tree.unflatten(treedef, [stack[index] for stack in target[0]])
+
+    def absorb(target, index, grads):
+        stacks, states = target
+        new_stacks, new_states = [], []
+        for stack, state, grad in zip(stacks, states, jax.tree.leaves(grads), strict=True):
+            param, state_l = guarded_update(
+                optimizer,
+                ok,
+                scaled(grad, scale).astype(stack.dtype),
+                host_slice(state, index),
+                stack[index],
+            )
+            new_stacks.append(jax.lax.dynamic_update_index_in_dim(stack, param, index, 0))
+            new_states.append(host_write(state, state_l, index))
+        return new_stacks, tuple(new_states)
+
+    return LayerSink(params, absorb)
+
+
+def accumulate_sink(trainable_layers: Params) -> LayerSink:
+    """Add layer l's gradient into slice l of a gradient buffer (target: the buffer's stacks, in
+    leaf order); the parameters are read, unchanged, from `trainable_layers`."""
+
+    def absorb(buffer, index, grads):
+        return [
+            jax.lax.dynamic_update_index_in_dim(
+                stack, stack[index] + grad.astype(stack.dtype), index, 0
+            )
+            for stack, grad in zip(buffer, jax.tree.leaves(grads), strict=True)
+        ]
+
+    return LayerSink(lambda _, index: _slice(trainable_layers, index), absorb)
+
+
+def norm_sink(trainable_layers: Params) -> LayerSink:
+    """Keep nothing: only the squared norm the loop sums (the first pass of two-pass clipping)."""
+    return LayerSink(lambda _, index: _slice(trainable_layers, index), lambda target, *_: target)
+
+
 def backward_layers(
-    optimizer: optax.GradientTransformation,
-    ok: jax.Array,
     cotangent: jax.Array,
     stored,
     frozen_layers: Params,
-    trainable_layers: Params,
-    layer_states: tuple,
     context: LayerContext,
-) -> tuple[jax.Array, Params, tuple, jax.Array]:
-    """Last layer to first: each layer's VJP, then each of its tensors' updates, in place.
+    sink: LayerSink,
+    target,
+) -> tuple[jax.Array, Any, jax.Array]:
+    """Last layer to first: each layer's VJP, its gradient handed to `sink` at once.
 
-    Returns (the cotangent of the first layer's input, the updated trainable layers, their
-    updated states, the squared norm of every layer gradient).
+    Returns (the cotangent of the first layer's input, the sink's final target, the squared norm
+    of every layer gradient). At most one layer's gradient is alive at a time.
     """
     _, fetch = _residual_store(context.policy.residuals)
     num_layers = context.config.num_layers
-    stacks, treedef = jax.tree.flatten(trainable_layers)
 
     def backward_layer(i, carry):
-        cotangent, stacks, states, grad_sq, current = carry
+        cotangent, target, grad_sq, current = carry
         cotangent = context.constrain(cotangent)
         index = num_layers - 1 - i
         upcoming = jax.tree.map(fetch, _slice(stored, jnp.maximum(index - 1, 0)))
         x, saved = current
         grads, cotangent = layer_vjp(
-            _slice(frozen_layers, index),
-            jax.tree.unflatten(treedef, [stack[index] for stack in stacks]),
+            _slice(frozen_layers, index), sink.params(target, index),
             x, saved, cotangent, context.inputs, context.config, context.lora,
             None if context.keys is None else context.keys[index], context.policy.mlp_chunk,
         )  # fmt: skip
-        new_stacks, new_states = [], []
-        for stack, state, grad in zip(stacks, states, jax.tree.leaves(grads), strict=True):
-            param, state_l = guarded_update(
-                optimizer, ok, grad, host_slice(state, index), stack[index]
-            )
-            new_stacks.append(jax.lax.dynamic_update_index_in_dim(stack, param, index, 0))
-            new_states.append(host_write(state, state_l, index))
-        return cotangent, new_stacks, tuple(new_states), grad_sq + squared_norm(grads), upcoming
+        target = sink.absorb(target, index, grads)
+        return cotangent, target, grad_sq + squared_norm(grads), upcoming
 
     first = jax.tree.map(fetch, _slice(stored, num_layers - 1))
-    cotangent, stacks, states, grad_sq, _ = jax.lax.fori_loop(
-        0, num_layers, backward_layer, (cotangent, stacks, layer_states, jnp.float32(0), first)
+    cotangent, target, grad_sq, _ = jax.lax.fori_loop(
+        0, num_layers, backward_layer, (cotangent, target, jnp.float32(0), first)
     )
-    return cotangent, jax.tree.unflatten(treedef, stacks), states, grad_sq
+    return cotangent, target, grad_sq
+
+
+def update_layers(sink: LayerSink, grad_stacks: list, target, num_layers: int):
+    """Every layer's update from a kept gradient buffer (stacks in leaf order), one layer at a
+    time through `sink` (an `update_sink`) -> the sink's final target."""
+
+    def update_layer(index, target):
+        grads = [jax.lax.dynamic_index_in_dim(g, index, keepdims=False) for g in grad_stacks]
+        return sink.absorb(target, index, grads)
+
+    return jax.lax.fori_loop(0, num_layers, update_layer, target)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from featherweight.errors import StepConfigError
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import (
     LoraSpec,
@@ -28,6 +29,8 @@ from featherweight.step.common import (
     head_param_names,
     jit_shardings,
     layer_dropout_keys,
+    micro_batches,
+    squared_norm,
 )
 from featherweight.step.loss import Batch, head_loss
 from featherweight.step.validate import check_optimizer
@@ -70,23 +73,59 @@ def build_reference_step(
     remat: bool = True,
     donate: bool = True,
     shardings: Any = None,
+    accumulation_steps: int = 1,
 ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """A jitted `step(trainable, opt_state, frozen, batch, key) -> (trainable, opt_state, metrics)`.
 
-    `trainable` and `opt_state` are donated: the caller must use the returned ones. `shardings`
-    (`featherweight.parallel.sharding.StepShardings`) compiles for a device mesh; None for one device.
+    `trainable` and `opt_state` are donated: the caller must use the returned ones. Clipping is
+    the optimizer's (`optax.clip_by_global_norm` in its chain sees the whole gradient: global).
+    `accumulation_steps` > 1 splits each batch into that many micro-batches, scanned: each one's
+    gradient (its loss weighted by its share of the batch's counted tokens) is summed into a
+    float32 buffer the size of `trainable`, then one update -- the whole batch's gradient with one
+    micro-batch's activations. `metrics["grad_norm"]` is the gradient's global norm (before any
+    clipping). `shardings` (`featherweight.parallel.sharding.StepShardings`) compiles for a
+    device mesh; None for one device.
     """
     check_optimizer(optimizer)
+    if accumulation_steps < 1:
+        raise StepConfigError(f"accumulation_steps={accumulation_steps} must be at least 1")
+
+    def loss_and_grad(trainable, frozen, batch, key, weight):
+        def weighted(trainable):
+            loss = model_loss(trainable, frozen, batch, config, lora, key, chunk_size, remat)
+            return loss * weight
+
+        return jax.value_and_grad(weighted)(trainable)
+
+    def accumulated(trainable, frozen, batch, key):
+        total = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
+        keys = None if key is None else jax.random.split(key, accumulation_steps)
+
+        def micro_step(carry, inputs):
+            loss_sum, grad_sum = carry
+            micro, micro_key = inputs
+            weight = jnp.sum(micro.loss_mask.astype(jnp.float32)) / total
+            loss, grads = loss_and_grad(trainable, frozen, micro, micro_key, weight)
+            grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
+            return (loss_sum + loss, grad_sum), None
+
+        start = (jnp.float32(0), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable))
+        (loss, grads), _ = jax.lax.scan(
+            micro_step, start, (micro_batches(batch, accumulation_steps), keys)
+        )
+        return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
 
     def step(trainable, opt_state, frozen, batch, key):
-        loss, grads = jax.value_and_grad(model_loss)(
-            trainable, frozen, batch, config, lora, key, chunk_size, remat
-        )
+        if accumulation_steps == 1:
+            loss, grads = loss_and_grad(trainable, frozen, batch, key, 1.0)
+        else:
+            loss, grads = accumulated(trainable, frozen, batch, key)
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
         metrics = {
             "loss": loss,
             "tokens": jnp.sum(batch.loss_mask),
+            "grad_norm": jnp.sqrt(squared_norm(grads)),
             "params_finite": all_finite(trainable),
         }
         return trainable, opt_state, metrics

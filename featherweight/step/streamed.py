@@ -14,13 +14,26 @@ No `jax.grad` of the whole model. The step is, in one jitted and donated program
    once.
 
 Frozen weights (bf16 or NF4) are closed over in every VJP, so no gradient of them is ever built.
-
 Any optax `GradientTransformation` works, applied per tensor (its state is initialised per layer
-and stacked: `opt_state.py`). Transformations that need a global view see one tensor at a time:
-`clip_by_global_norm` in the chain clips each tensor's gradient on its own (`per_tensor_clipping`).
-Gradient accumulation over micro-batches needs a full gradient buffer and is refused; use the
-reference step for it. Each update sits in a `lax.cond` on the loss being finite
+and stacked: `opt_state.py`). Each update sits in a `lax.cond` on the loss being finite
 (`opt_state.guarded_update`).
+
+Clipping and accumulation, exactly as the reference step does them (`gradient_mode`):
+
+- "fused" (no `clip_norm`, one micro-batch): the one-pass step above. An optax chain that clips
+  (`per_tensor_clipping`) sees one tensor at a time: each layer's slice, the head, the embedding
+  is clipped on its own -- per-tensor clipping, not global.
+- "two_pass" (`clip_norm`, `two_pass=True`): global-norm clipping without a gradient buffer
+  (LOMO, Lv et al. 2023): one forward, a first backward pass that only sums the squared norm,
+  then the updating pass with every gradient times min(1, clip_norm / norm). The head's gradient
+  is kept between the passes; the layers are differentiated twice (measured cost:
+  benchmarks/results/clipping_two_pass.md).
+- "kept" (`clip_norm` without `two_pass`, or `accumulation_steps` > 1): the backward loop adds
+  each layer's gradient into a float32 buffer the size of the trainable parameters (adapters:
+  small), over `accumulation_steps` micro-batches of the batch (scanned: one micro-batch's
+  activations at a time); then the global norm, the clip, and one update per tensor. Each
+  micro-batch's loss is weighted by its share of the batch's counted tokens, so the summed
+  gradient is the whole batch's.
 """
 
 from __future__ import annotations
@@ -32,18 +45,31 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from featherweight.errors import StepConfigError
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LoraSpec, Params, attention_inputs, embed, merge_params
+from featherweight.parallel.memory_kinds import on_host
 from featherweight.step.common import (
     HEAD_PARAMS,
     activation_constraint,
     all_finite,
+    clip_scale,
     head_param_names,
     jit_shardings,
     layer_dropout_keys,
+    micro_batches,
+    scaled,
     squared_norm,
 )
-from featherweight.step.layer_loop import LayerContext, backward_layers, forward_layers
+from featherweight.step.layer_loop import (
+    LayerContext,
+    accumulate_sink,
+    backward_layers,
+    forward_layers,
+    norm_sink,
+    update_layers,
+    update_sink,
+)
 from featherweight.step.loss import Batch, head_loss
 from featherweight.step.opt_state import (
     StreamedOptState,
@@ -52,18 +78,199 @@ from featherweight.step.opt_state import (
     place_opt_state,
 )
 from featherweight.step.policy import MemoryPolicy
-from featherweight.step.top_update import TOP_ROW_CHUNK, embedding_update, top_row_chunk, top_update
-from featherweight.step.validate import check_optimizer, check_uniform_layers, refuse_accumulation
+from featherweight.step.top_update import (
+    TOP_ROW_CHUNK,
+    embedding_gradient,
+    embedding_squared_norm,
+    embedding_update,
+    top_row_chunk,
+    top_update,
+)
+from featherweight.step.validate import check_optimizer, check_uniform_layers, refuse_multisteps
 
 __all__ = [
     "TOP_ROW_CHUNK",
     "StreamedOptState",
     "build_streamed_step",
+    "gradient_mode",
     "init_streamed_opt_state",
     "per_tensor_clipping",
     "place_opt_state",
     "top_row_chunk",
 ]
+
+
+def gradient_mode(clip_norm: float | None, two_pass: bool, accumulation_steps: int) -> str:
+    """ "fused", "two_pass" or "kept": how the streamed step meets its clipping and accumulation
+    (module docstring). Refuses combinations with nothing to do or a simpler exact form."""
+    if accumulation_steps < 1:
+        raise StepConfigError(f"accumulation_steps={accumulation_steps} must be at least 1")
+    if two_pass and clip_norm is None:
+        raise StepConfigError("two_pass clipping needs clip_norm (the global norm to clip to)")
+    if two_pass and accumulation_steps > 1:
+        raise StepConfigError(
+            "two_pass clipping with accumulation_steps > 1: accumulation keeps the gradient, "
+            "which clips globally in one pass; drop two_pass"
+        )
+    if two_pass:
+        return "two_pass"
+    return "kept" if clip_norm is not None or accumulation_steps > 1 else "fused"
+
+
+class _Pieces:
+    """One micro-batch's forward and head VJP, shared by the three gradient modes."""
+
+    def __init__(self, config, lora, policy, constrain, trainable, frozen) -> None:
+        self.config, self.lora, self.policy, self.constrain = config, lora, policy, constrain
+        self.trainable, self.frozen = trainable, frozen
+        self.frozen_layers = frozen.get("layers", {})
+        self.trainable_layers = trainable.get("layers", {})
+
+    def context(self, batch: Batch, key) -> LayerContext:
+        return LayerContext(
+            self.config, attention_inputs(self.config, batch.positions, batch.segment_ids),
+            self.lora, layer_dropout_keys(key, self.lora, self.config.num_layers), self.policy,
+            self.constrain,
+        )  # fmt: skip
+
+    def forward_and_head(self, batch: Batch, key, weight):
+        """(loss, head gradients, cotangent of the last hidden state, stored activations,
+        context), the VJP seeded with `weight` (1, or a micro-batch's share of the tokens)."""
+        top = merge_params(self.frozen, self.trainable)
+        context = self.context(batch, key)
+        hidden, stored = forward_layers(
+            self.frozen_layers, self.trainable_layers, embed(top, batch.input_ids), context
+        )
+        head_names = [name for name in head_param_names(self.config) if name in top]
+        head_trainable = {
+            name: self.trainable[name] for name in head_names if name in self.trainable
+        }
+        head_frozen = {name: top[name] for name in head_names if name not in self.trainable}
+
+        def head_fn(head_params, h):
+            params = {**head_frozen, **head_params}
+            return head_loss(
+                params, h, batch, self.config, self.policy.loss_chunk, self.policy.vocab_chunk
+            )
+
+        loss, head_vjp = jax.vjp(head_fn, head_trainable, self.constrain(hidden))
+        head_grads, cotangent = head_vjp(jnp.asarray(weight, loss.dtype))
+        return loss, head_grads, cotangent, stored, context
+
+
+def _head_sq(head_grads) -> jax.Array:
+    return squared_norm({k: v for k, v in head_grads.items() if k != "embed"})
+
+
+def _fused(pieces: _Pieces, optimizer, opt_state, batch, key, clip_norm, two_pass):
+    """The one-pass step (and, with `two_pass`, its norm-only first pass before it)."""
+    trainable = pieces.trainable
+    loss, head_grads, cotangent, stored, context = pieces.forward_and_head(batch, key, 1.0)
+    ok = jnp.isfinite(loss)
+    scale = None
+    if two_pass:
+        cotangent_in, _, layers_sq = backward_layers(
+            cotangent, stored, pieces.frozen_layers, context, norm_sink(pieces.trainable_layers), ()
+        )
+        embed_sq = (
+            embedding_squared_norm(batch.input_ids, cotangent_in, head_grads, trainable["embed"])
+            if "embed" in trainable
+            else jnp.float32(0)
+        )
+        grad_sq = _head_sq(head_grads) + layers_sq + embed_sq
+        scale = clip_scale(grad_sq, clip_norm)
+    new_trainable, new_top_state = dict(trainable), dict(opt_state.top)
+    for name in HEAD_PARAMS:
+        if name in trainable:
+            new_trainable[name], new_top_state[name] = top_update(
+                optimizer, ok, scaled(head_grads[name], scale), opt_state.top[name],
+                trainable[name], pieces.policy.vocab_chunk,
+            )  # fmt: skip
+    stacks, treedef = jax.tree.flatten(pieces.trainable_layers)
+    cotangent, (stacks, layer_states), layers_sq = backward_layers(
+        cotangent, stored, pieces.frozen_layers, context, update_sink(optimizer, ok, treedef, scale),
+        (stacks, opt_state.layers),
+    )  # fmt: skip
+    if pieces.trainable_layers:
+        new_trainable["layers"] = jax.tree.unflatten(treedef, stacks)
+    embed_sq = jnp.float32(0)
+    if "embed" in trainable:
+        new_trainable["embed"], new_top_state["embed"], embed_sq = embedding_update(
+            optimizer, ok, batch.input_ids, cotangent, head_grads, opt_state.top["embed"],
+            trainable["embed"], pieces.policy.vocab_chunk, scale,
+        )  # fmt: skip
+    if not two_pass:
+        grad_sq = _head_sq(head_grads) + layers_sq + embed_sq
+    metrics = {"loss": loss, "grad_norm": jnp.sqrt(grad_sq), "updated": ok}
+    return new_trainable, StreamedOptState(layer_states, new_top_state), metrics
+
+
+def _kept(pieces: _Pieces, optimizer, opt_state, batch, key, clip_norm, accumulation_steps):
+    """Gradients summed into a float32 buffer over the micro-batches, then clip and update."""
+    trainable = pieces.trainable
+    total_tokens = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
+    buffer = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, jnp.float32), trainable)
+    if key is None:
+        keys = None
+    elif accumulation_steps == 1:
+        keys = key[None]  # one micro-batch: the same dropout as the fused step
+    else:
+        keys = jax.random.split(key, accumulation_steps)
+
+    def micro_step(carry, inputs):
+        buffer, loss_sum, ok = carry
+        micro, micro_key = inputs
+        weight = jnp.sum(micro.loss_mask.astype(jnp.float32)) / total_tokens
+        loss, head_grads, cotangent, stored, context = pieces.forward_and_head(
+            micro, micro_key, weight
+        )
+        buffer = dict(buffer)
+        for name in HEAD_PARAMS:
+            if name in trainable:
+                buffer[name] = buffer[name] + head_grads[name].astype(jnp.float32)
+        if pieces.trainable_layers:
+            layer_buffer, treedef = jax.tree.flatten(buffer["layers"])
+            cotangent, layer_buffer, _ = backward_layers(
+                cotangent, stored, pieces.frozen_layers, context,
+                accumulate_sink(pieces.trainable_layers), layer_buffer,
+            )  # fmt: skip
+            buffer["layers"] = jax.tree.unflatten(treedef, layer_buffer)
+        if "embed" in trainable:
+            if on_host(trainable["embed"]):
+                raise StepConfigError(
+                    "an embedding trained in host memory has no gradient buffer on the device; "
+                    "use memory.embed: device with clipping or accumulation"
+                )
+            embed_grad = embedding_gradient(
+                micro.input_ids, cotangent, head_grads, trainable["embed"]
+            )
+            buffer["embed"] = buffer["embed"] + embed_grad.astype(jnp.float32)
+        return (buffer, loss_sum + loss * weight, ok & jnp.isfinite(loss)), None
+
+    (buffer, loss, ok), _ = jax.lax.scan(
+        micro_step,
+        (buffer, jnp.float32(0), jnp.bool_(True)),
+        (micro_batches(batch, accumulation_steps), keys),
+    )
+    grad_sq = squared_norm(buffer)
+    scale = None if clip_norm is None else clip_scale(grad_sq, clip_norm)
+    new_trainable, new_top_state = dict(trainable), dict(opt_state.top)
+    for name in (*HEAD_PARAMS, "embed"):
+        if name in trainable:
+            grad = scaled(buffer[name], scale).astype(trainable[name].dtype)
+            new_trainable[name], new_top_state[name] = top_update(
+                optimizer, ok, grad, opt_state.top[name], trainable[name], pieces.policy.vocab_chunk
+            )
+    layer_states = opt_state.layers
+    if pieces.trainable_layers:
+        stacks, treedef = jax.tree.flatten(pieces.trainable_layers)
+        stacks, layer_states = update_layers(
+            update_sink(optimizer, ok, treedef, scale), jax.tree.leaves(buffer["layers"]),
+            (stacks, opt_state.layers), pieces.config.num_layers,
+        )  # fmt: skip
+        new_trainable["layers"] = jax.tree.unflatten(treedef, stacks)
+    metrics = {"loss": loss, "grad_norm": jnp.sqrt(grad_sq), "updated": ok}
+    return new_trainable, StreamedOptState(layer_states, new_top_state), metrics
 
 
 def build_streamed_step(
@@ -74,6 +281,8 @@ def build_streamed_step(
     lora: LoraSpec | None = None,
     policy: MemoryPolicy | None = None,
     accumulation_steps: int = 1,
+    clip_norm: float | None = None,
+    two_pass: bool = False,
     donate: bool = True,
     shardings: Any = None,
 ) -> Callable[..., tuple[Params, StreamedOptState, dict[str, jax.Array]]]:
@@ -82,74 +291,37 @@ def build_streamed_step(
     `trainable` and `frozen` (arrays or abstract shapes) fix the structure; `trainable` and
     `opt_state` are donated, so the caller keeps exactly one copy (the returned one). Works for
     full fine-tuning (trainable = all parameters), LoRA (trainable = adapters) and QLoRA (LoRA
-    over an NF4 frozen base). `shardings` (`featherweight.parallel.sharding.StepShardings`)
-    compiles for a device mesh: the arguments and results keep their layouts, and the residual
-    stream and its cotangent stay split over the batch (so XLA gathers each layer's weights,
-    FSDP-style, rather than resharding activations); None compiles for one device.
+    over an NF4 frozen base). `clip_norm` clips the global gradient norm (kept gradient, or two
+    passes with `two_pass`); `accumulation_steps` splits each batch into that many micro-batches
+    whose gradients are summed before one update (see the module docstring for what each costs).
+    `metrics["grad_norm"]` is the global norm before clipping. `shardings`
+    (`featherweight.parallel.sharding.StepShardings`) compiles for a device mesh: the arguments
+    and results keep their layouts, and the residual stream and its cotangent stay split over
+    the batch (so XLA gathers each layer's weights, FSDP-style, rather than resharding
+    activations); None compiles for one device.
     """
     policy = policy or MemoryPolicy()
     check_optimizer(optimizer)
-    refuse_accumulation(optimizer, trainable, accumulation_steps)
+    refuse_multisteps(optimizer, trainable)
+    mode = gradient_mode(clip_norm, two_pass, accumulation_steps)
     check_uniform_layers(frozen, trainable, config.num_layers)
     constrain = activation_constraint(shardings)
 
     def step(trainable, opt_state: StreamedOptState, frozen, batch: Batch, key):
-        top = merge_params(frozen, trainable)
-        context = LayerContext(
-            config, attention_inputs(config, batch.positions, batch.segment_ids), lora,
-            layer_dropout_keys(key, lora, config.num_layers), policy, constrain,
-        )  # fmt: skip
-        frozen_layers, trainable_layers = frozen.get("layers", {}), trainable.get("layers", {})
-
-        # 1. forward, keeping each layer's input at the policy's placement
-        hidden, stored = forward_layers(
-            frozen_layers, trainable_layers, embed(top, batch.input_ids), context
-        )
-
-        # 2. head: loss, its VJP, and the head's own updates right away
-        head_names = [name for name in head_param_names(config) if name in top]
-        head_trainable = {name: trainable[name] for name in head_names if name in trainable}
-        head_frozen = {name: top[name] for name in head_names if name not in trainable}
-
-        def head_fn(head_params, h):
-            params = {**head_frozen, **head_params}
-            return head_loss(params, h, batch, config, policy.loss_chunk, policy.vocab_chunk)
-
-        loss, head_vjp = jax.vjp(head_fn, head_trainable, constrain(hidden))
-        head_grads, cotangent = head_vjp(jnp.ones((), loss.dtype))
-        ok = jnp.isfinite(loss)
-        new_trainable, new_top_state = dict(trainable), dict(opt_state.top)
-        grad_sq = squared_norm({k: v for k, v in head_grads.items() if k != "embed"})
-        for name in HEAD_PARAMS:
-            if name in trainable:
-                new_trainable[name], new_top_state[name] = top_update(
-                    optimizer, ok, head_grads[name], opt_state.top[name], trainable[name],
-                    policy.vocab_chunk,
-                )  # fmt: skip
-
-        # 3. backward over the layers, each updated as soon as its gradient exists
-        cotangent, new_layers, layer_states, layers_sq = backward_layers(
-            optimizer, ok, cotangent, stored, frozen_layers, trainable_layers, opt_state.layers,
-            context,
-        )  # fmt: skip
-        if trainable_layers:
-            new_trainable["layers"] = new_layers
-
-        # 4. embedding: the input cotangent (plus a tied head's gradient), one update
-        embed_sq = jnp.float32(0)
-        if "embed" in trainable:
-            new_trainable["embed"], new_top_state["embed"], embed_sq = embedding_update(
-                optimizer, ok, batch.input_ids, cotangent, head_grads, opt_state.top["embed"],
-                trainable["embed"], policy.vocab_chunk,
-            )  # fmt: skip
-
+        pieces = _Pieces(config, lora, policy, constrain, trainable, frozen)
+        if mode == "kept":
+            new_trainable, new_state, metrics = _kept(
+                pieces, optimizer, opt_state, batch, key, clip_norm, accumulation_steps
+            )
+        else:
+            new_trainable, new_state, metrics = _fused(
+                pieces, optimizer, opt_state, batch, key, clip_norm, mode == "two_pass"
+            )
         metrics = {
-            "loss": loss,
+            **metrics,
             "tokens": jnp.sum(batch.loss_mask),
-            "grad_norm": jnp.sqrt(grad_sq + layers_sq + embed_sq),
-            "updated": ok,
             "params_finite": all_finite(new_trainable),
         }
-        return new_trainable, StreamedOptState(layer_states, new_top_state), metrics
+        return new_trainable, new_state, metrics
 
     return jax.jit(step, donate_argnums=(0, 1) if donate else (), **jit_shardings(shardings))

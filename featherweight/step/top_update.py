@@ -26,7 +26,7 @@ from featherweight.parallel.memory_kinds import (
     to_device,
     to_host,
 )
-from featherweight.step.common import squared_norm
+from featherweight.step.common import scaled, squared_norm
 from featherweight.step.opt_state import guarded_update
 
 TOP_ROW_CHUNK = 8192  # rows of a host-state head/embedding updated at a time (vocab_chunk if set)
@@ -156,13 +156,38 @@ def host_table_update(optimizer, ok, token_ids, cotangent, state, table, vocab_c
     return row_chunked_update(optimizer, ok, grad_rows, state, table, chunk)
 
 
-def embedding_update(optimizer, ok, token_ids, cotangent, head_grads, state, table, vocab_chunk):
+def embedding_gradient(token_ids, cotangent, head_grads, table) -> jax.Array:
+    """The embedding's dense gradient [V, D]: the input cotangent [B, S, D] scattered into the
+    rows the batch used, plus -- when the table is tied -- the head's gradient of it
+    (`head_grads["embed"]`, the buffer the scatter adds into)."""
+    embed_grad = head_grads["embed"] if "embed" in head_grads else jnp.zeros_like(table)
+    return embed_grad.at[token_ids].add(cotangent.astype(table.dtype))
+
+
+def embedding_squared_norm(token_ids, cotangent, head_grads, table) -> jax.Array:
+    """The squared norm of `embedding_gradient`, without a [V, D] buffer when the table is untied:
+    the cotangent rows are summed per distinct token id ([B x S, D] at most), which is the
+    gradient's non-zero rows. (Tied: the head's gradient covers every row, so it is dense.)"""
+    if "embed" in head_grads:
+        return squared_norm(embedding_gradient(token_ids, cotangent, head_grads, table))
+    flat_ids = token_ids.reshape(-1)
+    _, inverse = jnp.unique(flat_ids, return_inverse=True, size=flat_ids.size)
+    rows = jax.ops.segment_sum(
+        cotangent.reshape(flat_ids.size, -1).astype(table.dtype),
+        inverse.reshape(-1),
+        num_segments=flat_ids.size,
+    )
+    return squared_norm(rows)
+
+
+def embedding_update(
+    optimizer, ok, token_ids, cotangent, head_grads, state, table, vocab_chunk, scale=None
+):
     """The embedding's one update -> (table, state, squared norm of its whole gradient).
 
-    Its gradient is the input cotangent [B, S, D] scattered into the rows the batch used, plus --
-    when the table is tied -- the head's gradient of it (`head_grads["embed"]`, the buffer the
-    scatter adds into). A table in host memory is updated chunk by chunk; a tied one cannot be
-    (the head's gradient covers every row).
+    Its gradient is `embedding_gradient` (times `scale`, the global clip, when given). A table in
+    host memory is updated chunk by chunk; a tied one cannot be (the head's gradient covers
+    every row).
     """
     tied = "embed" in head_grads
     if on_host(table):
@@ -171,8 +196,11 @@ def embedding_update(optimizer, ok, token_ids, cotangent, head_grads, state, tab
                 "a tied embedding is also the LM head, whose gradient covers every row; train it "
                 "on the device (memory.embed: device), or freeze it (LoRA/QLoRA)"
             )
-        return host_table_update(optimizer, ok, token_ids, cotangent, state, table, vocab_chunk)
-    embed_grad = head_grads["embed"] if tied else jnp.zeros_like(table)
-    embed_grad = embed_grad.at[token_ids].add(cotangent.astype(table.dtype))
-    new_table, new_state = top_update(optimizer, ok, embed_grad, state, table, vocab_chunk)
+        return host_table_update(
+            optimizer, ok, token_ids, scaled(cotangent, scale), state, table, vocab_chunk
+        )
+    embed_grad = embedding_gradient(token_ids, cotangent, head_grads, table)
+    new_table, new_state = top_update(
+        optimizer, ok, scaled(embed_grad, scale), state, table, vocab_chunk
+    )
     return new_table, new_state, squared_norm(embed_grad)

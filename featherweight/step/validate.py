@@ -19,9 +19,10 @@ def check_optimizer(optimizer) -> None:
         )
 
 
-def refuse_accumulation(optimizer, trainable, accumulation_steps: int) -> None:
-    """The streamed step never builds a full gradient, so it cannot accumulate over micro-batches
-    (asked for directly, or by an optimizer wrapped in `optax.MultiSteps`)."""
+def refuse_multisteps(optimizer, trainable) -> None:
+    """An optimizer wrapped in `optax.MultiSteps` keeps a second gradient-sized buffer in its
+    state (checkpointed with it) and updates only every k-th call; the steps accumulate over
+    micro-batches themselves (`accumulation_steps`), so it is refused."""
     state_shape = jax.eval_shape(
         optimizer.init,
         jax.tree.map(
@@ -34,11 +35,10 @@ def refuse_accumulation(optimizer, trainable, accumulation_steps: int) -> None:
             state_shape, is_leaf=lambda n: isinstance(n, optax.MultiStepsState)
         )
     )
-    if accumulation_steps > 1 or wraps_multisteps:
+    if wraps_multisteps:
         raise StepConfigError(
-            "gradient accumulation over micro-batches needs a full gradient buffer, which the "
-            "streamed (fused-update) step never builds; use micro_batch = batch with the streamed "
-            "step, or build_reference_step with optax.MultiSteps"
+            "optax.MultiSteps accumulates in the optimizer state; pass the inner optimizer and "
+            "accumulation_steps=k to the step instead (micro-batches summed inside one step)"
         )
 
 

@@ -9,11 +9,15 @@ A save that fails for lack of space or permission removes its partial temporary 
 error naming the checkpoint that is intact.
 
 The array state is stored as a flat list of leaves; the structure comes back from the abstract
-state the run builds anyway (any optax state, NF4 or not, restores without registration).
+state the run builds anyway (any optax state, NF4 or not, restores without registration). Each
+leaf is restored straight into the memory its target names: device memory, or pinned host memory
+for host-resident leaves (optimizer state, embedding on the host), which never pass through the
+device.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,10 @@ from featherweight.errors import CorruptCheckpointError
 from featherweight.io.atomic import write_failure
 
 DELETING_DIR = ".deleting"  # old checkpoints are renamed here, then removed
+# orbax warns on every read-only open (export, generate RUN_DIR) about its own option changes
+logging.getLogger("absl").addFilter(
+    lambda note: "read only" not in note.getMessage().replace("_", " ")
+)
 
 
 class Checkpointer:
@@ -110,7 +118,6 @@ class Checkpointer:
                 f"checkpoint {self.directory / str(step)} holds {len(leaves)} arrays, this run "
                 f"expects {len(abstract_leaves)}; it belongs to another configuration"
             )
-        leaves = [_place_like(value, leaf) for value, leaf in zip(leaves, abstract_leaves)]
         return jax.tree.unflatten(treedef, leaves), dict(restored["metadata"])
 
     def close(self) -> None:
@@ -118,19 +125,9 @@ class Checkpointer:
 
 
 def _restore_target(leaf: Any) -> Any:
-    """A restore target for one leaf: its shape, dtype and (single-device default) sharding, in
-    device memory (host-resident leaves are moved to the host after reading: see `restore`)."""
+    """A restore target for one leaf: its shape, dtype and sharding -- memory kind included, so a
+    host-resident leaf is read into host memory -- (single-device default without one)."""
     sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
         jax.devices()[0]
     )
-    if getattr(sharding, "memory_kind", None) not in (None, "device"):
-        sharding = sharding.with_memory_kind("device")
     return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
-
-
-def _place_like(restored: Any, leaf: Any) -> Any:
-    """`restored` moved to the memory `leaf` lives in (pinned host for host-resident state)."""
-    sharding = getattr(leaf, "sharding", None)
-    if getattr(sharding, "memory_kind", None) in (None, "device"):
-        return restored
-    return jax.device_put(restored, sharding)

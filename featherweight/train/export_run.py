@@ -1,4 +1,5 @@
-"""Export a training run (or one of its checkpoints): merged HF weights or a PEFT adapter.
+"""Export a training run (or one of its checkpoints): merged HF weights, a PEFT adapter, or GGUF
+(`gguf`: the merged model; `gguf-adapter`: the LoRA adapter for llama.cpp), with a Modelfile.
 
 RUN_OR_CHECKPOINT is a run directory (its latest checkpoint is used) or a checkpoint directory
 inside it (`RUN/checkpoints/STEP`). The base model is rebuilt from the run's recorded model path
@@ -15,8 +16,11 @@ import yaml
 
 from featherweight.errors import CheckpointNotFoundError, CorruptCheckpointError, ExportError
 from featherweight.io.atomic import check_output_dir
+from featherweight.io.convert import convert
+from featherweight.io.gguf_export import export_adapter_gguf, export_merged_gguf
+from featherweight.io.gguf_writer import check_quant
 from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint
-from featherweight.io.output_paths import refuse_inside, refuse_overlap
+from featherweight.io.output_paths import refuse_inside, refuse_overlap, resolved
 from featherweight.io.peft_export import check_merged_dtype, export_merged, export_peft
 from featherweight.recipe.build import (
     abstract_split,
@@ -36,12 +40,13 @@ from featherweight.train.run import (
     resolve_model_path,
 )
 
-FORMATS = ("merged", "peft")
+FORMATS = ("merged", "peft", "gguf", "gguf-adapter")
+ADAPTER_FORMATS = ("peft", "gguf-adapter")
 
 
 def locate(run_or_checkpoint: str | Path) -> tuple[Path, int]:
     """(run directory, checkpoint step) for a run dir or a checkpoint dir inside one."""
-    path = Path(run_or_checkpoint).expanduser().resolve()
+    path = resolved(run_or_checkpoint)
     if not path.exists():
         raise CheckpointNotFoundError(
             f"{path} does not exist; pass a run directory (train's output_dir)"
@@ -79,20 +84,30 @@ def export_run(
     out: str | Path,
     dtype: str | None = "bfloat16",
     overwrite: bool = False,
+    base_model: str | None = None,
+    quant: str = "f16",
 ) -> Path:
-    """Write `out` from a run's checkpoint: `merged` (HF directory) or `peft` (adapter)."""
+    """Write `out` from a run's checkpoint: `merged` (HF directory), `peft` (adapter), `gguf`
+    (merged, in GGUF type `quant`) or `gguf-adapter` (llama.cpp LoRA adapter).
+
+    A PEFT adapter records a base transformers loads: `base_model` (an HF id or directory) when
+    given, else the run's HF directory, else (a GGUF base) the base written as an HF directory
+    into `out/base` in the run's dtype."""
     if export_format not in FORMATS:
         raise ExportError(
             f"export format {export_format!r} is unknown; use one of {', '.join(FORMATS)}"
         )
     if export_format == "merged":
         check_merged_dtype(dtype)
+    if export_format == "gguf":
+        check_quant(quant)
     run_dir, step = locate(run_or_checkpoint)
     config = read_run_config(run_dir)
     lora = lora_config_of(config)
-    if lora is None and export_format == "peft":
+    if lora is None and export_format in ADAPTER_FORMATS:
         raise ExportError(
-            f"run {run_dir} is a full fine-tune: it has no adapters for the PEFT format; use --format merged"
+            f"run {run_dir} is a full fine-tune: it has no adapters for the {export_format} "
+            "format; use --format merged or gguf"
         )
     out = check_output_dir(Path(out), overwrite)
     refuse_inside(out, run_dir / CHECKPOINT_DIR, "export --out", "holds the run's checkpoints")
@@ -114,7 +129,26 @@ def export_run(
     (trainable, _), _ = checkpointer.restore(step, (abstract_trainable, abstract_state))
 
     if export_format == "peft":
-        return export_peft(trainable, model_config, lora, out, str(model_path), overwrite=overwrite)
+        write_base = None
+        if base_model is None and not model_path.is_dir():
+            write_base = lambda directory: convert(model_path, directory, config.model.dtype)
+        base = base_model or (str(model_path) if model_path.is_dir() else None)
+        return export_peft(
+            trainable, model_config, lora, out, base, overwrite, write_base,
+            quantized_base=config.method == "qlora",
+        )  # fmt: skip
+    if export_format == "gguf-adapter":
+        return export_adapter_gguf(
+            trainable, model_config, lora, out, model_path, tokenizer, overwrite=overwrite
+        )
+    if export_format == "gguf":
+        frozen = trainable
+        if lora is not None:
+            model = load_weights(config, model_path)
+            _, frozen = split_params(model.params, config, model_config, jax.random.PRNGKey(0))
+        return export_merged_gguf(
+            frozen, trainable, model_config, lora, tokenizer, out, quant, overwrite=overwrite
+        )
     if lora is None:
         return save_hf_checkpoint(
             out,

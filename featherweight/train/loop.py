@@ -3,6 +3,10 @@
 The step donates parameters and optimizer state, and the loop rebinds them to the step's results:
 no previous copy, no host mirror stays alive (keras-core #888). Evaluation reads the same buffers.
 
+The host reads the step's metrics every `log_every` steps (and before every checkpoint and
+evaluation), not every step: the device runs ahead in between. Every step still gets its line in
+metrics.jsonl (loss, learning rate, tokens, throughput over the interval, gradient norm).
+
 On a device mesh each process reads its own rows and the global batch is assembled from them;
 with several processes only process 0 writes metrics, plots and progress (checkpoints are written
 by all of them, through orbax's multi-host support).
@@ -18,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from featherweight.data.iterator import eval_batches
 from featherweight.errors import TrainingDivergedError
@@ -32,10 +35,14 @@ from featherweight.models.llama import Params
 from featherweight.parallel.distributed import any_process, is_primary
 from featherweight.parallel.sharding import place_batch
 from featherweight.recipe.build import evaluation_fn
+from featherweight.recipe.optimizer import learning_rate_schedule
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.loss import Batch
 from featherweight.train import run_dir
+from featherweight.train.dataset import data_summary, summary_lines, write_summary
+from featherweight.train.loggers import check_loggers, open_loggers
 from featherweight.train.metrics import MetricsLog, plot_loss_curve
+from featherweight.train.progress import training_progress
 from featherweight.train.run import Run, prepare_run
 from featherweight.train.run_dir import LOSS_PLOT, METRICS_FILE
 from featherweight.train.signals import StopRequest
@@ -123,11 +130,108 @@ def evaluate(run: Run, trainable: Params) -> float | None:
     return total / max(count, 1.0)
 
 
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-        TimeRemainingColumn(), console=console, transient=False,
-    )  # fmt: skip
+class StepRecords:
+    """The steps since the last host sync: their metrics stay on the device until `flush`.
+
+    Reading a metric (`float(loss)`) waits for the device to finish the step; doing it every
+    `log_every` steps instead of every step lets the host queue the next steps meanwhile.
+    """
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.schedule = learning_rate_schedule(run.config.optimizer, run.config.steps)
+        self.pending: list[tuple[int, dict, int]] = []
+        self.since = time.perf_counter()
+
+    def add(self, step: int, metrics: dict, batch_tokens: int) -> None:
+        self.pending.append((step, metrics, batch_tokens))
+
+    def flush(self) -> list[dict[str, Any]]:
+        """One record per pending step (host sync); a non-finite step raises TrainingDiverged."""
+        if not self.pending:
+            return []
+        steps = [step for step, _, _ in self.pending]
+        # the update of step s uses the schedule at count s - 1
+        rates = np.broadcast_to(self.schedule(np.asarray(steps) - 1), (len(steps),))
+        host = jax.device_get([metrics for _, metrics, _ in self.pending])
+        now = time.perf_counter()
+        tokens = sum(batch_tokens for _, _, batch_tokens in self.pending)
+        speed = round(tokens / max(now - self.since, 1e-9), 1)
+        memory = device_memory_in_use()
+        records = []
+        for step, metrics, rate in zip(steps, host, rates, strict=True):
+            loss = float(metrics["loss"])
+            if not math.isfinite(loss) or not bool(metrics.get("params_finite", True)):
+                raise diverged(self.run, step, loss)
+            records.append({
+                "step": step, "loss": loss, "learning_rate": float(rate),
+                "tokens": int(metrics["tokens"]), "tokens_per_second": speed,
+                "grad_norm": float(metrics.get("grad_norm", np.nan)), "device_bytes": memory,
+            })  # fmt: skip
+        self.pending, self.since = [], now
+        return records
+
+
+def diverged(run: Run, step: int, loss: float) -> TrainingDivergedError:
+    last = run.checkpointer.latest_step()
+    what = (
+        f"loss became {loss}"
+        if not math.isfinite(loss)
+        else "the update made parameters non-finite (inf or nan)"
+    )
+    kept = (
+        "before any checkpoint was written"
+        if last is None
+        else f"keeping the last good checkpoint (step {last}) in {run.checkpointer.directory}"
+    )
+    return TrainingDivergedError(
+        f"{what} at step {step}; stopped, {kept}. Lower optimizer.learning_rate or check the data"
+    )
+
+
+class Reporter:
+    """Where records go on the primary process: metrics.jsonl, the loggers, the progress."""
+
+    def __init__(self, run: Run, console: Console) -> None:
+        self.primary = is_primary()
+        self.metrics = (
+            MetricsLog(run.output_dir / METRICS_FILE, run.start_step) if self.primary else None
+        )
+        config = run.config
+        self.loggers = (
+            open_loggers(config.report_to, run.output_dir, run.start_step, config.model_dump(mode="json"))
+            if self.primary else []
+        )  # fmt: skip
+        self.progress = training_progress(console, config.steps, run.start_step)
+        if 0 < run.start_step < config.steps and self.metrics is not None:
+            # a resume mark only where training goes on (a finished run re-run changes nothing)
+            self.metrics.write({"step": run.start_step, "resumed": True})
+
+    def write(self, records: list[dict[str, Any]], show: bool = True) -> None:
+        for record in records:
+            if self.metrics is not None:
+                self.metrics.write(record)
+            for logger in self.loggers:
+                logger.log(record)
+        if show and records and "loss" in records[-1]:
+            self.progress.update(records[-1]["step"], records[-1])
+
+    def close(self, output_dir: Path) -> None:
+        for logger in self.loggers:
+            logger.close()
+        if self.metrics is not None:
+            self.metrics.close()
+            plot_loss_curve(output_dir / METRICS_FILE, output_dir / LOSS_PLOT)
+
+
+def print_data_summary(run: Run, console: Console) -> None:
+    """What the data became (records, skipped, split, tokens, rows, epochs): printed, and written
+    to the run's data_summary.json."""
+    summary = data_summary(run.config, run.dataset, run.data.steps_per_epoch, run.config.data.train)
+    for line in summary_lines(summary):
+        console.print(line, highlight=False)
+    if is_primary():
+        write_summary(run.output_dir, summary)
 
 
 def train(
@@ -143,6 +247,7 @@ def train(
     step (monitoring, tests); it must not keep references to it.
     """
     console = (console or Console()) if is_primary() else Console(quiet=True)
+    check_loggers(config.report_to)
     # from the very start: SIGINT/SIGTERM during setup (planning, loading, compiling) is recorded
     # too, and the run stops cleanly before its first step instead of dying mid-setup
     with StopRequest() as stop:
@@ -152,13 +257,11 @@ def train(
 def _train(config, overwrite, console, plan_fn, on_step, stop: StopRequest) -> TrainResult:
     run = prepare_run(config, overwrite, plan_fn or printing_planner(console))
     config = run.config
+    print_data_summary(run, console)
     trainable, opt_state = run.trainable, run.opt_state
     run.step_fn = compile_step(run, trainable, opt_state, console)
     run.trainable = run.opt_state = None  # the loop holds the only references from here on
     base_key = jax.random.PRNGKey(config.seed)
-    metrics_log = (
-        MetricsLog(run.output_dir / METRICS_FILE, run.start_step) if is_primary() else None
-    )
     loss = eval_loss = None
     step, stopping = run.start_step, any_process(stop.requested)
     if run.start_step:
@@ -167,53 +270,27 @@ def _train(config, overwrite, console, plan_fn, on_step, stop: StopRequest) -> T
         by = stop.signal_number or "on another process"
         console.print(f"stopped by signal {by} during setup; nothing new to save")
     steps = range(run.start_step + 1, config.steps + 1) if not stopping else range(0)
-    with _progress(console) as progress:
-        task = progress.add_task("train", total=config.steps, completed=run.start_step, status="")
+    reporter, pending = Reporter(run, console), StepRecords(run)
+    with reporter.progress:
         for step in steps:
             batch = global_batch(run, next(run.data))
-            started = time.perf_counter()
             trainable, opt_state, metrics = run.step_fn(
                 trainable, opt_state, run.frozen, batch, jax.random.fold_in(base_key, step)
             )
-            loss = float(metrics["loss"])
-            seconds = time.perf_counter() - started
-            if not math.isfinite(loss) or not bool(metrics.get("params_finite", True)):
-                last = run.checkpointer.latest_step()
-                what = (
-                    f"loss became {loss}"
-                    if not math.isfinite(loss)
-                    else "the update made parameters non-finite (inf or nan)"
-                )
-                raise TrainingDivergedError(
-                    f"{what} at step {step}; stopped, "
-                    + (
-                        "before any checkpoint was written"
-                        if last is None
-                        else f"keeping the last good checkpoint (step {last}) in "
-                        f"{run.checkpointer.directory}"
-                    )
-                    + ". Lower optimizer.learning_rate or check the data"
-                )
-            record = {
-                "step": step, "loss": loss, "tokens": int(metrics["tokens"]),
-                "tokens_per_second": round(float(batch.input_ids.size) / seconds, 1),
-                "grad_norm": float(metrics.get("grad_norm", jnp.nan)), "device_bytes": device_memory_in_use(),
-            }  # fmt: skip
-            if config.eval_every and step % config.eval_every == 0:
-                record["eval_loss"] = eval_loss = evaluate(run, trainable)
-            if metrics_log is not None:
-                metrics_log.write(record)
+            pending.add(step, metrics, int(batch.input_ids.size))
             if on_step is not None:
                 on_step(step, trainable, opt_state, metrics)
-            memory = (
-                ""
-                if record["device_bytes"] is None
-                else f" | {record['device_bytes'] / 2**30:.2f} GiB"
-            )
-            status = f"loss {loss:.4f} | {record['tokens_per_second']:.0f} tok/s{memory}"
-            progress.update(task, advance=1, status=status)
             stopping = any_process(stop.requested)
-            if step % config.checkpoint.every_steps == 0 or step == config.steps or stopping:
+            save_now = step % config.checkpoint.every_steps == 0 or step == config.steps or stopping
+            eval_now = bool(config.eval_every) and step % config.eval_every == 0
+            if step % config.log_every == 0 or save_now or eval_now:
+                records = pending.flush()  # checked before any checkpoint holds these steps
+                loss = records[-1]["loss"]
+                reporter.write(records)
+            if eval_now:
+                eval_loss = evaluate(run, trainable)
+                reporter.write([{"step": step, "eval_loss": eval_loss}], show=False)
+            if save_now:
                 save(run, step, trainable, opt_state)
             if stopping:
                 by = stop.signal_number or "on another process"
@@ -222,12 +299,10 @@ def _train(config, overwrite, console, plan_fn, on_step, stop: StopRequest) -> T
     stopping = stopping or any_process(stop.requested)  # a signal during the last save
     if not stopping and not (config.eval_every and config.steps % config.eval_every == 0):
         eval_loss = evaluate(run, trainable)
-        if eval_loss is not None and metrics_log is not None:
-            metrics_log.write({"step": config.steps, "eval_loss": eval_loss})
+        if eval_loss is not None:
+            reporter.write([{"step": config.steps, "eval_loss": eval_loss}], show=False)
     run.checkpointer.close()
-    if metrics_log is not None:
-        metrics_log.close()
-        plot_loss_curve(run.output_dir / METRICS_FILE, run.output_dir / LOSS_PLOT)
+    reporter.close(run.output_dir)
     run_dir.release(run.output_dir)
     return TrainResult(
         run.output_dir, step, loss, eval_loss, stop.signal_number, trainable, run.frozen, run

@@ -1,8 +1,15 @@
-"""Training metrics: one JSON line per step in metrics.jsonl, and the loss-curve PNG."""
+"""Training metrics: one JSON line per step in metrics.jsonl, and the loss-curve PNG.
+
+metrics.jsonl is strict JSON (RFC 8259): a non-finite number is written as null, never as the
+`NaN` / `Infinity` tokens Python's json module emits by default and other readers refuse. A
+resumed run writes `{"step": S, "resumed": true}` where it picked up, which the plot marks.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -27,7 +34,7 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         try:
-            self._handle.write(json.dumps(record) + "\n")
+            self._handle.write(json.dumps(strict(record), allow_nan=False) + "\n")
             self._handle.flush()
         except OSError as error:
             kept = "the checkpoints are intact and the run resumes from the latest one"
@@ -37,9 +44,36 @@ class MetricsLog:
             raise typed from None
 
     def close(self) -> None:
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
-        self._handle.close()
+        try:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+        except OSError as error:
+            kept = "the checkpoints are intact and the run resumes from the latest one"
+            typed = write_failure(error, str(self.path), kept)
+            if typed is None:
+                raise
+            raise typed from None
+        finally:
+            with contextlib.suppress(OSError):  # the failure is reported above
+                self._handle.close()
+
+
+def strict(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with every non-finite float as None (JSON null)."""
+    return {
+        key: None if isinstance(value, float) and not math.isfinite(value) else value
+        for key, value in record.items()
+    }
+
+
+def smoothed(values: list[float], weight: float = 0.9) -> list[float]:
+    """Exponential moving average with TensorBoard's debiasing (the first points are not pulled
+    toward zero): the trend of a noisy loss."""
+    average, out = 0.0, []
+    for count, value in enumerate(values, start=1):
+        average = weight * average + (1 - weight) * value
+        out.append(average / (1 - weight**count))
+    return out
 
 
 def _step_of(line: str) -> int:
@@ -54,27 +88,51 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path:
-    """Train loss per step (and eval loss where measured) as a PNG, written atomically."""
+    """Train loss per step (raw, and smoothed), eval loss where measured, resume marks, and the
+    learning rate on a second axis, as a PNG written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = read_metrics(metrics_path)
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
-    figure, axes = plt.subplots(figsize=(7, 4))
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
+    rates = [(r["step"], r["learning_rate"]) for r in records if "learning_rate" in r]
+    resumes = [r["step"] for r in records if r.get("resumed")]
+    figure, axes = plt.subplots(figsize=(8, 4.5))
     if train:
-        axes.plot(*zip(*train, strict=True), label="train loss")
+        steps, losses = zip(*train, strict=True)
+        axes.plot(steps, losses, color="tab:blue", alpha=0.3, label="train loss")
+        axes.plot(steps, smoothed(list(losses)), color="tab:blue", label="train loss (smoothed)")
     if evals:
-        axes.plot(*zip(*evals, strict=True), "o-", label="eval loss")
+        axes.plot(*zip(*evals, strict=True), "o-", color="tab:orange", label="eval loss")
+    for number, step in enumerate(resumes):
+        axes.axvline(step, color="gray", linestyle="--", label="resumed" if number == 0 else None)
     axes.set_xlabel("step")
     axes.set_ylabel("cross-entropy")
     axes.grid(alpha=0.3)
-    axes.legend()
+    handles, labels = axes.get_legend_handles_labels()
+    if rates:
+        rate_axes = axes.twinx()
+        rate_axes.plot(*zip(*rates, strict=True), color="tab:green", linewidth=1, label="lr")
+        rate_axes.set_ylabel("learning rate")
+        more_handles, more_labels = rate_axes.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    if handles:
+        axes.legend(handles, labels, loc="upper right")
     figure.tight_layout()
     temporary = out_path.with_name(f".{out_path.name}.tmp.png")
-    figure.savefig(temporary, dpi=110)
-    plt.close(figure)
-    os.replace(temporary, out_path)
+    try:
+        figure.savefig(temporary, dpi=110)
+        os.replace(temporary, out_path)
+    except OSError as error:  # a full disk: the run itself is saved; say so
+        temporary.unlink(missing_ok=True)
+        kept = "the run's checkpoints and metrics.jsonl are intact, only the plot is missing"
+        typed = write_failure(error, f"the loss plot {out_path}", kept)
+        if typed is None:
+            raise
+        raise typed from None
+    finally:
+        plt.close(figure)
     return out_path

@@ -17,20 +17,22 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import yaml
 
 from featherweight.data.demo_task import invented_world, write_training_data
 from featherweight.data.iterator import DataIterator
-from featherweight.data.records import Dataset, prepare_dataset
-from featherweight.errors import ModelChangedError, ModelConfigError, OutputExistsError
+from featherweight.data.records import Dataset
+from featherweight.data.sources import is_dataset_name
+from featherweight.errors import BudgetError, ModelChangedError, ModelConfigError, OutputExistsError
 from featherweight.io.atomic import atomic_write_text, probe_writable
 from featherweight.io.embedded_model import cache_dir, require_demo_model
 from featherweight.io.loader import load_model, open_checkpoint
-from featherweight.io.output_paths import refuse_escape, refuse_overlap
+from featherweight.io.output_paths import refuse_escape, refuse_overlap, resolved
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.memory.defaults import with_lean_defaults
 from featherweight.models.config import ModelConfig
@@ -52,10 +54,11 @@ from featherweight.recipe.build import (
     split_params,
 )
 from featherweight.recipe.optimizer import make_optimizer
-from featherweight.recipe.schema import TrainConfig
+from featherweight.recipe.schema import TrainConfig, changed_settings
 from featherweight.step.loss import resolve_chunk_size
 from featherweight.train import run_dir
 from featherweight.train.checkpoint import Checkpointer
+from featherweight.train.dataset import build_dataset, steps_from_epochs
 from featherweight.train.run_dir import CHECKPOINT_DIR, CONFIG_FILE, RUN_FILE
 
 FINGERPRINT_BYTES = 1 << 20  # of a GGUF file: its header (metadata, tensor table) lies in here
@@ -94,9 +97,9 @@ def absolute_paths(config: TrainConfig) -> TrainConfig:
     or a resume from another working directory reads the same files."""
 
     def absolute(path: str | None) -> str | None:
-        if path is None or path == "demo":
+        if path is None or path == "demo" or is_dataset_name(path):
             return path
-        return str(Path(path).expanduser().resolve())
+        return str(resolved(path))
 
     data = config.data
     return config.model_copy(
@@ -117,7 +120,7 @@ def check_run_dir(config: TrainConfig, overwrite: bool) -> tuple[Path, bool]:
     is removed yet: `write_run_files` clears the old run's files once the new run's settings,
     model header and data have all been checked.
     """
-    out = Path(config.output_dir).expanduser().resolve()
+    out = resolved(config.output_dir)
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"output_dir {out} is a file; choose a directory for output_dir")
     refuse_escape(out, run_dir.RUN_ENTRIES)
@@ -130,7 +133,7 @@ def check_run_dir(config: TrainConfig, overwrite: bool) -> tuple[Path, bool]:
             resuming = True
         elif any(out.iterdir()):
             what = (
-                "another run (its config differs)"
+                f"another run (its config differs: {changed_settings(_comparable(_saved_config(saved)), _comparable(config))})"
                 if saved.is_file()
                 else "files that are not a featherweight run"
             )
@@ -222,6 +225,43 @@ def check_tokenizer_fits(
         )
 
 
+class DeviceCapacity(NamedTuple):
+    """One local device's memory: how many bytes, read from where, and whether host-placed
+    parts share it (a CPU backend's "device" is the host)."""
+
+    bytes: int
+    source: str
+    holds_host: bool
+
+
+def device_capacity() -> DeviceCapacity | None:
+    """The allocator's limit on an accelerator; the machine's physical memory on a CPU backend."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return DeviceCapacity(int(stats["bytes_limit"]), "memory_stats bytes_limit", False)
+    if device.platform == "cpu":
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return DeviceCapacity(physical, "physical memory of the CPU backend", True)
+    return None
+
+
+def check_plan_fits(plan, capacity: DeviceCapacity | None) -> None:
+    """Refuse a run whose planned step needs more memory than the device has (an absurd
+    batch_size or seq_len): it would fail after loading and compiling -- or take the machine's
+    memory first -- instead of now."""
+    if plan is None or capacity is None:
+        return
+    needed = plan.device_bytes + (plan.host_bytes if capacity.holds_host else 0)
+    if needed > capacity.bytes:
+        raise BudgetError(
+            f"the memory plan needs {needed / 2**30:.2f} GiB but the device has "
+            f"{capacity.bytes / 2**30:.2f} GiB ({capacity.source}); lower batch_size or "
+            f"data.seq_len, or set memory.budget (e.g. {max(capacity.bytes // 2**30, 1)}GiB) to "
+            "let the planner fit the step"
+        )
+
+
 def load_weights(config: TrainConfig, model_path: Path) -> Model:
     quantize = "nf4" if config.method == "qlora" else None
     return load_model(
@@ -266,6 +306,23 @@ def check_step_settings(config: TrainConfig) -> None:
     resolve_chunk_size(config.data.seq_len, config.memory.loss_chunk)
 
 
+def restore_state(
+    checkpointer: Checkpointer, step: int, trainable: Params, opt_state: Any
+) -> tuple[tuple[Params, Any], dict[str, Any]]:
+    """Checkpoint `step` in place of the state just built: that state (loaded or initialised) is
+    only a template -- its shapes, dtypes and shardings (memory kinds included) become the restore
+    targets and its buffers are freed first, so one copy of the state exists at any time and
+    host-resident leaves are read straight into host memory."""
+    live = (trainable, opt_state)
+    targets = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding), live
+    )
+    for leaf in jax.tree.leaves(live):
+        leaf.delete()  # built by prepare_run a moment ago; nothing else holds it
+    del live, trainable, opt_state
+    return checkpointer.restore(step, targets)
+
+
 def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> Run:
     """Check, plan, load and (when resuming) restore: a run ready for its first step.
 
@@ -292,6 +349,7 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     plan = None
     if plan_fn is not None:
         config, plan = plan_fn(config, model_config)
+        check_plan_fits(plan, device_capacity())
     check_step_settings(config)
     mesh = mesh_from_settings(config.mesh)
     if mesh is not None:
@@ -301,32 +359,15 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
         from featherweight.errors import DataError
 
         raise DataError(f"{model_path} has no tokenizer; the trainer needs one to read the dataset")
-    data_settings = config.data
-    dataset = prepare_dataset(
-        resolve_data_path(config),
-        tokenizer,
-        data_settings.seq_len,
-        skip_bad=data_settings.skip_bad,
-        overflow=data_settings.overflow,
-        eval_fraction=0.0 if data_settings.eval else data_settings.eval_fraction,
-        seed=data_settings.shuffle_seed,
-    )
-    if data_settings.eval:
-        eval_set = prepare_dataset(
-            data_settings.eval,
-            tokenizer,
-            data_settings.seq_len,
-            skip_bad=data_settings.skip_bad,
-            overflow=data_settings.overflow,
-        )
-        dataset = dataset._replace(eval=eval_set.train, eval_stats=eval_set.train_stats)
+    dataset = build_dataset(config, tokenizer, resolve_data_path(config))
     data = DataIterator(
         dataset.train,
         config.batch_size,
-        data_settings.shuffle_seed,
+        config.data.shuffle_seed,
         jax.process_index(),
         jax.process_count(),
     )
+    config = steps_from_epochs(config, data.steps_per_epoch)
 
     with loading_device(mesh):
         model = load_weights(config, model_path)
@@ -350,7 +391,7 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     start_step = 0
     latest = checkpointer.latest_step() if resuming else None
     if latest is not None:
-        (trainable, opt_state), metadata = checkpointer.restore(latest, (trainable, opt_state))
+        (trainable, opt_state), metadata = restore_state(checkpointer, latest, trainable, opt_state)
         data.restore(metadata["data"])
         start_step = int(metadata["step"])
     return Run(

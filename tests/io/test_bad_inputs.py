@@ -226,9 +226,13 @@ CASES = {
         [r"model\.gguf: GGUF architecture 'gpt2'", r"supported: llama, qwen2"],
     ),
     "GGUF unsupported quantization": (
-        lambda good, tmp, model: _gguf(tmp, model, tensor_type=GGMLQuantizationType.Q5_0),
+        lambda good, tmp, model: _gguf(tmp, model, tensor_type=GGMLQuantizationType.I32),
         errors.UnsupportedModelError,
-        [r"tensor 'token_embd\.weight' is stored as Q5_0", r"supported: .*Q4_1", r"Use a GGUF"],
+        [
+            r"tensor 'token_embd\.weight' is stored as I32",
+            r"supported: .*Q4_1",
+            r"use a file quantized",
+        ],
     ),
     "truncated GGUF": (
         lambda good, tmp, model: _truncated_gguf(tmp, model),

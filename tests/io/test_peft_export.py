@@ -190,6 +190,7 @@ def test_existing_output_needs_overwrite(trained, tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
     export_peft(adapters, model.config, LORA, out, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
         "adapter_config.json",
         "adapter_model.safetensors",
     ]

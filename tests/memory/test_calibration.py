@@ -12,8 +12,9 @@ import pytest
 
 from featherweight.memory import calibrate, working_set
 from featherweight.memory.device_plan import plan_one_device
-from featherweight.memory.measure import measure_compiled
+from featherweight.memory.measure import measure_compiled, measure_for_target
 from featherweight.memory.report import percent_difference
+from featherweight.parallel.backend import cuda_plugin_installed
 
 ENTRY = json.loads(calibrate.calibration_path().read_text())["calibrations"][calibrate.KEY]
 # percent, planned vs compiled on the held-out grid (XLA:CPU, float32). The median is the planner's
@@ -72,3 +73,54 @@ def test_stored_held_out_measurements_are_todays_compiler():
 @pytest.mark.slow
 def test_every_held_out_measurement_is_todays_compiler():
     _remeasure(ENTRY["held_out_measurements"])
+
+
+# --- XLA:GPU bfloat16: the step compiled for an H100 without one (memory.measure_for_target) -----
+
+GPU_KEY = "xla-gpu/bfloat16"
+GPU_ENTRY = json.loads(calibrate.calibration_path().read_text())["calibrations"].get(GPU_KEY)
+needs_gpu_entry = pytest.mark.skipif(GPU_ENTRY is None, reason=f"no {GPU_KEY} calibration yet")
+# percent, planned device bytes vs the H100 compile's device bytes on the held-out grid
+GPU_DEVICE_WORST = 10.0
+
+
+@needs_gpu_entry
+def test_the_gpu_calibration_says_where_it_comes_from_and_refits():
+    assert GPU_ENTRY["target"] == "h100" and "XLA:GPU" in GPU_ENTRY["compiler"]
+    assert GPU_ENTRY["fit_measurements"] and GPU_ENTRY["held_out_measurements"]
+    assert calibrate.fit(GPU_ENTRY["fit_measurements"]) == GPU_ENTRY["counts"]
+    with working_set.calibration_for("xla-gpu"):
+        config = calibrate.case_of(GPU_ENTRY["held_out_measurements"][0])[1]
+        assert working_set.calibration_key(config) == GPU_KEY
+
+
+def _gpu_device_errors(counts):
+    rows = calibrate.errors_of(GPU_ENTRY["held_out_measurements"], counts)
+    return [abs(row["device_error"]) for row in rows]
+
+
+@needs_gpu_entry
+def test_held_out_gpu_plans_are_within_ten_percent_of_the_h100_compile():
+    errors = _gpu_device_errors(GPU_ENTRY["counts"])
+    assert max(errors) <= GPU_DEVICE_WORST, errors
+
+
+@needs_gpu_entry
+def test_the_cpu_counts_would_miss_the_h100_compile():
+    # negative control: XLA:CPU's counts (float32 copies of bf16 operands) miss the GPU compile
+    errors = _gpu_device_errors(ENTRY["counts"])
+    assert max(errors) > GPU_DEVICE_WORST, errors
+
+
+@pytest.mark.slow
+@needs_gpu_entry
+@pytest.mark.skipif(
+    not cuda_plugin_installed(),
+    reason="XLA's GPU compiler is not installed (the test extra installs it)",
+)
+def test_a_held_out_gpu_measurement_is_todays_compiler():
+    record = min(GPU_ENTRY["held_out_measurements"], key=lambda r: r["total_bytes"])
+    model, config = calibrate.case_of(record)
+    measured = measure_for_target(config, model, "h100")
+    drift = percent_difference(measured.device_bytes, record["device_bytes"])
+    assert abs(drift) <= 2.0, f"the compiler changed ({drift:+.1f}%): re-run the calibration"

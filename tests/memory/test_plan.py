@@ -172,3 +172,19 @@ def test_rope_scaling_allows_a_longer_sequence_with_a_warning():
     assert any("rope scaling" in warning for warning in plan.warnings)
     with pytest.raises(ConfigError, match="rope-scaled context 262144"):
         plan_for_config(train_config(data={"seq_len": 300000}), short_context)
+
+
+def test_accumulation_plans_one_micro_batch_and_a_float32_gradient_buffer():
+    model = tiny_config()
+    whole = plan_for_config(train_config(method="lora", batch_size=1), model)
+    split = plan_for_config(
+        train_config(method="lora", batch_size=4, memory={"accumulation_steps": 4}), model
+    )
+    assert split.bytes_of("residual_stream") == whole.bytes_of("residual_stream")  # one micro-batch
+    adapters = plan_for_config(train_config(method="lora"), model).bytes_of("trainable_weights")
+    assert split.bytes_of("gradient_buffer") == adapters  # the float32 adapters, once
+    clipped = plan_for_config(
+        train_config(method="full", optimizer={"clip_norm": 1.0, "clipping": "two_pass"}), model
+    )
+    head = model.vocab_size * model.hidden_size * 2  # untied head, bf16
+    assert clipped.bytes_of("head_gradient_kept") == head

@@ -48,8 +48,11 @@ def test_json_has_what_scripts_rely_on(tiny_run):
     report = json.loads(json.dumps(report_json(plan, measured, ["batch_size: 4 -> 2"])))
     assert report["planned"] == {c.name: c.bytes for c in plan.components}
     assert report["measured"] == measured.components
-    assert report["planned_total_bytes"] == plan.device_bytes
+    assert report["planned_device_bytes"] == plan.device_bytes
+    assert report["planned_host_bytes"] == plan.host_bytes
+    assert report["planned_total_bytes"] == plan.device_bytes + plan.host_bytes
     assert report["measured_total_bytes"] == measured.total_bytes
+    assert report["measured_platform"] == "cpu" and report["measured_derived"] == []
     assert report["planned_comparable_total_bytes"] == plan.device_bytes + plan.host_bytes
     assert report["settings"]["residuals"] == "host"
     assert report["changes"] == ["batch_size: 4 -> 2"]
@@ -77,7 +80,7 @@ def test_cli_plans_a_config_only_directory_as_json(config_dir):
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["measured"] is None
-    assert report["planned_total_bytes"] == sum(
+    assert report["planned_device_bytes"] == sum(
         report["planned"][name] for name, where in report["placement"].items() if where == "device"
     )
     assert report["settings"]["method"] == "full"

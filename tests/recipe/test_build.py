@@ -60,8 +60,41 @@ def test_refusals_before_any_weights():
         check_method_settings(
             parse_config({"method": "lora", "model": {"quantize_head": True}}), model_config
         )
-    with pytest.raises(ConfigError, match="accumulation"):
-        check_method_settings(parse_config({"memory": {"accumulation_steps": 4}}), model_config)
+    check_method_settings(parse_config({"memory": {"accumulation_steps": 4}}), model_config)
+    with pytest.raises(ConfigError, match="multiple of 3"):
+        check_method_settings(parse_config({"memory": {"accumulation_steps": 3}}), model_config)
     with pytest.raises(AdapterConfigError, match="rank"):
         check_method_settings(parse_config({"lora": {"rank": 4096}}), model_config)
     assert isinstance(make_optimizer(parse_config({}).optimizer, 5), optax.GradientTransformation)
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"method": "full"}, "choose optimizer.clipping: two_pass .* per_tensor .* reference"),
+        (
+            {"method": "lora", "optimizer": {"clipping": "two_pass"}},
+            "use optimizer.clipping: global",
+        ),
+        ({"memory": {"step": "reference"}, "optimizer": {"clipping": "per_tensor"}}, "global"),
+    ],
+)
+def test_clipping_the_step_cannot_do_exactly_is_refused(settings, expected):
+    settings = {**settings, "optimizer": {"clip_norm": 1.0, **settings.get("optimizer", {})}}
+    with pytest.raises(ConfigError, match=expected):
+        check_method_settings(parse_config(settings), tiny_config())
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"method": "full", "optimizer": {"clipping": "two_pass"}},
+        {"method": "full", "memory": {"accumulation_steps": 2}},
+        {"method": "full", "optimizer": {"clipping": "per_tensor"}},
+        {"method": "qlora"},
+        {"memory": {"step": "reference", "accumulation_steps": 2}},
+    ],
+)
+def test_clipping_each_step_does_exactly_is_accepted(settings):
+    settings = {**settings, "optimizer": {"clip_norm": 1.0, **settings.get("optimizer", {})}}
+    check_method_settings(parse_config(settings), tiny_config())

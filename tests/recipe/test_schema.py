@@ -28,6 +28,8 @@ def test_overrides_parse_yaml_values(tmp_path):
     [
         ("optimzer: {}\n", "unknown key 'optimzer' (line 1) (did you mean 'optimizer'?)"),
         ("optimizer:\n  learnig_rate: 0.1\n", "did you mean 'learning_rate'"),
+        ("gradient_accumulation_steps: 4\n", "did you mean 'memory.accumulation_steps'"),
+        ("optimizer:\n  max_grad_norm: 1.0\n", "did you mean 'optimizer.clip_norm'"),
         ("steps: 1\nbatch_size: many\n", "batch_size (line 2)"),
         ("lora:\n  targets: [q, qkv]\n", "unknown LoRA target(s) ['qkv']"),
         ("method: prefix\n", "method"),

@@ -228,12 +228,12 @@ def quantized_head(env: Env) -> Action:
 
 
 @case(
-    "accumulation with the streamed step",
-    r"memory\.accumulation_steps > 1",
-    r"set memory\.step: reference, or raise batch_size",
+    "global clipping the step cannot do in one pass",
+    r"optimizer\.clipping: global with method: full and the streamed step",
+    r"choose optimizer\.clipping: two_pass .*, per_tensor .*memory\.step: reference",
 )
-def accumulation(env: Env) -> Action:
-    return env.train(**{"memory.accumulation_steps": 2})
+def global_clipping(env: Env) -> Action:
+    return env.train(**{"method": "full", "optimizer.clip_norm": 1.0})
 
 
 @case(
@@ -829,9 +829,53 @@ def mesh_axis_zero(env: Env) -> Action:
 # --- exports -----------------------------------------------------------------------------------
 
 
-@case("unknown export format", r"export format 'gguf' is unknown", r"use one of merged, peft")
+@case(
+    "unknown export format",
+    r"export format 'onnx' is unknown",
+    r"use one of merged, peft, gguf, gguf-adapter",
+)
 def unknown_format(env: Env) -> Action:
-    return env.export(export_format="gguf")
+    return env.export(export_format="onnx")
+
+
+@case(
+    "GGUF type featherweight does not write",
+    r"--quant 'q4_k_m' is not a GGUF type featherweight writes",
+    r"use one of f32, f16, bf16, q8_0.*llama-quantize",
+)
+def gguf_k_quant_export(env: Env) -> Action:
+    return env.export(export_format="gguf", quant="q4_k_m")
+
+
+@case(
+    "GGUF tensor type that cannot be dequantized",
+    r"tensor 'blk\.0\.attn_q\.weight' is stored as I32, which the installed gguf package",
+    r"Upgrade gguf, or use a file quantized with one of these",
+)
+def gguf_integer_tensor(env: Env) -> Action:
+    from gguf import GGMLQuantizationType
+
+    from tests.tiny_checkpoints import hf_config, random_hf_model, write_gguf
+
+    def type_of(name: str) -> GGMLQuantizationType:
+        integer = name == "blk.0.attn_q.weight"
+        return GGMLQuantizationType.I32 if integer else GGMLQuantizationType.F32
+
+    path = write_gguf(env.tmp / "int.gguf", random_hf_model(hf_config("llama2")), type_of=type_of)
+    return lambda: load_model(path)
+
+
+@case(
+    "GGUF of an unsupported architecture",
+    r"GGUF architecture 'gemma3' is not supported",
+    r"supported: llama, qwen2",
+)
+def gguf_architecture(env: Env) -> Action:
+    from tests.tiny_checkpoints import hf_config, random_hf_model, write_gguf
+
+    model = random_hf_model(hf_config("llama2"))
+    path = write_gguf(env.tmp / "gemma.gguf", model, architecture="gemma3")
+    return lambda: load_model(path)
 
 
 @case("PEFT export of a full fine-tune", r"full-run is a full fine-tune", r"use --format merged")

@@ -56,7 +56,7 @@ config | malformed override | `--set steps` | ConfigError | overrides look like 
 config | unknown LoRA target | `lora: {targets: [q, qq]}` | ConfigError | names `qq` and lists the valid targets
 config | LoRA rank larger than a target weight | `lora: {rank: 128}` on a model 64 wide | AdapterConfigError | names the target and its shape: a smaller rank, or drop the target
 config | quantized head without QLoRA | `method: lora` with `model.quantize_head: true` | ConfigError | needs `method: qlora`
-config | accumulation with the streamed step | `memory: {accumulation_steps: 2}` | ConfigError | set `memory.step: reference`, or raise `batch_size`
+config | global clipping the step cannot do in one pass | `method: full`, `optimizer.clip_norm: 1.0` (streamed step) | ConfigError | choose `optimizer.clipping: two_pass` or `per_tensor`, accumulation, or `memory.step: reference`
 config | loss chunk that does not divide the sequence | `memory.loss_chunk: 48`, `seq_len: 64` | StepConfigError | names both sizes and a divisor to use
 config | MLP chunk that does not divide the sequence | `memory.mlp_chunk: 48`, `seq_len: 64` | ConfigError | names both sizes and a divisor to use
 config | host placement on a mesh | `memory.optimizer_state: host` with `mesh: {fsdp: 8}` | ConfigError | says it is one-device only: drop the host placement or the mesh
@@ -109,6 +109,7 @@ data | every line bad with --skip-bad | two bad lines and --skip-bad | DataError
 data | eval split larger than the data | one example and `eval_fraction: 0.5` | DataError | add examples or set eval_fraction to 0
 data | example longer than a row | `overflow: error` with `seq_len: 8` | DataError | names file:line and the lengths: raise seq_len, shorten, or truncate
 budgets | budget that is not a size | `memory.budget: 8 gigs` | ConfigError | write a number and a unit, e.g. 8GiB
+budgets | batch larger than the device | `batch_size: 10000000` without a budget | BudgetError | names the planned and the available memory (before any weight is read): lower batch_size or seq_len, or set memory.budget
 budgets | budget nothing fits | `memory.budget: 1MiB` | BudgetError | names the shortfall and largest component, and what would fit
 meshes | mesh that does not fill the devices | `mesh: {data: 3, fsdp: 3}` on 8 devices | ShardingError | names both sizes and a mesh that works
 meshes | batch that does not split over the mesh | `batch_size: 3` on a 2 x 4 mesh | ShardingError | use a batch_size whose global batch is a multiple of 8
@@ -116,10 +117,52 @@ meshes | mesh axis of size 0 | `mesh: {data: 0}` | ConfigError | a mesh axis is 
 exports | convert to an integer dtype | `convert MODEL --dtype int8` | ConfigError | weights are floating point: use float32, float16 or bfloat16
 exports | run with a relative model path | a run whose config.yaml names its model as `models/base` | ExportError | set model.path in the run's config.yaml to the absolute path
 checkpoints | base model changed since the run | the model at the run's model.path replaced by another | ModelChangedError | the checkpoints are intact: put the original model back, or start a new run
-exports | unknown export format | `--format gguf` | ExportError | use merged or peft
+exports | unknown export format | `--format onnx` | ExportError | use merged, peft, gguf or gguf-adapter
+exports | GGUF type featherweight does not write | `export --format gguf --quant q4_k_m` | ConfigError | lists the types written (f32 ... q4_0); K-quants via llama.cpp's llama-quantize
+checkpoints | GGUF tensor type that cannot be dequantized | a weight stored as I32 | UnsupportedModelError | names the tensor, its type and the types supported: upgrade gguf or use another file
+checkpoints | GGUF of an unsupported architecture | `general.architecture: gemma3` | UnsupportedModelError | names the architecture and the supported ones (llama, qwen2)
 exports | PEFT export of a full fine-tune | `--format peft` on a `method: full` run | ExportError | use --format merged
 exports | merged export to an integer dtype | `--dtype int8` | ExportError | use bfloat16, float16 or float32
 exports | disk full while exporting | the disk fills while shards are written | DiskFullError | the partial copy is removed, nothing is written: free space and rerun
+files | config file without read permission | `train train.yaml` on a file of mode 000 | InputFileError | names the file and the OS's reason: make it readable
+files | config file that is not UTF-8 | a Latin-1 `é` in a comment | InputFileError | names the file and the byte: save it as UTF-8
+files | config file that is a FIFO | `train pipe.yaml` where pipe.yaml is a named pipe | InputFileError | names it as a FIFO, never opened (it would block): pass a YAML file
+files | config file that is a directory | `train some/dir` | ConfigError | names the directory: pass a YAML file
+files | config file in a symbolic link loop | `loop.yaml -> loop.yaml.other -> loop.yaml` | InputFileError | names the loop: pass a YAML file
+files | dataset without read permission | `data.train` a file of mode 000 | InputFileError | names the dataset and the OS's reason
+files | dataset that is a FIFO | `data.train` a named pipe | InputFileError | names it as a FIFO, never opened: pass a JSONL file
+files | model path that is a FIFO | `model.path` a named pipe called model.gguf | InputFileError | names it as a FIFO, never opened: pass a model directory or a .gguf file
+files | model path in a symbolic link loop | `model.path` a link that leads back to itself | InputFileError | names the path: remove or fix the link
+files | export of a run path in a symbolic link loop | `export run-link` where run-link loops | InputFileError | names the path: remove or fix the link
+files | output_dir inside a file | `output_dir: data.jsonl/run` with data.jsonl the dataset | OutputNotWritableError | names the file it would go inside: choose an output_dir outside it
+files | cache path that is a file | `FEATHERWEIGHT_CACHE` pointing at a file | ConfigError | names the variable and the file: point it at a directory
+checkpoints | config.json that is not UTF-8 | a byte 0xe9 in config.json | InputFileError | names the file and the byte: save it as UTF-8
+checkpoints | config.json without read permission | config.json of mode 000 | InputFileError | names the file and the OS's reason
+checkpoints | config.json that is not JSON | config.json cut after `{"model_type": "ll` | ModelConfigError | names the file and the JSON error: restore the original
+checkpoints | config.json value of the wrong type | `"hidden_size": "64"` | ModelConfigError | names the field, the value and the expected type: restore the original config.json
+checkpoints | config.json negative size | `"intermediate_size": -128` | ModelConfigError | names the field and the bound (greater than 0)
+checkpoints | hidden size not divisible by the heads | `hidden_size: 66` with 4 heads and no head_dim | ModelConfigError | names both numbers
+checkpoints | rope scaling that is not a mapping | `"rope_scaling": "llama3"` | ModelConfigError | names the field: a mapping is expected
+checkpoints | rope scaling factor that is not a number | `"rope_scaling": {"factor": "eight", ...}` | ModelConfigError | names `rope_scaling.factor` and the value
+checkpoints | truncated tokenizer.json | tokenizer.json cut in half | CorruptCheckpointError | names the file and where parsing stopped: download it again
+checkpoints | tokenizer.json that is not JSON | `{this is not json` | CorruptCheckpointError | names the file: download it again
+checkpoints | tokenizer.json of the wrong schema | a JSON list instead of a tokenizer | CorruptCheckpointError | names the file and what the tokenizer library expected: download it again
+checkpoints | tokenizer.json without read permission | tokenizer.json of mode 000 | InputFileError | names the file and the OS's reason
+checkpoints | tokenizer_config.json that is not an object | `[1, 2]` | CorruptCheckpointError | names the file: a JSON object is expected
+options | option below its range | `demo --steps 0` | ConfigError | names the option and its bound, points at --help
+options | option of the wrong type | `plan --batch two` | ConfigError | names the option: a valid integer is needed
+options | unknown option | `train --stepz 3` | ConfigError | names the option, points at --help
+options | option that is not finite | `convert --max-shard-gib nan` | ConfigError | names the option: a finite number is needed
+options | infinite sampling temperature | `generate --temperature inf` | ConfigError | names the option: a finite number is needed
+options | empty output directory option | `demo --output-dir ""` (the current directory) | ConfigError | the path is empty: give a directory
+options | plot path that is a directory | `plan --plot some/dir` | ConfigError | names the directory: give a file name inside it (before any work)
+options | budget option that is not a size | `plan --budget "8 gigs"` | ConfigError | write a number and a unit, e.g. 8GiB
+options | mesh option that cannot be read | `plan --mesh data=2,data=4` | ShardingError | names the repeated axis and gives examples
+options | mesh option naming too many devices | `plan --mesh fsdp=100000` | ShardingError | plan compiles on up to 4096 virtual devices: plan a smaller mesh
+options | override that is not valid YAML | `--set steps=[4` | ConfigError | names the override: quote the value or fix the brackets
+options | override with an empty key part | `--set data..seq_len=8` | ConfigError | names the key: write key.sub=value
+options | seed out of range | `seed: 18446744073709551616` | ConfigError | names `seed` and its bound (32-bit)
+faults | disk full while writing the loss plot | the disk fills while the finished run writes loss.png | DiskFullError | the run's checkpoints and metrics.jsonl are intact; only the plot is missing
 inputs | token id outside the vocabulary | `logits(model, [[1, 49152]])` | TokenIdError | names the id and the vocabulary range
 inputs | tensor that cannot be NF4-quantized | 100 values (blocks are 64) | QuantizationError | keep the tensor in bf16 or pad the model
 """

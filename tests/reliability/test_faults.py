@@ -226,3 +226,71 @@ def test_an_export_replacement_killed_between_its_renames_is_undone(trained_run,
     assert snapshot(out) == before
     export_run(trained_run, "peft", out, overwrite=True)
     assert snapshot(out) == before and hidden_temporaries(tmp_path) == []
+
+
+# --- a full disk while the run writes its metrics or its loss plot -----------------------------
+
+
+def test_disk_full_while_plotting_the_loss_ends_with_the_last_checkpoint_intact(
+    tiny_model_dir, demo_data, trained_run, tmp_path, monkeypatch
+):
+    """The last file a run writes is loss.png: a full disk there is a DiskFullError that says the
+    run itself is saved, and the final checkpoint equals an undisturbed run's."""
+    import matplotlib.figure
+
+    def partial_then_full(self, path, *args, **kwargs):
+        Path(path).write_bytes(b"\x89PNG partial")
+        raise disk_full()
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", partial_then_full)
+    run_dir = tmp_path / "run"
+    with pytest.raises(DiskFullError) as raised:
+        train(parse_config(short_run(tiny_model_dir, demo_data, run_dir, steps=4)))
+    message = str(raised.value)
+    assert f"while writing the loss plot {run_dir / 'loss.png'}" in message
+    assert "checkpoints and metrics.jsonl are intact, only the plot is missing" in message
+    assert final_steps(run_dir) == [2, 4]
+    assert equal_checkpoints(load_checkpoint(run_dir, 4), load_checkpoint(trained_run, 4))
+    assert [record["step"] for record in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert sorted(p.name for p in run_dir.iterdir() if "png" in p.name) == []  # no partial plot
+
+
+class FillingFile:
+    """A text file whose disk is full after `lines` writes (each later write raises ENOSPC)."""
+
+    def __init__(self, handle, lines: int) -> None:
+        self.handle, self.lines = handle, lines
+
+    def write(self, text: str) -> int:
+        if self.lines == 0:
+            raise disk_full()
+        self.lines -= 1
+        return self.handle.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+
+def test_disk_full_while_logging_metrics_keeps_the_previous_checkpoint(
+    tiny_model_dir, demo_data, trained_run, tmp_path, monkeypatch
+):
+    from featherweight.train.metrics import MetricsLog
+
+    opened = MetricsLog.__init__
+
+    def open_on_a_filling_disk(self, path, resume_step):
+        opened(self, path, resume_step)
+        self._handle = FillingFile(self._handle, lines=2)  # steps 1 and 2 fit
+
+    monkeypatch.setattr(MetricsLog, "__init__", open_on_a_filling_disk)
+    run_dir = tmp_path / "run"
+    with pytest.raises(DiskFullError) as raised:
+        train(parse_config(short_run(tiny_model_dir, demo_data, run_dir)))
+    message = str(raised.value)
+    assert f"while writing {run_dir / 'metrics.jsonl'}" in message
+    assert "the checkpoints are intact and the run resumes from the latest one" in message
+    assert final_steps(run_dir) == [2]
+    assert equal_checkpoints(load_checkpoint(run_dir, 2), load_checkpoint(trained_run, 2))
+
+    monkeypatch.undo()  # space is back: the same command resumes from step 2
+    assert train(parse_config(short_run(tiny_model_dir, demo_data, run_dir))).step == 8

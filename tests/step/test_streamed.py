@@ -143,7 +143,9 @@ def _abstract_batch(batch, seq):
     return Batch(ids, ids, jax.ShapeDtypeStruct((batch, seq), jnp.float32), ids, None)
 
 
-def _compiled_memory(config, policy=None, reference=False, batch=1, seq=32, chunk=None):
+def _compiled_memory(
+    config, policy=None, reference=False, batch=1, seq=32, chunk=None, **gradient_mode
+):
     params = abstract_params(config, jnp.float32)
     optimizer = optax.adamw(1e-3)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)
@@ -151,7 +153,7 @@ def _compiled_memory(config, policy=None, reference=False, batch=1, seq=32, chun
         step = build_reference_step(config, optimizer, chunk_size=chunk)
         state = jax.eval_shape(optimizer.init, params)
     else:
-        step = build_streamed_step(config, optimizer, params, {}, policy=policy)
+        step = build_streamed_step(config, optimizer, params, {}, policy=policy, **gradient_mode)
         state = jax.eval_shape(lambda p: init_streamed_opt_state(optimizer, p), params)
     return (
         step.lower(params, state, {}, _abstract_batch(batch, seq), key).compile().memory_analysis()
@@ -170,14 +172,16 @@ def _layer_bytes(config):
     return sum(leaf.size * 4 for leaf in jax.tree.leaves(params)) // config.num_layers
 
 
-def test_streamed_temp_is_a_quarter_of_the_reference_and_holds_no_stacked_gradient():
+def test_streamed_temp_holds_no_stacked_gradient():
+    """Structure, not one ratio at one shape (the ratio across shapes is in
+    benchmarks/results/step_memory_ratios_cpu.md): the reference's temp holds the stacked
+    gradient of every tensor; the streamed step's temp is smaller than one stacked tensor."""
     config = _wide(num_layers=32)
     reference = _compiled_memory(config, reference=True)
     streamed = _compiled_memory(config)
     gate_stack = config.num_layers * config.intermediate_size * config.hidden_size * 4
     assert reference.temp_size_in_bytes > 3 * gate_stack  # the reference holds the stacked gradient
     assert streamed.temp_size_in_bytes < gate_stack  # so no stacked-gradient buffer can exist here
-    assert streamed.temp_size_in_bytes <= 0.25 * reference.temp_size_in_bytes
 
 
 def test_doubling_the_layers_grows_temp_by_less_than_one_layer():
@@ -193,6 +197,38 @@ def test_doubling_the_layers_grows_temp_by_less_than_one_layer():
         - _compiled_memory(config_8, reference=True).temp_size_in_bytes
     )
     assert reference_grown > 8 * _layer_bytes(config_8)  # the reference grows with every layer
+
+
+def test_two_pass_clipping_keeps_no_gradient_buffer_and_the_kept_mode_one_float32_copy():
+    config = _wide(num_layers=8)
+    fused = _compiled_memory(config).temp_size_in_bytes
+    two_pass = _compiled_memory(config, clip_norm=1.0, two_pass=True).temp_size_in_bytes
+    kept = _compiled_memory(config, clip_norm=1.0).temp_size_in_bytes
+    params_bytes = sum(leaf.size * 4 for leaf in jax.tree.leaves(abstract_params(config)))
+    head_bytes = config.vocab_size * config.hidden_size * 4
+    assert two_pass - fused <= head_bytes + _layer_bytes(config)  # the head's gradient, no stack
+    assert kept - fused >= params_bytes  # negative control: the kept buffer is visible here
+
+
+def test_accumulating_adapters_adds_one_adapter_sized_buffer():
+    """LoRA with global clipping and 4 micro-batches: the temp of a one-row fused step plus at
+    most the float32 adapters (twice: buffer and update), and less than four rows at once."""
+    config = _wide(num_layers=8)
+    frozen = abstract_params(config, jnp.float32)
+    adapters = jax.eval_shape(lambda: _adapters(config, rank=8))
+    lora, optimizer = LoraSpec(scale=2.0), optax.adamw(1e-3)
+    state = jax.eval_shape(lambda p: init_streamed_opt_state(optimizer, p), adapters)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+
+    def temp(batch, **mode):
+        step = build_streamed_step(config, optimizer, adapters, frozen, lora=lora, **mode)
+        lowered = step.lower(adapters, state, frozen, _abstract_batch(batch, 64), key)
+        return lowered.compile().memory_analysis().temp_size_in_bytes
+
+    accumulated = temp(4, clip_norm=1.0, accumulation_steps=4)
+    adapter_bytes = sum(leaf.size * 4 for leaf in jax.tree.leaves(adapters))
+    assert accumulated - temp(1) <= 2 * adapter_bytes  # one micro-batch's step + the buffer
+    assert accumulated < temp(4)  # less than the whole batch at once
 
 
 def test_chunked_loss_keeps_logits_to_a_chunk():
@@ -261,10 +297,15 @@ def test_refuses_what_cannot_work():
     config, params, frozen, _ = _setup("full", tied=False)
     with pytest.raises(StepConfigError, match="GradientTransformation"):
         build_streamed_step(config, "adam", params, frozen)
-    with pytest.raises(StepConfigError, match="accumulation"):
-        build_streamed_step(config, optax.sgd(0.1), params, frozen, accumulation_steps=4)
-    with pytest.raises(StepConfigError, match="accumulation"):
+    with pytest.raises(StepConfigError, match="MultiSteps"):
         build_streamed_step(config, optax.MultiSteps(optax.sgd(0.1), 4), params, frozen)
+    with pytest.raises(StepConfigError, match="two_pass clipping needs clip_norm"):
+        build_streamed_step(config, optax.sgd(0.1), params, frozen, two_pass=True)
+    with pytest.raises(StepConfigError, match="drop two_pass"):
+        build_streamed_step(
+            config, optax.sgd(0.1), params, frozen, clip_norm=1.0, two_pass=True,
+            accumulation_steps=2,
+        )  # fmt: skip
     with pytest.raises(StepConfigError, match="attention_probs"):
         MemoryPolicy(save=("attention_probs",))
     ragged = {**params, "layers": {**params["layers"], "up": params["layers"]["up"][:1]}}

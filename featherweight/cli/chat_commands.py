@@ -1,0 +1,50 @@
+"""`featherweight chat`: talk to a model or a training run's latest checkpoint, turn by turn."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+import typer
+
+from featherweight.cli.output import console, friendly_errors
+
+EXIT_WORDS = ("/exit", "/quit")
+
+
+def _user_messages() -> Iterator[str]:
+    """Lines typed at the prompt until end of input or /exit."""
+    while True:
+        try:
+            line = console.input("[bold]you>[/] ")
+        except EOFError:
+            return
+        if line.strip() in EXIT_WORDS:
+            return
+        if line.strip():
+            yield line
+
+
+@friendly_errors
+def chat(
+    model: Annotated[
+        str | None,
+        typer.Argument(help="a training run's directory, HF directory or .gguf; default: demo"),
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
+    seed: int = 0,
+) -> None:
+    """Chat through the chat template (the run's data.chat_template when it set one); /exit ends."""
+    from featherweight.io.embedded_model import require_demo_model
+    from featherweight.io.loader import load_model
+    from featherweight.train.run_model import chat_replies, is_run_dir, load_run_model
+
+    if model is not None and is_run_dir(model):
+        loaded, step = load_run_model(model)
+        console.print(f"[dim]run {model}, checkpoint {step}; /exit ends[/]")
+    else:
+        loaded = load_model(model or require_demo_model())
+        console.print(f"[dim]model: {loaded.source}; /exit ends[/]")
+    for reply in chat_replies(loaded, _user_messages(), max_new_tokens, temperature, seed):
+        console.print(f"[bold]model>[/] {reply}", highlight=False)

@@ -1,0 +1,133 @@
+"""A run's data from its config: the prepared dataset, `epochs` as steps, and the data summary.
+
+The summary says what the data became before the first step (and in `data_summary.json`):
+records read and skipped (with reasons), the train/eval split, tokens, rows, truncated examples,
+packing efficiency, and how many epochs the run's steps make.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from featherweight.data.chat_templates import with_chat_template
+from featherweight.data.packing import PackStats
+from featherweight.data.records import Dataset, prepare_dataset
+from featherweight.io.atomic import atomic_write_text
+from featherweight.io.tokenizer import Tokenizer
+from featherweight.recipe.schema import TrainConfig
+from featherweight.train.run_dir import DATA_SUMMARY
+
+
+def build_dataset(config: TrainConfig, tokenizer: Tokenizer, train_path: str | Path) -> Dataset:
+    """The dataset `config.data` describes (columns, chat and instruction templates, packing),
+    with the eval set from `data.eval` or split off the training records."""
+    settings = config.data
+    template = settings.instruction_template
+    options = dict(
+        skip_bad=settings.skip_bad,
+        overflow=settings.overflow,
+        columns=dict(settings.columns),
+        instruction_template=None if template is None else template.template(),
+        pack_examples=settings.pack,
+    )
+    tokenizer = with_chat_template(tokenizer, settings.chat_template)
+    dataset = prepare_dataset(
+        train_path,
+        tokenizer,
+        settings.seq_len,
+        eval_fraction=0.0 if settings.eval else settings.eval_fraction,
+        seed=settings.shuffle_seed,
+        **options,
+    )
+    if not settings.eval:
+        return dataset
+    held_out = prepare_dataset(settings.eval, tokenizer, settings.seq_len, **options)
+    return dataset._replace(
+        eval=held_out.train,
+        eval_stats=held_out.train_stats,
+        skipped=dataset.skipped + held_out.skipped,
+        records=dataset.records + held_out.records,
+        skip_reasons=dataset.skip_reasons + held_out.skip_reasons,
+    )
+
+
+def steps_from_epochs(config: TrainConfig, steps_per_epoch: int) -> TrainConfig:
+    """`config` with `steps` = `epochs` x `steps_per_epoch` (rounded up) when `epochs` is set."""
+    if config.epochs is None:
+        return config
+    return config.model_copy(update={"steps": max(1, math.ceil(config.epochs * steps_per_epoch))})
+
+
+def _split_summary(stats: PackStats | None) -> dict[str, Any] | None:
+    if stats is None:
+        return None
+    return {**stats._asdict(), "packing_efficiency": round(stats.fill, 4)}
+
+
+def data_summary(
+    config: TrainConfig, dataset: Dataset, steps_per_epoch: int, source: str
+) -> dict[str, Any]:
+    """What the data became, as a JSON-ready dict (see the module docstring)."""
+    return {
+        "source": source,
+        "records": dataset.records,
+        "skipped": dataset.skipped,
+        "skip_reasons": [
+            {"reason": reason, "count": count, "first": first}
+            for reason, count, first in dataset.skip_reasons
+        ],
+        "packed": config.data.pack,
+        "seq_len": config.data.seq_len,
+        "train": _split_summary(dataset.train_stats),
+        "eval": _split_summary(dataset.eval_stats),
+        "batch_size": config.batch_size,
+        "steps_per_epoch": steps_per_epoch,
+        "steps": config.steps,
+        "epochs": round(config.steps / steps_per_epoch, 3),
+    }
+
+
+def _split_line(name: str, split: dict[str, Any], seq_len: int) -> str:
+    line = (
+        f"{name}: {split['examples']:,} examples -> {split['rows']:,} rows of {seq_len + 1} "
+        f"tokens ({split['packing_efficiency']:.1%} filled), {split['tokens']:,} tokens "
+        f"({split['loss_tokens']:,} in the loss)"
+    )
+    if split["truncated_examples"]:
+        line += (
+            f"; {split['truncated_examples']:,} truncated ({split['truncated_tokens']:,} tokens "
+            "cut: raise data.seq_len to keep them)"
+        )
+    if split["dropped_examples"]:
+        line += f"; {split['dropped_examples']:,} dropped (no loss token left)"
+    return line
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    """The summary as the lines printed before the first step."""
+    lines = [f"data: {summary['records']:,} records read from {summary['source']}"]
+    if summary["skipped"]:
+        reasons = "; ".join(
+            f"{item['count']:,} {item['reason']} (first: {item['first']})"
+            for item in summary["skip_reasons"][:3]
+        )
+        lines[0] += f", {summary['skipped']:,} skipped: {reasons}"
+    for name in ("train", "eval"):
+        if summary[name] is not None:
+            lines.append(_split_line(name, summary[name], summary["seq_len"]))
+    lines.append(
+        f"steps: {summary['steps']:,} = {summary['epochs']:g} epochs of "
+        f"{summary['steps_per_epoch']:,} steps (batch {summary['batch_size']}"
+        + ("" if summary["packed"] else ", one example per row")
+        + ")"
+    )
+    return lines
+
+
+def write_summary(output_dir: Path, summary: dict[str, Any]) -> Path:
+    path = output_dir / DATA_SUMMARY
+    atomic_write_text(path, json.dumps(summary, indent=2) + "\n")
+    return path

@@ -1,0 +1,74 @@
+"""The train step compiled for an H100 on this machine (XLA's GPU compiler, no GPU): the JSON
+`featherweight plan --target h100` gives, host bytes as compiled or derived, and the plan within
+10% of the compile."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from featherweight.cli.main import app
+from featherweight.memory.plan import plan_for_config
+from featherweight.memory.report import percent_difference
+from featherweight.memory.working_set import calibration_for
+from featherweight.models.config import config_from_hf_dict
+from featherweight.parallel.backend import cuda_plugin_installed
+from featherweight.recipe.schema import parse_config
+
+pytestmark = pytest.mark.skipif(
+    not cuda_plugin_installed(),
+    reason='XLA\'s GPU compiler is not installed (pip install "jax[cuda12-local]"); CI installs '
+    "it with the test extra",
+)
+SMALL = {"model_type": "llama", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768,
+         "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+         "head_dim": 32, "tie_word_embeddings": False, "max_position_embeddings": 4096}  # fmt: skip
+OPTIONS = ["--method", "full", "--batch", "2", "--seq", "128", "--dtype", "bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def h100_report(tmp_path_factory):
+    """`plan --target h100 --json` of a small full fine-tune with residuals and optimizer state
+    on the host: one deviceless compile."""
+    directory = tmp_path_factory.mktemp("small")
+    (directory / "config.json").write_text(json.dumps(SMALL))
+    arguments = ["plan", str(directory), *OPTIONS, "--offload", "residuals,optimizer_state"]
+    result = CliRunner().invoke(app, [*arguments, "--target", "h100", "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_the_json_says_what_was_compiled_for_which_target(h100_report):
+    report = h100_report
+    assert report["measured_platform"] == "gpu" and report["measured_target"] == "h100"
+    assert report["planned_total_bytes"] == (
+        report["planned_device_bytes"] + report["planned_host_bytes"]
+    )
+    # host bytes: the residuals as XLA's host temporaries (compiled), the optimizer state given
+    # to the compiler as a device array and its exact bytes counted as host (derived)
+    assert (
+        report["measured_total_bytes"] - report["measured_device_bytes"]
+        == (report["planned_host_bytes"])
+    )
+    assert (
+        len(report["measured_derived"]) == 1 and "optimizer_state" in report["measured_derived"][0]
+    )
+    assert report["verdict"].startswith("fits:") and "H100" in report["verdict"]
+    assert report["settings"]["calibration"].startswith("xla-")
+
+
+def test_the_plan_is_within_ten_percent_of_the_h100_compile(h100_report):
+    error = percent_difference(
+        h100_report["planned_device_bytes"], h100_report["measured_device_bytes"]
+    )
+    assert abs(error) <= 10.0, error
+
+
+def test_a_plan_that_forgets_the_offload_misses_the_compile(h100_report):
+    # negative control: the same step planned with everything on the device is caught
+    settings = {"method": "full", "batch_size": 2, "model": {"dtype": "bfloat16"},
+                "data": {"seq_len": 128}}  # fmt: skip
+    with calibration_for("xla-gpu"):
+        plan = plan_for_config(parse_config(settings), config_from_hf_dict(SMALL, source="test"))
+    error = percent_difference(plan.device_bytes, h100_report["measured_device_bytes"])
+    assert abs(error) > 10.0, error

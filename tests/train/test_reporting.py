@@ -1,0 +1,107 @@
+"""What a run reports: the data summary (printed and in data_summary.json), `epochs` as steps,
+plain progress lines off a TTY every `log_every` steps, strict metrics.jsonl with the learning
+rate, TensorBoard events read back with tensorboard's own reader, and the loss plot."""
+
+import io
+import json
+import re
+
+import pytest
+from rich.console import Console
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from featherweight.errors import ConfigError
+from featherweight.recipe.optimizer import learning_rate_schedule
+from featherweight.recipe.schema import parse_config
+from featherweight.train.dataset import steps_from_epochs
+from featherweight.train.loggers import check_loggers, scalars
+from featherweight.train.loop import train
+from featherweight.train.metrics import read_metrics, smoothed, strict
+from featherweight.train.progress import PlainProgress
+from tests.conftest import run_settings
+
+LINE = re.compile(
+    r"^step (\d+)/(\d+) \| loss \d+\.\d{4} \| lr \d\.\d\de[-+]\d\d \| [\d,]+ tok/s \| "
+    r"ETA (\d+:\d\d:\d\d|-)$"
+)
+
+
+def strict_json(line: str):
+    def refuse(token):
+        raise AssertionError(f"non-standard JSON token {token}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_plain_progress_prints_one_line_per_update():
+    out = io.StringIO()
+    console = Console(file=out, width=200)
+    assert not console.is_terminal
+    progress = PlainProgress(console, total=10, start_step=0)
+    record = {"loss": 2.5, "learning_rate": 1e-4, "tokens_per_second": 1234.5, "device_bytes": None}
+    progress.update(5, record)
+    (line,) = out.getvalue().splitlines()
+    assert LINE.match(line) and line.startswith("step 5/10 | loss 2.5000 | lr 1.00e-04 | 1,234")
+
+
+def test_steps_from_epochs_rounds_up():
+    config = parse_config({"epochs": 2.5, "steps": 3})
+    assert steps_from_epochs(config, 7).steps == 18
+    assert steps_from_epochs(parse_config({"steps": 3}), 7).steps == 3
+
+
+def test_metrics_are_strict_json_and_scalars_skip_non_finite():
+    record = {"step": 3, "loss": 1.0, "grad_norm": float("nan"), "device_bytes": None}
+    assert json.dumps(strict(record), allow_nan=False) == (
+        '{"step": 3, "loss": 1.0, "grad_norm": null, "device_bytes": null}'
+    )
+    assert scalars({**record, "eval_loss": 2.0}) == {"train/loss": 1.0, "eval/loss": 2.0}
+    assert smoothed([4.0, 2.0])[0] == 4.0  # debiased: the first point is itself
+
+
+def test_a_logger_that_is_not_installed_is_refused_before_work(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="report_to: wandb needs the wandb package"):
+        check_loggers(["wandb"])
+
+
+@pytest.mark.slow
+def test_a_run_reports_its_data_progress_metrics_and_tensorboard_events(
+    tiny_model_dir, demo_data, tmp_path
+):
+    settings = run_settings(
+        tiny_model_dir, demo_data, tmp_path / "run", epochs=1.5, log_every=2, report_to=["tensorboard"]
+    )  # fmt: skip
+    out = io.StringIO()
+    result = train(parse_config(settings), console=Console(file=out, width=200))
+    run = result.output_dir
+    text = out.getvalue()
+
+    summary = json.loads((run / "data_summary.json").read_text())
+    assert summary["records"] == 24 and summary["skipped"] == 0
+    assert summary["train"]["examples"] + summary["eval"]["examples"] == 24
+    assert summary["steps_per_epoch"] == -(-summary["train"]["rows"] // 2)
+    assert result.run.config.steps == summary["steps"] == -(-3 * summary["steps_per_epoch"] // 2)
+    assert f"data: 24 records read from {demo_data}" in text
+    assert f"steps: {summary['steps']} = {summary['epochs']:g} epochs" in text
+
+    steps = summary["steps"]
+    lines = [line for line in text.splitlines() if line.startswith("step ")]
+    printed = [int(LINE.match(line).group(1)) for line in lines]
+    assert printed == sorted({*range(2, steps + 1, 2), steps})  # every log_every steps + the last
+
+    records = [strict_json(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train_records] == list(range(1, steps + 1))
+    assert all(r["learning_rate"] == pytest.approx(1e-2) for r in train_records)  # constant
+    schedule = learning_rate_schedule(result.run.config.optimizer, steps)
+    assert float(schedule(0)) == pytest.approx(1e-2)
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    logged = [(event.step, event.value) for event in events.Scalars("train/loss")]
+    assert logged == [(r["step"], pytest.approx(r["loss"])) for r in train_records]
+    assert [e.step for e in events.Scalars("eval/loss")] == [steps]
+    assert [e.value for e in events.Scalars("train/learning_rate")] == pytest.approx([1e-2] * steps)
+    assert (run / "loss.png").stat().st_size > 0
+    assert read_metrics(run / "metrics.jsonl")[-1]["eval_loss"] == pytest.approx(result.eval_loss)

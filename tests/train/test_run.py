@@ -1,0 +1,87 @@
+"""Preparing a run: resuming restores into abstract targets, one copy of the state at a time, and
+host-resident leaves straight into host memory; a run directory refuses another run's config,
+naming each changed setting with its old and new value."""
+
+import gc
+
+import jax
+import orbax.checkpoint as ocp
+import pytest
+import yaml
+
+from featherweight.errors import OutputExistsError
+from featherweight.memory.budget import plan_within_budget
+from featherweight.memory.components import DEVICE
+from featherweight.recipe.schema import changed_settings, parse_config
+from featherweight.train.loop import train
+from featherweight.train.run import check_run_dir, prepare_run
+from tests.conftest import run_settings
+
+PERSISTENT = ("frozen_base", "trainable_weights", "optimizer_state")
+
+
+def _on_device(array) -> bool:
+    return array.sharding.memory_kind != "pinned_host"
+
+
+def resume_device_peak(settings, monkeypatch):
+    """(device bytes alive right after the checkpoint is read, the plan's persistent device
+    bytes, the prepared run) for resuming the run `settings` describes (jax.live_arrays, CPU)."""
+    gc.collect()
+    before = {id(array) for array in jax.live_arrays()}
+    peak = {}
+    restore = ocp.CheckpointManager.restore
+
+    def measured_restore(self, *args, **kwargs):
+        restored = restore(self, *args, **kwargs)
+        gc.collect()
+        live = [a for a in jax.live_arrays() if id(a) not in before and not a.is_deleted()]
+        peak["device"] = sum(a.nbytes for a in live if _on_device(a))
+        peak["host"] = sum(a.nbytes for a in live if not _on_device(a))
+        return restored
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", measured_restore)
+    run = prepare_run(parse_config(settings), plan_fn=plan_within_budget)
+    planned = sum(
+        c.bytes for c in run.plan.components if c.name in PERSISTENT and c.placement == DEVICE
+    )
+    return peak, planned, run
+
+
+def test_resume_holds_one_copy_and_reads_host_state_into_host_memory(
+    tiny_model_dir, demo_data, tmp_path, monkeypatch
+):
+    common = {"method": "full", "memory.optimizer_state": "host", "optimizer.warmup_steps": 0}
+    train(
+        parse_config(run_settings(tiny_model_dir, demo_data, tmp_path / "run", steps=2, **common))
+    )
+    resumed = run_settings(tiny_model_dir, demo_data, tmp_path / "run", steps=3, **common)
+    peak, planned, run = resume_device_peak(resumed, monkeypatch)
+    assert run.start_step == 2
+    trainable_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(run.trainable))
+    assert peak["device"] <= planned  # not the fresh state and the checkpoint's together
+    assert peak["device"] >= trainable_bytes  # (the measurement does see the restored state)
+    assert peak["host"] >= sum(leaf.nbytes for leaf in jax.tree.leaves(run.opt_state))
+    assert all(not _on_device(leaf) for leaf in jax.tree.leaves(run.opt_state))
+    run.checkpointer.close()
+
+
+def test_a_refused_resume_names_the_changed_keys_with_old_and_new_values(tmp_path):
+    first = parse_config({"output_dir": str(tmp_path), "optimizer": {"learning_rate": 2e-4}})
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(first.model_dump(mode="json")))
+    changed = parse_config(
+        {"output_dir": str(tmp_path), "optimizer": {"learning_rate": 1e-3}, "lora": {"rank": 4}}
+    )
+    with pytest.raises(
+        OutputExistsError,
+        match=r"its config differs: lora\.rank: 8 -> 4; optimizer\.learning_rate: 0\.0002 -> 0\.001\)",
+    ):
+        check_run_dir(changed, overwrite=False)
+    more_steps = parse_config({"output_dir": str(tmp_path), "steps": 500})
+    assert check_run_dir(more_steps, overwrite=False) == (tmp_path.resolve(), True)
+
+
+def test_changed_settings_are_bounded():
+    old = {f"key{n}": n for n in range(9)}
+    new = {f"key{n}": n + 1 for n in range(9)}
+    assert changed_settings(old, new).endswith("key4: 4 -> 5; and 4 more")
