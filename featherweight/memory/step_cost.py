@@ -22,9 +22,15 @@ import math
 import re
 from typing import NamedTuple
 
+from featherweight.memory.state_bytes import (
+    compute_itemsize,
+    host_embedding_bytes,
+    optimizer_state_bytes,
+)
 from featherweight.models.config import ModelConfig
 from featherweight.models.shapes import layer_shapes
 from featherweight.recipe.schema import TrainConfig
+from featherweight.step.loss import resolve_chunk_size
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -122,19 +128,19 @@ class StepFlops(NamedTuple):
         return self.layers + self.head + self.head_recompute
 
 
-def _layer_matmul_flops(config: TrainConfig, model_config: ModelConfig) -> tuple[int, int, int]:
-    """(forward FLOPs of one layer's linears, of its attention, of its LoRA adapters) per step."""
-    m, tokens = model_config, config.batch_size * config.data.seq_len
-    shapes = layer_shapes(m)
-    linear = sum(math.prod(shape) for shape in shapes.values() if len(shape) == 2)
-    attention = 2 * 2 * config.batch_size * m.num_heads * config.data.seq_len**2 * m.head_dim
-    adapters = 0
-    if config.method != "full":
-        rank = config.lora.rank
-        for name, shape in shapes.items():
-            if len(shape) == 2 and name in config.lora.targets:
-                adapters += rank * (shape[0] + shape[1])
-    return 2 * tokens * linear, attention, 2 * tokens * adapters
+def _projection_flops(config: TrainConfig, model_config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """{linear: (forward FLOPs of its weight, of its LoRA adapter's two matmuls)} per layer."""
+    tokens = config.batch_size * config.data.seq_len
+    rank = config.lora.rank if config.method != "full" else 0
+    flops = {}
+    for name, shape in layer_shapes(model_config).items():
+        if len(shape) == 2:
+            adapted = rank and name in config.lora.targets
+            flops[name] = (
+                2 * tokens * math.prod(shape),
+                2 * tokens * rank * (shape[0] + shape[1]) if adapted else 0,
+            )
+    return flops
 
 
 def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
@@ -142,25 +148,32 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
 
     Each block runs forward, again in the backward pass (remat), then its input gradient (as
     many FLOPs as the forward) and -- for trained weights -- their gradient (as many again).
-    Attention's two batched matmuls (q k^T, p v) follow the same rule with no weight gradient.
-    LoRA adapters are trained, so they have both gradients. `save` skips recomputing what it
-    keeps (the q, k, v projections; the gate and up projections).
+    The remat stops short of the down projection (its output is not needed backward; XLA drops
+    it), and of the second matmul of the down projection's adapter. Attention's two batched
+    matmuls (q k^T, p v) run forward, remat, and twice backward. LoRA adapters are trained, so
+    they have both gradients. `save` skips recomputing what it keeps (the q, k, v projections;
+    the gate and up projections) -- an estimate: XLA may rearrange a saved block further.
     """
     m, tokens = model_config, config.batch_size * config.data.seq_len
-    linear, attention, adapters = _layer_matmul_flops(config, model_config)
-    trained_linear = linear if config.method == "full" else 0
-    saved = 0
-    shapes = layer_shapes(m)
+    projections = _projection_flops(config, model_config)
+    linear = sum(base for base, _ in projections.values())
+    adapters = sum(adapter for _, adapter in projections.values())
+    attention = 2 * 2 * config.batch_size * m.num_heads * config.data.seq_len**2 * m.head_dim
+    saved = {"down"}
     if "qkv" in config.memory.save:
-        saved += sum(math.prod(shapes[n]) for n in ("q", "k", "v") if n in shapes)
+        saved |= {"q", "k", "v"}
     if "mlp_hidden" in config.memory.save:
-        saved += sum(math.prod(shapes[n]) for n in ("gate", "up") if n in shapes)
-    remat = linear - 2 * tokens * saved
+        saved |= {"gate", "up"}
+    remat = sum(
+        base + adapter for name, (base, adapter) in projections.items() if name not in saved
+    )
+    if "down" in projections and projections["down"][1]:  # the adapter's first matmul is needed
+        remat += 2 * tokens * config.lora.rank * m.intermediate_size
+    trained_linear = linear if config.method == "full" else 0
     per_layer = (
-        linear + remat + linear + trained_linear  # forward, remat, d_input, d_weight
-        + 3 * attention  # forward, remat, d_input: two matmuls each way
-        + attention  # d of the second operand of each attention matmul
-        + 4 * adapters  # forward, remat, d_input, d_weight of the adapters
+        linear + adapters + remat  # forward, remat
+        + linear + adapters + trained_linear + adapters  # d_input, d_weight
+        + 4 * attention  # forward, remat, and the two operands' gradients of both matmuls
     )  # fmt: skip
     head_forward = 2 * tokens * m.vocab_size * m.hidden_size
     head_trained = config.method == "full"
@@ -168,3 +181,66 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
     vocab_chunk = config.memory.vocab_chunk
     recompute = head_forward if vocab_chunk is not None and vocab_chunk < m.vocab_size else 0
     return StepFlops(m.num_layers * per_layer, head, recompute)
+
+
+class DeviceRates(NamedTuple):
+    """How fast a device turns the counts into time: matmul FLOP/s, and bytes/s over the
+    host link (None where host and device memory are one, as on a CPU: placement moves nothing).
+    Round figures: only the ratio of a setting's cost to the step's time is used."""
+
+    flops_per_second: float
+    link_bytes_per_second: float | None
+
+
+CPU_RATES = DeviceRates(1e11, None)  # 2-16 cores with AVX2/AVX-512 FMA; host memory is the device's
+# an H100-class GPU: ~40% of its 989 dense bf16 TFLOP/s sustained; PCIe 5 x16 at ~25 GB/s per way
+ACCELERATOR_RATES = DeviceRates(4e14, 2.5e10)
+
+
+def rates_for(platform: str) -> DeviceRates:
+    """The rates of a JAX platform name ("cpu", "gpu", "cuda", "tpu", ...)."""
+    return CPU_RATES if platform == "cpu" else ACCELERATOR_RATES
+
+
+def host_transfer_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
+    """Bytes a train step moves between host and device memory, from the placements.
+
+    residuals on host: the residual stream (L x B x S x D) out in the forward pass and back in
+    the backward pass; optimizer state on host: all of it in and out, one layer at a time;
+    embedding on host: the batch's rows in (a frozen table), or -- trained -- the table and its
+    gradient's rows in and out; a tied head on host also streams the table through the loss
+    once per sequence chunk (twice with vocabulary chunks: the log-sum-exp and gradient sweeps).
+    """
+    m, memory = model_config, config.memory
+    tokens, itemsize = config.batch_size * config.data.seq_len, compute_itemsize(config)
+    moved = 0
+    if memory.residuals == "host":
+        moved += 2 * m.num_layers * tokens * m.hidden_size * itemsize
+    if memory.optimizer_state == "host":
+        moved += 2 * optimizer_state_bytes(config, model_config)
+    table = host_embedding_bytes(config, model_config)
+    if table:
+        trained = config.method == "full"
+        moved += 2 * table if trained else tokens * m.hidden_size * itemsize
+        if m.tie_word_embeddings and not trained:
+            sweeps = config.data.seq_len // resolve_chunk_size(
+                config.data.seq_len, memory.loss_chunk
+            )
+            chunked_vocab = memory.vocab_chunk is not None and memory.vocab_chunk < m.vocab_size
+            moved += sweeps * (2 if chunked_vocab else 1) * table
+    return moved
+
+
+def step_seconds(config: TrainConfig, model_config: ModelConfig, rates: DeviceRates) -> float:
+    """Estimated seconds of one train step: its matmul FLOPs at the device's rate plus its host
+    transfers at the link's rate (not overlapped: an upper bound on what they add)."""
+    seconds = step_flops(config, model_config).total / rates.flops_per_second
+    if rates.link_bytes_per_second is not None:
+        seconds += host_transfer_bytes(config, model_config) / rates.link_bytes_per_second
+    return seconds
+
+
+def seconds_per_token(config: TrainConfig, model_config: ModelConfig, rates: DeviceRates) -> float:
+    """`step_seconds` per trained token: what compares steps of different micro-batches."""
+    tokens = config.batch_size * config.data.seq_len
+    return step_seconds(config, model_config, rates) / tokens
