@@ -170,6 +170,7 @@ def plan(
 
     from featherweight.io.model_source import model_config_from
     from featherweight.memory.budget import describe_changes, parse_budget
+    from featherweight.memory.defaults import with_lean_defaults
     from featherweight.memory.report import plot_plan, print_report, report_json
     from featherweight.recipe.schema import parse_config
 
@@ -207,7 +208,12 @@ def plan(
     config, memory_plan, measurement, judged = _plan_on_target(
         requested, model_config, chosen, budget_bytes, measure
     )
-    changes = describe_changes(requested, config)
+    platform = None if chosen is None else chosen.platform
+    # the changes the budget made, each with its estimated step-time cost (unset chunks chosen
+    # from the shapes are not a change: the plan's settings show them)
+    changes = describe_changes(
+        with_lean_defaults(requested, model_config), config, model_config, platform
+    )
     if plot is not None:
         plot_plan(memory_plan, measurement, plot, budget_bytes)
     if json_output:

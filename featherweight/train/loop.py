@@ -92,7 +92,7 @@ def printing_planner(console: Console) -> Callable:
             f"{memory_plan.largest_component().name})",
             highlight=False,
         )
-        for change in describe_changes(config, planned_config):
+        for change in describe_changes(config, planned_config, model_config):
             console.print(f"budget changed {change}", highlight=False)
         return planned_config, memory_plan
 
