@@ -5,18 +5,21 @@ Full logits for Llama 3's 128k vocabulary at B=8, S=4096 would be 16 GiB. With a
 float32 logits exist at once, forward and backward, and an NF4 head is dense one vocabulary
 chunk at a time.
 
-The chunked loss has a custom VJP so that each logits chunk is recomputed exactly once:
+The chunked loss has a custom VJP whose forward pass computes the loss and its gradients (for a
+cotangent of 1) in the same sweep over the sequence chunks, so no logits chunk is made again:
 
-  forward   per sequence chunk, one sweep over the vocabulary chunks: an online log-sum-exp
-            (running max and sum) and the target logit; the per-token log-sum-exp [B, S] is kept;
-  backward  per sequence chunk, one more sweep: each logits chunk is rebuilt, turned into
-            (softmax - onehot) x mask with the kept log-sum-exp, and contracted at once into the
-            hidden state's gradient and the head's rows' gradient.
+  sequence chunks only   each chunk's logits are made once; the loss, (softmax - onehot) x mask
+                         and its contractions into d_hidden (and d_head) follow at once;
+  vocabulary chunks too  per sequence chunk, one sweep over the vocabulary chunks gives an online
+                         log-sum-exp (running max and sum) and the target logit; a second sweep
+                         rebuilds each logits chunk once for the gradients;
+  backward               scales the kept gradients by the cotangent.
 
-So the head's matmuls are the unchunked step's (forward, d_hidden, d_head) plus one forward,
-whatever the chunks -- not a rematerialized scan nested in another, which re-ran the head's
-forward twice more. Without any chunk the plain computation runs (logits kept for the backward:
-the fastest, and the most memory).
+So the head's matmuls are the unchunked step's (forward, d_hidden, d_head) with a sequence chunk,
+plus one head forward with vocabulary chunks -- not a rematerialized scan nested in another, which
+re-ran the head's forward twice more (tests/step/test_loss_flops.py counts them in the compiled
+HLO). A trained head's gradient is accumulated transposed, [D, V], when the vocabulary is whole
+(`_add_head_grad`). Without any chunk the plain computation runs under autodiff.
 """
 
 from __future__ import annotations
