@@ -10,9 +10,10 @@ error naming the checkpoint that is intact.
 
 The array state is stored as a flat list of leaves; the structure comes back from the abstract
 state the run builds anyway (any optax state, NF4 or not, restores without registration). Each
-leaf is restored straight into the memory its target names: device memory, or pinned host memory
-for host-resident leaves (optimizer state, embedding on the host), which never pass through the
-device.
+leaf is restored into the memory its target names and never passes through another: a device
+leaf is read onto the device; a host-resident leaf (optimizer state, embedding on the host) is
+read into a NumPy array and placed in pinned host memory from there. (Orbax restoring straight
+into a `pinned_host` sharding gives XLA:CPU arrays that abort the next step.)
 """
 
 from __future__ import annotations
@@ -118,16 +119,29 @@ class Checkpointer:
                 f"checkpoint {self.directory / str(step)} holds {len(leaves)} arrays, this run "
                 f"expects {len(abstract_leaves)}; it belongs to another configuration"
             )
+        leaves = [_place_on_host(value, leaf) for value, leaf in zip(leaves, abstract_leaves)]
         return jax.tree.unflatten(treedef, leaves), dict(restored["metadata"])
 
     def close(self) -> None:
         self.manager.close()
 
 
+def _on_host(leaf: Any) -> bool:
+    return getattr(getattr(leaf, "sharding", None), "memory_kind", None) not in (None, "device")
+
+
 def _restore_target(leaf: Any) -> Any:
-    """A restore target for one leaf: its shape, dtype and sharding -- memory kind included, so a
-    host-resident leaf is read into host memory -- (single-device default without one)."""
+    """A restore target for one leaf: a host-resident leaf as a NumPy array (an untouched
+    `np.empty`: no pages are written until the restore fills them), any other as its shape, dtype
+    and sharding (single-device default without one)."""
+    if _on_host(leaf):
+        return np.empty(np.shape(leaf), leaf.dtype)
     sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
         jax.devices()[0]
     )
     return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
+
+
+def _place_on_host(restored: Any, leaf: Any) -> Any:
+    """A host-resident leaf's restored NumPy array put in the host memory `leaf` names."""
+    return jax.device_put(restored, leaf.sharding) if _on_host(leaf) else restored
