@@ -170,6 +170,7 @@ def plan(
 
     from featherweight.io.model_source import model_config_from
     from featherweight.memory.budget import describe_changes, parse_budget
+    from featherweight.memory.defaults import with_lean_defaults
     from featherweight.memory.report import plot_plan, print_report, report_json
     from featherweight.recipe.schema import parse_config
 
@@ -194,7 +195,8 @@ def plan(
                 "residuals": "host" if "residuals" in offloaded else "device",
                 "optimizer_state": "host" if "optimizer_state" in offloaded else "device",
                 "embed": "host" if "embed" in offloaded else "device",
-                "loss_chunk": loss_chunk,
+                # unset: chosen from the shapes (memory/defaults.py)
+                **({} if loss_chunk is None else {"loss_chunk": loss_chunk}),
                 "vocab_chunk": vocab_chunk,
                 "mlp_chunk": mlp_chunk,
                 "attention": attention,
@@ -206,7 +208,12 @@ def plan(
     config, memory_plan, measurement, judged = _plan_on_target(
         requested, model_config, chosen, budget_bytes, measure
     )
-    changes = describe_changes(requested, config)
+    platform = None if chosen is None else chosen.platform
+    # the changes the budget made, each with its estimated step-time cost (unset chunks chosen
+    # from the shapes are not a change: the plan's settings show them)
+    changes = describe_changes(
+        with_lean_defaults(requested, model_config), config, model_config, platform
+    )
     if plot is not None:
         plot_plan(memory_plan, measurement, plot, budget_bytes)
     if json_output:

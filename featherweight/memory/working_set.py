@@ -18,6 +18,7 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
       dequantized_head     quantize_head: V (or vocab_chunk) x D x itemsize, the dense copy the
                            head matmul reads
       head_rows_from_host  tied embedding on the host: the vocab_chunk rows brought over
+      head_rows            a dense head on the device with vocab_chunk: the chunk's rows copied
       head_optimizer_state optimizer state on the host: the largest head/embedding state, on
                            the device for its one update
     (mlp_chunk replaces S by the chunk in the F term of layer_activations)
@@ -170,6 +171,15 @@ def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
         "head_rows_from_host": (
             s.Vc * s.D * s.a if config.memory.embed == "host" and s.tied and not s.full else 0
         ),
+        # a dense head on the device, vocabulary-chunked: XLA copies each chunk's rows out of
+        # the table for its matmuls (a dynamic slice inside the sweep)
+        "head_rows": (
+            s.Vc * s.D * s.a
+            if s.Vc < s.V
+            and not config.model.quantize_head
+            and not (config.memory.embed == "host" and s.tied and not s.full)
+            else 0
+        ),
         "top_state_on_device": (
             top_optimizer_bytes(config, model_config)
             if config.memory.optimizer_state == "host"
@@ -259,6 +269,14 @@ def phase_working_sets(
                 "head_rows_from_host",
                 t["head_rows_from_host"],
                 f"vocab_chunk x D x {s.a}: the tied table's rows brought from the host",
+            )
+        )
+    if t["head_rows"]:
+        loss.append(
+            WorkingBuffer(
+                "head_rows",
+                t["head_rows"],
+                f"vocab_chunk x D x {s.a}: the chunk's rows copied out of the head",
             )
         )
     if t["top_state_on_device"]:

@@ -93,7 +93,7 @@ def printing_planner(console: Console) -> Callable:
             f"{memory_plan.largest_component().name})",
             highlight=False,
         )
-        for change in describe_changes(config, planned_config):
+        for change in describe_changes(config, planned_config, model_config):
             console.print(f"budget changed {change}", highlight=False)
         # on a GPU: the plan against JAX's pool, before any weight is read
         pool = device_memory.check_pool(

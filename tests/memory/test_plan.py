@@ -86,7 +86,10 @@ def test_llama_8b_qlora_plan_is_fast_and_plausible():
 
 def test_loss_chunk_shrinks_only_the_loss_phase():
     model = builtin_config("SmolLM2-135M")
-    whole = plan_for_config(train_config(method="full", data={"seq_len": 1024}), model)
+    whole_sequence = {"loss_chunk": None}  # set: no automatic chunk
+    whole = plan_for_config(
+        train_config(method="full", data={"seq_len": 1024}, memory=whole_sequence), model
+    )
     chunked = plan_for_config(
         train_config(method="full", data={"seq_len": 1024}, memory={"loss_chunk": 128}), model
     )
