@@ -122,7 +122,10 @@ def plan(
     vocab_chunk: Annotated[int | None, typer.Option(help="LM-head vocabulary chunk")] = None,
     mlp_chunk: Annotated[int | None, typer.Option(help="MLP sequence chunk")] = None,
     attention: Annotated[
-        str, typer.Option(help="auto, materialized or flash (cuDNN on a GPU)")
+        str,
+        typer.Option(
+            help="auto or materialized (what the step runs), or flash (plan a fused kernel: what-if)"
+        ),
     ] = "auto",
     quantize_head: Annotated[bool, typer.Option(help="QLoRA: NF4 LM head")] = False,
     measure: Annotated[bool, typer.Option(help="compile the step on abstract shapes")] = True,

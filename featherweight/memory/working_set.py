@@ -109,15 +109,12 @@ def calibration_counts(key: str = DEFAULT_CALIBRATION) -> dict[str, float]:
 
 
 def attention_of(config: TrainConfig) -> str:
-    """ "materialized" (XLA: float32 B x H x S x S scores) or "flash" (cuDNN's fused kernel, which
-    `jax.nn.dot_product_attention` picks on a GPU for 16-bit inputs: B x H x S log-sum-exps)."""
+    """ "materialized" (XLA: float32 B x H x S x S scores) or "flash" (a fused kernel: B x H x S
+    log-sum-exps). The step calls `jax.nn.dot_product_attention` without an implementation, which
+    is XLA's materialized path on every backend, so "auto" plans that; "flash" plans a fused
+    kernel the step does not call yet (a what-if, never the default)."""
     chosen = config.memory.attention
-    if chosen != "auto":
-        return chosen
-    import jax
-
-    on_gpu = jax.default_backend() == "gpu"
-    return "flash" if on_gpu and config.model.dtype == "bfloat16" else "materialized"
+    return "materialized" if chosen == "auto" else chosen
 
 
 class WorkingBuffer(NamedTuple):

@@ -158,8 +158,8 @@ class MemorySettings(_Section):
     attention: Literal["auto", "materialized", "flash"] = Field(
         "auto",
         description=(
-            "for the plan: how jax.nn.dot_product_attention runs; flash (cuDNN on GPU, bf16) "
-            "keeps no S x S scores; auto: flash on a GPU in bf16, materialized otherwise"
+            "for the plan: auto and materialized plan what the step runs (XLA's attention, "
+            "S x S scores); flash plans a fused kernel the step does not call yet (what-if)"
         ),
     )
     save: tuple[str, ...] = ()
