@@ -105,15 +105,14 @@ def probe_writable(location: Path, what: str = "output directory") -> None:
 
 
 def check_output_dir(out: Path, overwrite: bool) -> Path:
-    """Refuse an existing output without `overwrite`, with it anything featherweight did not
-    write (see `refuse_foreign_output`), or a location that cannot be written."""
+    """Refuse an existing output without `overwrite`, or a location that cannot be written.
+    (With `overwrite`, what may be replaced is `refuse_foreign_output`'s to say: callers check it
+    after their more specific checks, and `atomic_directory` before it writes.)"""
     out = resolved(out)
     if out.exists() and not overwrite:
         raise OutputExistsError(
             f"output directory {out} already exists; choose another path or pass --overwrite"
         )
-    if out.exists():
-        refuse_foreign_output(out)
     probe_writable(out.parent)
     return out
 
@@ -121,6 +120,9 @@ def check_output_dir(out: Path, overwrite: bool) -> Path:
 def refuse_foreign_output(out: Path) -> None:
     """`--overwrite` replaces only an output featherweight wrote (it carries `OUTPUT_MARKER`) or
     an empty directory; a file, or a directory holding anything else, is the user's."""
+    out = resolved(out)
+    if not out.exists() and not out.is_symlink():
+        return
     if not out.is_dir():
         raise OutputExistsError(
             f"{out} is a file, not an output featherweight wrote; --overwrite replaces only "
@@ -168,6 +170,7 @@ def atomic_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that becomes `out` when the block finishes without error."""
     _undo_interrupted_replace(resolved(out))
     out = check_output_dir(out, overwrite)
+    refuse_foreign_output(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f"{TEMP_PREFIX}{out.name}-*"):
         shutil.rmtree(stale, ignore_errors=True)
