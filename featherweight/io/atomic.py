@@ -9,6 +9,10 @@ A write that fails for lack of space or permission becomes a typed error that sa
 written and what is intact (`write_failure`); the partial temporary is removed first, so the space
 it took is free again. Where an output may go at all is checked up front by `check_output_dir`
 with a real write probe (it sees read-only mounts, permissions and quotas as the writer will).
+
+Every directory written here carries a marker (`OUTPUT_MARKER`). `overwrite` replaces only a
+directory with that marker (or an empty one): a directory of the user's that holds anything else,
+or a file, is refused naming what it holds -- featherweight deletes only what it wrote.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from featherweight.errors import (
 from featherweight.io.output_paths import resolved
 
 TEMP_PREFIX = ".fw-tmp-"
+OUTPUT_MARKER = ".featherweight-output"  # in every directory `atomic_directory` writes
 DISK_FULL_CODES = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE_CODES = (errno.EROFS, errno.EACCES, errno.EPERM)
 # native writers put the OS error code in their messages: safetensors (Rust) "(os error 28)",
@@ -100,7 +105,9 @@ def probe_writable(location: Path, what: str = "output directory") -> None:
 
 
 def check_output_dir(out: Path, overwrite: bool) -> Path:
-    """Refuse an existing output without `overwrite`, or a location that cannot be written."""
+    """Refuse an existing output without `overwrite`, or a location that cannot be written.
+    (With `overwrite`, what may be replaced is `refuse_foreign_output`'s to say: callers check it
+    after their more specific checks, and `atomic_directory` before it writes.)"""
     out = resolved(out)
     if out.exists() and not overwrite:
         raise OutputExistsError(
@@ -108,6 +115,28 @@ def check_output_dir(out: Path, overwrite: bool) -> Path:
         )
     probe_writable(out.parent)
     return out
+
+
+def refuse_foreign_output(out: Path) -> None:
+    """`--overwrite` replaces only an output featherweight wrote (it carries `OUTPUT_MARKER`) or
+    an empty directory; a file, or a directory holding anything else, is the user's."""
+    out = resolved(out)
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir():
+        raise OutputExistsError(
+            f"{out} is a file, not an output featherweight wrote; --overwrite replaces only "
+            "featherweight's own output directories -- choose another path"
+        )
+    if (out / OUTPUT_MARKER).is_file():
+        return
+    entries = sorted(entry.name for entry in out.iterdir())
+    if entries:
+        raise OutputExistsError(
+            f"{out} holds {entries[0]!r}, which featherweight did not write (no {OUTPUT_MARKER} "
+            "marker); --overwrite replaces only featherweight's own outputs -- choose a new or "
+            "empty directory, or remove it yourself"
+        )
 
 
 def _undo_interrupted_replace(out: Path) -> None:
@@ -141,12 +170,16 @@ def atomic_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that becomes `out` when the block finishes without error."""
     _undo_interrupted_replace(resolved(out))
     out = check_output_dir(out, overwrite)
+    refuse_foreign_output(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f"{TEMP_PREFIX}{out.name}-*"):
         shutil.rmtree(stale, ignore_errors=True)
     temporary = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{out.name}-", dir=out.parent))
     try:
         yield temporary
+        (temporary / OUTPUT_MARKER).write_text(
+            "written by featherweight; --overwrite may replace it\n"
+        )
         follow_umask(temporary)
         _fsync_tree(temporary)
         if out.exists():

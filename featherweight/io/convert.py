@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from featherweight.errors import ConfigError
-from featherweight.io.atomic import atomic_directory, check_output_dir
+from featherweight.io.atomic import atomic_directory, check_output_dir, refuse_foreign_output
 from featherweight.io.gguf_writer import check_quant
 from featherweight.io.hf_writer import DEFAULT_SHARD_BYTES, save_hf_checkpoint
 from featherweight.io.loader import open_checkpoint
@@ -44,6 +44,7 @@ def convert(
         )
     check_output_dir(Path(out), overwrite)
     refuse_overlap(Path(out), {"source checkpoint": source_path}, "convert --out")
+    refuse_foreign_output(Path(out))
     source = open_checkpoint(source_path)
     try:
         if to == "gguf":

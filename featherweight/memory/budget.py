@@ -1,29 +1,35 @@
-"""Budgets: parse "8GiB", pick the settings that fit, or say why nothing does.
+"""Budgets: parse "8GiB", pick the settings that fit at the least estimated step time, or say
+why nothing does.
 
-`fit_budget` plans the configured step and, while the plan's device bytes exceed the budget, applies
-these changes in this order of preference (cheapest first). A change is kept only if it lowers the
-planned bytes; after a costlier change the cheaper ones are tried again (a smaller micro-batch can
-move the peak to the loss phase, where a smaller chunk then helps); changes are never undone, and
-the search stops at the first plan that fits:
+`fit_budget` plans the configured step (its unset chunks chosen from the shapes first,
+`memory/defaults.py`) and, while the plan's device bytes exceed the budget, changes one setting at
+a time: of each setting's next candidate that lowers the planned bytes, the one whose estimated
+time per token rises least (`memory/step_cost.py`: matmul FLOPs and host transfers counted from the
+shapes, checked against compiled programs; ties go to the order below). Settings that keep the
+step's result are searched first, then those that change its numerics, the micro-batch last. Once
+a plan fits, every change it does not need is undone (the costliest first), so a setting that saves
+nothing is never kept. The settings, each with what it costs:
 
-1. loss chunk: halve the LM-head/cross-entropy chunk (down to 64 tokens) -- same result, a little
-   slower; helps when the loss phase is the peak (large vocabularies);
-2. vocabulary chunk: the LM head 16384 rows at a time, then halved (down to 2048) -- same result;
+1. loss chunk: halve the LM-head/cross-entropy chunk (down to 64 tokens) -- same result, no extra
+   FLOPs; helps when the loss phase is the peak (large vocabularies);
+2. vocabulary chunk: the LM head 16384 rows at a time, then halved (down to 2048) -- same result,
+   one more LM-head forward;
 3. saved intermediates: drop them (memory.save = ()) -- the backward pass recomputes them;
 4. MLP chunk: halve the MLP's sequence chunk (down to 256) -- same result; long context;
-5. residual offload: memory.residuals = "host" -- same result, the residual stream waits in pinned
-   host memory (transfers overlap compute);
+5. residual offload: memory.residuals = "host" -- same result, the residual stream crosses the
+   host link twice (transfers overlap compute);
 6. embedding on host: memory.embed = "host" -- same result, only a batch's rows come over;
-7. quantized head (QLoRA): model.quantize_head = true -- the LM head (or tied embedding) in NF4;
-8. optimizer state on host: memory.optimizer_state = "host" -- same result, one layer's state on
-   the device at a time (one device only, like 6);
+7. optimizer state on host: memory.optimizer_state = "host" -- same result, the state crosses the
+   link in and out, one layer at a time (one device only, like 6);
+8. quantized head (QLoRA): model.quantize_head = true -- the LM head (or tied embedding) in NF4;
 9. optimizer-state dtype: adamw -> adamw_8bit -- 2 bytes of state per parameter instead of 8;
 10. micro-batch: halve batch_size (down to 1) -- the streamed step updates per micro-batch, so
    this changes the effective batch; it comes last.
 
 When the last plan still does not fit, `BudgetError` names the largest component, the shortfall in
 GiB, and the changes that would fit (shorter sequence, another method, a smaller LoRA rank).
-The trainer calls the same function (`plan_within_budget`).
+The trainer calls the same function (`plan_within_budget`); `describe_changes` gives each change
+with its estimated step-time cost, as `featherweight plan --budget` shows it.
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ from collections.abc import Callable, Iterator
 import jax
 
 from featherweight.errors import BudgetError, ConfigError
+from featherweight.memory.defaults import with_lean_defaults
 from featherweight.memory.plan import MemoryPlan, plan_for_config
+from featherweight.memory.step_cost import DeviceRates, rates_for, seconds_per_token
 from featherweight.models.config import ModelConfig
 from featherweight.parallel.sharding import planning_mesh
 from featherweight.recipe.optimizer import ROW_CHUNKED_OPTIMIZERS
@@ -185,21 +193,43 @@ PREFERENCE: tuple[tuple[str, Callable[[TrainConfig, ModelConfig], Iterator[Train
 )
 
 
-def describe_changes(before: TrainConfig, after: TrainConfig) -> list[str]:
-    """Human-readable `setting: old -> new` lines for the fields a budget search changed."""
-    pairs = (
-        ("memory.loss_chunk", before.memory.loss_chunk, after.memory.loss_chunk),
-        ("memory.save", list(before.memory.save), list(after.memory.save)),
-        ("memory.vocab_chunk", before.memory.vocab_chunk, after.memory.vocab_chunk),
-        ("memory.mlp_chunk", before.memory.mlp_chunk, after.memory.mlp_chunk),
-        ("memory.residuals", before.memory.residuals, after.memory.residuals),
-        ("memory.embed", before.memory.embed, after.memory.embed),
-        ("memory.optimizer_state", before.memory.optimizer_state, after.memory.optimizer_state),
-        ("model.quantize_head", before.model.quantize_head, after.model.quantize_head),
-        ("optimizer.name", before.optimizer.name, after.optimizer.name),
-        ("batch_size", before.batch_size, after.batch_size),
-    )
-    return [f"{name}: {old} -> {new}" for name, old, new in pairs if old != new]
+# (section, field) of every setting the search may change, as `describe_changes` names them
+SEARCHED_FIELDS = (
+    ("memory", "loss_chunk"),
+    ("memory", "vocab_chunk"),
+    ("memory", "save"),
+    ("memory", "mlp_chunk"),
+    ("memory", "residuals"),
+    ("memory", "embed"),
+    ("memory", "optimizer_state"),
+    ("model", "quantize_head"),
+    ("optimizer", "name"),
+    (None, "batch_size"),
+)
+
+
+def _value(config: TrainConfig, section: str | None, field: str):
+    return getattr(config if section is None else getattr(config, section), field)
+
+
+def describe_changes(
+    before: TrainConfig,
+    after: TrainConfig,
+    model_config: ModelConfig | None = None,
+    platform: str | None = None,
+) -> list[str]:
+    """Human-readable `setting: old -> new` lines for the fields a budget search changed; with
+    `model_config`, each with its estimated step-time cost (`change_costs`)."""
+    costs = {} if model_config is None else change_costs(before, after, model_config, platform)
+    lines = []
+    for section, field in SEARCHED_FIELDS:
+        old, new = _value(before, section, field), _value(after, section, field)
+        if old != new:
+            name = field if section is None else f"{section}.{field}"
+            old, new = (list(v) if isinstance(v, tuple) else v for v in (old, new))
+            cost = f" (est. step time {costs[name]:+.1%})" if name in costs else ""
+            lines.append(f"{name}: {old} -> {new}{cost}")
+    return lines
 
 
 def _plan_if_valid(config: TrainConfig, model_config: ModelConfig) -> MemoryPlan | None:
@@ -213,27 +243,98 @@ def _plan_if_valid(config: TrainConfig, model_config: ModelConfig) -> MemoryPlan
         return None
 
 
+# The settings searched in turn: those that keep the step's result (tier 0, taken by estimated
+# time), those that change its numerics (1), then the micro-batch (2: the effective batch).
+_TIER_OF = {"quantized head": 1, "8-bit optimizer state": 1, "micro-batch": 2}
+_FIELD_TIER = {"quantize_head": 1, "name": 1, "batch_size": 2}  # the same tiers, by field
+TIERS = tuple(tuple(p for p in PREFERENCE if _TIER_OF.get(p[0], 0) == tier) for tier in range(3))
+
+
+def _cheapest_step(
+    config: TrainConfig, plan: MemoryPlan, model_config: ModelConfig, rates: DeviceRates
+) -> tuple[TrainConfig, MemoryPlan] | None:
+    """The next change: of each setting's next candidate that lowers the planned bytes, the one
+    whose estimated time per token is least (ties: `PREFERENCE` order), from the first tier that
+    has one; None when no setting lowers the plan."""
+    for tier in TIERS:
+        options = []
+        for order, (_, candidates) in enumerate(tier):
+            for candidate in candidates(config, model_config):
+                candidate_plan = _plan_if_valid(candidate, model_config)
+                if candidate_plan is not None and candidate_plan.device_bytes < plan.device_bytes:
+                    cost = seconds_per_token(candidate, model_config, rates)
+                    options.append((cost, order, candidate, candidate_plan))
+                    break
+        if options:
+            _, _, chosen, chosen_plan = min(options, key=lambda option: option[:2])
+            return chosen, chosen_plan
+    return None
+
+
+def _drop_unneeded(
+    start: TrainConfig,
+    config: TrainConfig,
+    model_config: ModelConfig,
+    budget: int,
+    rates: DeviceRates,
+) -> tuple[TrainConfig, MemoryPlan]:
+    """`config` with every change from `start` undone that the fit does not need, the costliest
+    first (the micro-batch, then what changes the numerics, then by estimated time): a setting
+    chosen early can be made useless by a later one, and a setting that saves nothing is never
+    kept."""
+    changed = [f for f in SEARCHED_FIELDS if _value(start, *f) != _value(config, *f)]
+
+    def cost(field) -> tuple[int, float]:
+        undone = _replace(config, field[0], **{field[1]: _value(start, *field)})
+        seconds = seconds_per_token(config, model_config, rates) - seconds_per_token(
+            undone, model_config, rates
+        )
+        return _FIELD_TIER.get(field[1], 0), seconds
+
+    for section, field in sorted(changed, key=cost, reverse=True):
+        undone = _replace(config, section, **{field: _value(start, section, field)})
+        undone_plan = _plan_if_valid(undone, model_config)
+        if undone_plan is not None and undone_plan.device_bytes <= budget:
+            config = undone
+    return config, plan_for_config(config, model_config)
+
+
 def _search(
     config: TrainConfig, model_config: ModelConfig, budget: int
 ) -> tuple[TrainConfig, MemoryPlan]:
-    """Apply the preferences in order; return the first plan that fits, else the smallest.
+    """The configuration that fits `budget` at the least estimated step time; else the smallest.
 
-    One change at a time: the first candidate of the cheapest level that lowers the plan is
-    taken, and after a change at a costlier level the cheaper levels are tried again (a smaller
-    micro-batch can move the peak to the loss phase, where a smaller chunk then helps).
+    One change at a time, each the cheapest in estimated time per token (`step_cost`: matmul
+    FLOPs and host transfers) of the changes that lower the plan, the same-result settings
+    before those that change the numerics and the micro-batch last; once the plan fits, every
+    change it does not need is undone.
     """
-    plan = plan_for_config(config, model_config)
-    level = 0
-    while plan.device_bytes > budget and level < len(PREFERENCE):
-        _, candidates = PREFERENCE[level]
-        for candidate in candidates(config, model_config):
-            candidate_plan = _plan_if_valid(candidate, model_config)
-            if candidate_plan is not None and candidate_plan.device_bytes < plan.device_bytes:
-                config, plan, level = candidate, candidate_plan, 0
-                break
-        else:
-            level += 1
+    rates = rates_for(jax.default_backend())
+    start, plan = config, plan_for_config(config, model_config)
+    while plan.device_bytes > budget:
+        step = _cheapest_step(config, plan, model_config, rates)
+        if step is None:
+            break
+        config, plan = step
+    if plan.device_bytes <= budget and config != start:
+        config, plan = _drop_unneeded(start, config, model_config, budget, rates)
     return config, plan
+
+
+def change_costs(
+    before: TrainConfig, after: TrainConfig, model_config: ModelConfig, platform: str | None = None
+) -> dict[str, float]:
+    """{"memory.vocab_chunk": fraction, ...}: each change's estimated step-time cost per token
+    (`step_cost`), as a fraction of `before`'s, made alone on `before`."""
+    rates = rates_for(platform or jax.default_backend())
+    base = seconds_per_token(before, model_config, rates)
+    costs = {}
+    for section, field in SEARCHED_FIELDS:
+        if _value(before, section, field) != _value(after, section, field):
+            alone = _replace(before, section, **{field: _value(after, section, field)})
+            name = field if section is None else f"{section}.{field}"
+            costs[name] = seconds_per_token(alone, model_config, rates) / base - 1.0
+    return costs
 
 
 def _alternatives(
@@ -272,6 +373,7 @@ def fit_budget(
     order of `PREFERENCE` only as far as needed. Raises `BudgetError` when nothing fits."""
     if budget_bytes <= 0:
         raise ConfigError(f"budget of {budget_bytes} bytes must be positive, e.g. 8GiB")
+    config = with_lean_defaults(config, model_config)
     fitted, plan = _search(config, model_config, budget_bytes)
     if plan.device_bytes <= budget_bytes:
         return fitted, plan
@@ -296,5 +398,6 @@ def plan_within_budget(
 ) -> tuple[TrainConfig, MemoryPlan]:
     """The trainer's planning step: fit `memory.budget` when set, else plan the config as is."""
     if config.memory.budget is None:
+        config = with_lean_defaults(config, model_config)
         return config, plan_for_config(config, model_config)
     return fit_budget(config, model_config, parse_budget(config.memory.budget))

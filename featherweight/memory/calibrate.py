@@ -17,7 +17,8 @@ held-out error.
 
 Per compiler: XLA:CPU float32 (`--target cpu`, toys and real shapes) and XLA:GPU bfloat16
 (`--target h100`: the step compiled for an H100 without one, `measure.measure_for_target`; real
-model shapes 1B-8B only, each compile takes a minute). Compiles are slow, so each measurement is
+model shapes 1B-8B, each compile takes a minute, and in the fit grid small random models at
+S 256-1024 as well). Compiles are slow, so each measurement is
 appended to a progress file (`--progress`, default next to calibration.json) and an interrupted
 run picks up where it stopped. A change to the step's program (attention, chunking) needs a
 re-run: `python -m featherweight.memory.calibrate --target h100 --fresh`.
@@ -229,6 +230,35 @@ def _gpu_settings(rng: random.Random, dtype: str) -> dict[str, Any]:
     }
 
 
+def gpu_toy_grid(seed: int, size: int, dtype: str) -> list[tuple[ModelConfig, TrainConfig]]:
+    """`size` valid configurations of small random models (D 128-512) at S 256-1024 with the GPU
+    settings: shapes whose width, heads and sequence vary apart from each other, so each count
+    is told apart from the others (real models' shapes grow together), and a small model's plan
+    (a test's) is fitted too. Seconds to compile each."""
+    rng, cases = random.Random(seed), []
+    while len(cases) < size:
+        model = _tiny_model(rng)
+        hidden = rng.choice((128, 256, 512))
+        model = config_from_hf_dict(
+            {**model.to_hf_dict(), "hidden_size": hidden, "intermediate_size": hidden * 3},
+            source="calibration grid",
+        )
+        settings = _gpu_settings(rng, dtype)
+        seq = rng.choice((256, 512, 1024))
+        settings["data"]["seq_len"] = seq
+        memory = settings["memory"]
+        memory["loss_chunk"] = memory["loss_chunk"] and seq // 4
+        memory["vocab_chunk"] = memory["vocab_chunk"] and 128
+        memory["mlp_chunk"] = memory["mlp_chunk"] and seq // 2
+        try:
+            config = parse_config(settings, source="calibration grid")
+            plan_one_device(config, model)
+        except FeatherweightError:
+            continue
+        cases.append((model, config))
+    return cases
+
+
 def gpu_grid(seed: int, size: int, dtype: str) -> list[tuple[ModelConfig, TrainConfig]]:
     """`size` valid configurations of real models (1B-8B) drawn with `seed`; the fit grid
     (`FIT_SEED`) starts with the planner's reference, Llama-3.1-8B QLoRA b2 x 2048."""
@@ -382,9 +412,10 @@ def calibration_path() -> Path:
 def _grids(args: argparse.Namespace) -> tuple[list, int, list, int]:
     """(fit cases, index of the first real shape, held-out cases, its first real shape)."""
     if args.target != "cpu":
+        toys = gpu_toy_grid(FIT_SEED, args.fit_size, args.dtype)
         return (
-            gpu_grid(FIT_SEED, args.fit_size, args.dtype),
-            0,
+            toys + gpu_grid(FIT_SEED, args.fit_size, args.dtype),
+            len(toys),
             gpu_grid(HELD_OUT_SEED, args.held_out_size, args.dtype),
             0,
         )
@@ -414,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refit", action="store_true", help="refit from stored measurements")
     parser.add_argument("--target", default="cpu", help="cpu (XLA:CPU) or a GPU target, e.g. h100")
     parser.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on GPU")
-    parser.add_argument("--fit-size", type=int, default=None, help="default: 40 cpu, 15 GPU")
+    parser.add_argument(
+        "--fit-size", type=int, default=None, help="default: 40 cpu; GPU: 15 real + 15 small"
+    )
     parser.add_argument("--held-out-size", type=int, default=None, help="default: 24 cpu, 10 GPU")
     parser.add_argument("--progress", type=Path, default=None, help="JSON lines of measurements")
     parser.add_argument(

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from featherweight.errors import ConfigError
+from featherweight.memory.defaults import with_lean_defaults
 from featherweight.memory.state_bytes import host_embedding_bytes, optimizer_state_bytes
 from featherweight.memory.targets import (
     DEVICELESS_COMPILER_OPTIONS,
@@ -126,6 +127,7 @@ def abstract_batch(batch_size: int, seq_len: int) -> Batch:
 def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig, mesh=None):
     """(step, (trainable, opt_state, frozen, batch, key)) as abstract shapes, from `train.setup`;
     on `mesh` (default: the one `config.mesh` describes) the step is the sharded one."""
+    config = with_lean_defaults(config, model_config)  # what the plan and the trainer use
     trainable, frozen = abstract_split(config, model_config)
     optimizer = make_optimizer(config.optimizer, config.steps)
     step, init_opt_state = build_train_step(

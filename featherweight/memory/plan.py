@@ -7,6 +7,7 @@ each device's share is `mesh_plan.py`; the plan's data types are `components.py`
 from __future__ import annotations
 
 from featherweight.memory.components import MemoryPlan, PlanComponent
+from featherweight.memory.defaults import with_lean_defaults
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.mesh_plan import plan_for_mesh
 from featherweight.models.config import ModelConfig
@@ -19,7 +20,9 @@ __all__ = ["MemoryPlan", "PlanComponent", "plan_for_config"]
 def plan_for_config(config: TrainConfig, model_config: ModelConfig) -> MemoryPlan:
     """The memory plan of the train step `config` describes for `model_config` (no weights read,
     nothing compiled). Raises `ConfigError` for inputs that cannot be planned. With `config.mesh`
-    it is the plan of one device of that mesh."""
+    it is the plan of one device of that mesh. Settings the config leaves unset are chosen from
+    the shapes first (`memory/defaults.py`), as the trainer does."""
+    config = with_lean_defaults(config, model_config)
     if config.mesh is not None:
         return plan_for_mesh(config, model_config, planning_mesh(config.mesh))
     return plan_one_device(config, model_config)

@@ -76,7 +76,7 @@ def quiet_cuda_plugin() -> None:
         # what the plugin loads when the backends start (its extension and its PJRT library):
         # loaded, and logged, now; the later loads find them loaded
         with contextlib.suppress(ImportError):
-            importlib.import_module(PLUGIN_EXTENSION)
+            import jax_cuda12_plugin.cuda_plugin_extension  # noqa: F401  (PLUGIN_EXTENSION)
         spec = importlib.util.find_spec(CUDA_PLUGIN)
         library = os.path.join(os.path.dirname(spec.origin), "xla_cuda_plugin.so")
         with contextlib.suppress(OSError):

@@ -1,21 +1,40 @@
-"""Batches and the language-model loss, with chunked cross-entropy.
+"""Batches and the language-model loss, with chunked cross-entropy and its own backward pass.
 
-The LM head and the loss run over sequence chunks inside a rematerialized scan, so at most
-`B x chunk x V` float32 logits exist at once -- forward and backward. Full logits for Llama 3's
-128k vocabulary at B=8, S=4096 would be 16 GiB.
+Full logits for Llama 3's 128k vocabulary at B=8, S=4096 would be 16 GiB. With a sequence chunk
+(`loss_chunk`) and/or a vocabulary chunk (`vocab_chunk`), at most `B x chunk x vocab_chunk`
+float32 logits exist at once, forward and backward, and an NF4 head is dense one vocabulary
+chunk at a time.
+
+The chunked loss has a custom VJP whose forward pass computes the loss and its gradients (for a
+cotangent of 1) in the same sweep over the sequence chunks, so no logits chunk is made again:
+
+  sequence chunks only   each chunk's logits are made once; the loss, (softmax - onehot) x mask
+                         and its contractions into d_hidden (and d_head) follow at once;
+  vocabulary chunks too  per sequence chunk, one sweep over the vocabulary chunks gives an online
+                         log-sum-exp (running max and sum) and the target logit; a second sweep
+                         rebuilds each logits chunk once for the gradients;
+  backward               scales the kept gradients by the cotangent.
+
+So the head's matmuls are the unchunked step's (forward, d_hidden, d_head) with a sequence chunk,
+plus one head forward with vocabulary chunks -- not a rematerialized scan nested in another, which
+re-ran the head's forward twice more (tests/step/test_loss_flops.py counts them in the compiled
+HLO). A trained head's gradient is accumulated transposed, [D, V], when the vocabulary is whole
+(`_add_head_grad`). Without any chunk the plain computation runs under autodiff.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from featherweight.errors import StepConfigError
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params, rms_norm
-from featherweight.parallel.memory_kinds import host_rows, on_host
+from featherweight.parallel.memory_kinds import host_rows, on_host, to_device, to_host
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, take_rows_nf4
 
 
@@ -50,39 +69,66 @@ def resolve_chunk_size(seq_len: int, chunk_size: int | None) -> int:
     return chunk_size
 
 
-def _head_rows(head: jax.Array | NF4Tensor, row_ids: jax.Array, dtype) -> jax.Array:
-    """Rows of the [V, D] head (dequantized when NF4, fetched when in host memory): only a
-    vocabulary chunk is ever dense on the device."""
+class _Chunks(NamedTuple):
+    """The static layout of a chunked loss: norm epsilon, sequence chunk, vocabulary chunk."""
+
+    eps: float
+    seq: int
+    vocab: int
+
+
+def _head_rows(head: jax.Array | NF4Tensor, start, size: int, dtype) -> jax.Array:
+    """Rows [start, start + size) of the [V, D] head in `dtype` (dequantized when NF4, fetched
+    when in host memory): only a vocabulary chunk is ever dense on the device."""
+    if size == head.shape[0]:
+        if isinstance(head, NF4Tensor):
+            return dequantize_nf4(head, dtype)
+        return (to_device(head) if on_host(head) else head).astype(dtype)
     if isinstance(head, NF4Tensor):
-        return take_rows_nf4(head, row_ids, dtype)
+        return take_rows_nf4(head, start + jnp.arange(size), dtype)
     if on_host(head):  # a tied, frozen table in host memory: the chunk's rows come over
-        return host_rows(head, row_ids).astype(dtype)
-    return jnp.take(head, row_ids, axis=0).astype(dtype)
+        return host_rows(head, start + jnp.arange(size)).astype(dtype)
+    return jax.lax.dynamic_slice_in_dim(head, start, size).astype(dtype)
 
 
-def _vocab_chunked_nll(normed, head, targets, vocab_chunk: int) -> jax.Array:
-    """Cross-entropy [B, c] with logits made `vocab_chunk` rows of the head at a time.
+def _logits(normed: jax.Array, rows: jax.Array) -> jax.Array:
+    """[B, c, D] x [Vc, D] -> float32 logits [B, c, Vc] (accumulated in float32)."""
+    return jnp.einsum("bcd,vd->bcv", normed, rows, preferred_element_type=jnp.float32)
 
-    An online logsumexp (running max and sum) over the vocabulary chunks; rows past the end of
-    the vocabulary (last chunk) are masked out. Each chunk is rematerialized in the backward pass.
+
+def _vocab_sweep(head, chunk: int, normed, body, carry):
+    """Run `body(carry, rows, row_ids, fresh) -> carry` over the head `chunk` rows at a time.
+
+    The last chunk starts at V - chunk so every slice is in range; `fresh` [Vc] marks the rows a
+    chunk sees first (the overlap with the previous chunk is masked out by the body).
     """
     vocab = head.shape[0]
-    count = -(-vocab // vocab_chunk)
+    count = -(-vocab // chunk)
 
-    def body(carry, start):
+    def step(carry, index):
+        first = index * chunk
+        start = jnp.minimum(first, vocab - chunk)
+        row_ids = start + jnp.arange(chunk)
+        rows = _head_rows(head, start, chunk, normed.dtype)
+        return body(carry, rows, row_ids, row_ids >= first), None
+
+    if count == 1:
+        return step(carry, 0)[0]
+    return jax.lax.scan(step, carry, jnp.arange(count))[0]
+
+
+def _chunk_logsumexp(normed, head, targets, vocab_chunk: int):
+    """(log-sum-exp over the vocabulary, target logit), both [B, c] float32, one sweep."""
+
+    def body(carry, rows, row_ids, fresh):
         running_max, running_sum, target_logit = carry
-        row_ids = start + jnp.arange(vocab_chunk)
-        valid = row_ids < vocab
-        rows = _head_rows(head, jnp.minimum(row_ids, vocab - 1), normed.dtype)
-        logits = jnp.einsum("bcd,vd->bcv", normed, rows).astype(jnp.float32)
-        logits = jnp.where(valid, logits, -jnp.inf)
+        logits = jnp.where(fresh, _logits(normed, rows), -jnp.inf)
         new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
         running_sum = running_sum * jnp.exp(running_max - new_max) + jnp.sum(
             jnp.exp(logits - new_max[..., None]), axis=-1
         )
-        hit = row_ids == targets[..., None]
-        target_logit = target_logit + jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
-        return (new_max, running_sum, target_logit), None
+        hit = (row_ids == targets[..., None]) & fresh
+        return new_max, running_sum, target_logit + jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
 
     shape = targets.shape
     start = (
@@ -90,10 +136,169 @@ def _vocab_chunked_nll(normed, head, targets, vocab_chunk: int) -> jax.Array:
         jnp.zeros(shape, jnp.float32),
         jnp.zeros(shape, jnp.float32),
     )
-    (running_max, running_sum, target_logit), _ = jax.lax.scan(
-        jax.checkpoint(body), start, jnp.arange(count) * vocab_chunk
+    running_max, running_sum, target_logit = _vocab_sweep(head, vocab_chunk, normed, body, start)
+    return running_max + jnp.log(running_sum), target_logit
+
+
+def _softmax_grads(logits, rows, row_ids, fresh, logsumexp, targets, weight, normed, d_head):
+    """A logits chunk's contribution to d_normed [B, c, D] (float32) and to d_head's rows.
+
+    d_logits = (softmax - onehot) x weight, contracted at once with the head rows and `normed`.
+    """
+    probs = jnp.where(fresh, jnp.exp(logits - logsumexp[..., None]), 0.0)
+    hit = (row_ids == targets[..., None]) & fresh
+    d_logits = ((probs - hit) * weight[..., None]).astype(rows.dtype)  # [B, c, Vc]
+    d_normed = jnp.einsum("bcv,vd->bcd", d_logits, rows, preferred_element_type=jnp.float32)
+    if d_head is not None:
+        d_head = _add_head_grad(d_head, normed, d_logits, row_ids[0])
+    return d_normed, d_head
+
+
+def _add_head_grad(d_head, normed, d_logits, start):
+    """d_head plus the rows' gradient normed^T x d_logits.
+
+    A whole-vocabulary d_head is kept transposed, [D, V]: normed^T [D, B c] x d_logits [B c, V]
+    reads the logits' gradient as it lies, where [V, D] needs a transposed copy of it -- one more
+    logits-sized buffer. With vocabulary chunks d_head is [V, D] and the chunk's rows (a small
+    transposed copy) are added in place.
+    """
+    if d_head.shape[-1] == d_logits.shape[-1] and d_head.shape[0] == normed.shape[-1]:
+        d_rows = jnp.einsum("bcd,bcv->dv", normed, d_logits, preferred_element_type=jnp.float32)
+        return d_head + d_rows.astype(d_head.dtype)
+    d_rows = jnp.einsum("bcv,bcd->vd", d_logits, normed, preferred_element_type=jnp.float32)
+    old = jax.lax.dynamic_slice_in_dim(d_head, start, d_rows.shape[0])
+    return jax.lax.dynamic_update_slice_in_dim(d_head, old + d_rows.astype(d_head.dtype), start, 0)
+
+
+def _chunk_value_and_grads(normed, head, targets, weight, vocab_chunk: int, d_head):
+    """One sequence chunk's cross-entropy [B, c] and, for the loss sum x `weight`, d_normed
+    [B, c, D] float32 and d_head (+= its rows'; None when the head is frozen).
+
+    Without vocabulary chunks the logits are made once and serve both. With them, a first sweep
+    gives the log-sum-exp, and a second rebuilds each logits chunk once for the gradients.
+    """
+    vocab = head.shape[0]
+    if vocab_chunk == vocab:
+        rows = _head_rows(head, 0, vocab, normed.dtype)
+        logits = _logits(normed, rows)
+        logsumexp = jax.nn.logsumexp(logits, axis=-1)
+        target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        row_ids, fresh = jnp.arange(vocab), jnp.ones((vocab,), bool)
+        d_normed, d_head = _softmax_grads(
+            logits, rows, row_ids, fresh, logsumexp, targets, weight, normed, d_head
+        )
+        return logsumexp - target_logit, d_normed, d_head
+
+    logsumexp, target_logit = _chunk_logsumexp(normed, head, targets, vocab_chunk)
+
+    def body(carry, rows, row_ids, fresh):
+        d_normed, d_head = carry
+        logits = _logits(normed, rows)
+        part, d_head = _softmax_grads(
+            logits, rows, row_ids, fresh, logsumexp, targets, weight, normed, d_head
+        )
+        return d_normed + part, d_head
+
+    start = (jnp.zeros(normed.shape, jnp.float32), d_head)
+    d_normed, d_head = _vocab_sweep(head, vocab_chunk, normed, body, start)
+    return logsumexp - target_logit, d_normed, d_head
+
+
+def _differentiable_head(head) -> bool:
+    """Whether the head gets a gradient: a dense table on the device (an NF4 or host-resident
+    head is always frozen)."""
+    return not isinstance(head, NF4Tensor) and not on_host(head)
+
+
+def _to_chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """[B, S, ...] -> [S / chunk, B, chunk, ...]."""
+    batch, seq = x.shape[:2]
+    return jnp.moveaxis(x.reshape(batch, seq // chunk, chunk, *x.shape[2:]), 1, 0)
+
+
+def _from_chunks(x: jax.Array) -> jax.Array:
+    """[S / chunk, B, chunk, ...] -> [B, S, ...]."""
+    count, batch, chunk = x.shape[:3]
+    return jnp.moveaxis(x, 0, 1).reshape(batch, count * chunk, *x.shape[3:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_loss_sum(layout: _Chunks, hidden, final_norm, head, targets, mask):
+    def body(total, chunk_inputs):
+        h, chunk_targets, chunk_mask = chunk_inputs
+        normed = rms_norm(h, final_norm, layout.eps)
+        logsumexp, target_logit = _chunk_logsumexp(normed, head, chunk_targets, layout.vocab)
+        return total + jnp.sum((logsumexp - target_logit) * chunk_mask), None
+
+    xs = (_to_chunks(hidden, layout.seq), _to_chunks(targets, layout.seq))
+    xs += (_to_chunks(mask.astype(jnp.float32), layout.seq),)
+    return jax.lax.scan(body, jnp.zeros((), jnp.float32), xs)[0]
+
+
+def _chunked_loss_fwd(layout: _Chunks, hidden, final_norm, head, targets, mask):
+    """The loss and, in the same sweeps, its gradients for a cotangent of 1 (the loss is a sum,
+    so the backward pass only scales them): no logits chunk is ever made again."""
+    weight = mask.astype(jnp.float32)
+
+    def body(carry, chunk_inputs):
+        d_head, d_norm = carry
+        h, chunk_targets, chunk_weight = chunk_inputs
+        normed, norm_vjp = jax.vjp(lambda x, w: rms_norm(x, w, layout.eps), h, final_norm)
+        nll, d_normed, d_head = _chunk_value_and_grads(
+            normed, head, chunk_targets, chunk_weight, layout.vocab, d_head
+        )
+        d_h, d_w = norm_vjp(d_normed.astype(normed.dtype))
+        return (d_head, d_norm + d_w.astype(jnp.float32)), (nll, d_h)
+
+    start = (
+        jnp.zeros(_head_grad_shape(layout, head), head.dtype)
+        if _differentiable_head(head)
+        else None,
+        jnp.zeros(final_norm.shape, jnp.float32),
     )
-    return running_max + jnp.log(running_sum) - target_logit
+    xs = tuple(_to_chunks(x, layout.seq) for x in (hidden, targets, weight))
+    (d_head, d_norm), (nll, d_hidden) = jax.lax.scan(body, start, xs)
+    nll = _from_chunks(nll)
+    total = jnp.sum(nll * weight)
+    return total, (_from_chunks(d_hidden), d_norm, d_head, nll, final_norm, head, targets, mask)
+
+
+def _head_grad_shape(layout: _Chunks, head) -> tuple[int, int]:
+    """[D, V] for a whole-vocabulary head gradient, [V, D] with vocabulary chunks
+    (`_add_head_grad`)."""
+    vocab, width = head.shape
+    return (width, vocab) if layout.vocab == vocab else (vocab, width)
+
+
+def _zero_cotangent(leaf):
+    """The cotangent of an input that gets no gradient (a frozen head, the targets); the step
+    never reads it, so XLA drops it."""
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+        return np.zeros(leaf.shape, jax.dtypes.float0)
+    zeros = jnp.zeros(leaf.shape, leaf.dtype)
+    return to_host(zeros) if on_host(leaf) else zeros
+
+
+def _chunked_loss_bwd(layout: _Chunks, residuals, g):
+    d_hidden, d_norm, d_head, nll, final_norm, head, targets, mask = residuals
+    scale = g.astype(jnp.float32)
+    if d_head is None:
+        d_head = jax.tree.map(_zero_cotangent, head)
+    else:
+        d_head = d_head.T if layout.vocab == head.shape[0] else d_head  # `_head_grad_shape`
+        d_head = (d_head * scale).astype(head.dtype)
+    return (
+        (d_hidden * scale).astype(d_hidden.dtype),
+        (d_norm * scale).astype(final_norm.dtype),
+        d_head,
+        _zero_cotangent(targets),
+        (scale * nll).astype(mask.dtype)
+        if jnp.issubdtype(mask.dtype, jnp.inexact)
+        else _zero_cotangent(mask),
+    )
+
+
+_chunked_loss_sum.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
 
 
 def token_losses_sum(
@@ -106,44 +311,24 @@ def token_losses_sum(
     chunk_size: int | None = None,
     vocab_chunk: int | None = None,
 ) -> jax.Array:
-    """Sum over tokens of mask x cross-entropy, computing logits one sequence chunk at a time.
+    """Sum over tokens of mask x cross-entropy.
 
-    hidden [B, S, D]; head [V, D] (array, or NF4); targets and mask [B, S]. Each sequence chunk is
-    rematerialized, so its backward recomputes the chunk's logits instead of keeping them. With
-    `vocab_chunk`, the vocabulary is chunked too: at most B x chunk x vocab_chunk logits and
-    `vocab_chunk` dense head rows exist (an NF4 head is dequantized chunk by chunk).
+    hidden [B, S, D]; head [V, D] (array, or NF4; a host-resident table only with `vocab_chunk`);
+    targets and mask [B, S]. With a sequence chunk shorter than S or a vocabulary chunk smaller
+    than V, at most B x chunk x vocab_chunk float32 logits and `vocab_chunk` dense head rows exist
+    at a time, and the backward pass rebuilds each logits chunk once (module docstring).
     """
-    batch, seq, _ = hidden.shape
+    seq, vocab = hidden.shape[1], head.shape[0]
     chunk = resolve_chunk_size(seq, chunk_size)
-    count = seq // chunk
-
-    def chunk_loss(h, targets, mask):
-        normed = rms_norm(h, final_norm, eps)
-        if vocab_chunk is not None and vocab_chunk < head.shape[0]:
-            nll = _vocab_chunked_nll(normed, head, targets, vocab_chunk)
-        else:
-            weight = dequantize_nf4(head, normed.dtype) if isinstance(head, NF4Tensor) else head
-            logits = jnp.einsum("bcd,vd->bcv", normed, weight.astype(normed.dtype))
-            logits = logits.astype(jnp.float32)
-            target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-            nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
-        return jnp.sum(nll * mask.astype(jnp.float32))
-
-    if count == 1:
-        return chunk_loss(hidden, target_ids, loss_mask)
-
-    def to_chunks(x):
-        return jnp.moveaxis(x.reshape(batch, count, chunk, *x.shape[2:]), 1, 0)
-
-    def body(total, chunk_inputs):
-        return total + jax.checkpoint(chunk_loss)(*chunk_inputs), None
-
-    total, _ = jax.lax.scan(
-        body,
-        jnp.zeros((), jnp.float32),
-        (to_chunks(hidden), to_chunks(target_ids), to_chunks(loss_mask)),
-    )
-    return total
+    rows = vocab if vocab_chunk is None else min(vocab_chunk, vocab)
+    if chunk < seq or rows < vocab:
+        layout = _Chunks(eps, chunk, rows)
+        return _chunked_loss_sum(layout, hidden, final_norm, head, target_ids, loss_mask)
+    normed = rms_norm(hidden, final_norm, eps)
+    logits = _logits(normed, _head_rows(head, 0, vocab, normed.dtype))
+    target_logit = jnp.take_along_axis(logits, target_ids[..., None], axis=-1)[..., 0]
+    nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
+    return jnp.sum(nll * loss_mask.astype(jnp.float32))
 
 
 def head_loss(

@@ -37,7 +37,9 @@ class StreamedOptState(NamedTuple):
 def per_tensor_clipping(max_norm: float) -> optax.GradientTransformation:
     """Gradient clipping as the streamed step applies an optax chain: each tensor's gradient (one
     layer's slice of a stacked tensor, the head's, the embedding's) is clipped to `max_norm` on
-    its own. It is not global-norm clipping, which needs every gradient before any update."""
+    its own, so a layer's update can reach (tensors per layer) x max_norm. It is not global-norm
+    clipping, which needs every gradient's norm before any update: `build_streamed_step`'s
+    `clip_norm` (kept gradient, or `two_pass`) does that."""
     return optax.clip_by_global_norm(max_norm)
 
 

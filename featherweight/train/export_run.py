@@ -15,7 +15,7 @@ import jax
 import yaml
 
 from featherweight.errors import CheckpointNotFoundError, CorruptCheckpointError, ExportError
-from featherweight.io.atomic import check_output_dir
+from featherweight.io.atomic import check_output_dir, refuse_foreign_output
 from featherweight.io.convert import convert
 from featherweight.io.gguf_export import export_adapter_gguf, export_merged_gguf
 from featherweight.io.gguf_writer import check_quant
@@ -120,6 +120,7 @@ def export_run(
         )
     check_same_model(run_dir, model_path)
     refuse_overlap(out, {"run": run_dir, "base model": model_path}, "export --out")
+    refuse_foreign_output(out)
     model_config, tokenizer = read_header(model_path)
 
     abstract_trainable, _ = abstract_split(config, model_config)

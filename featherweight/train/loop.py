@@ -27,6 +27,7 @@ from rich.console import Console
 
 from featherweight.data.iterator import eval_batches
 from featherweight.errors import TrainingDivergedError
+from featherweight.memory import device_memory
 from featherweight.memory.budget import describe_changes, plan_within_budget
 from featherweight.memory.measure import abstract_batch, measurement_of
 from featherweight.memory.plan import MemoryPlan
@@ -92,8 +93,14 @@ def printing_planner(console: Console) -> Callable:
             f"{memory_plan.largest_component().name})",
             highlight=False,
         )
-        for change in describe_changes(config, planned_config):
+        for change in describe_changes(config, planned_config, model_config):
             console.print(f"budget changed {change}", highlight=False)
+        # on a GPU: the plan against JAX's pool, before any weight is read
+        pool = device_memory.check_pool(
+            memory_plan.device_bytes, device_memory.local_memory_stats()
+        )
+        if pool is not None:
+            console.print(pool, highlight=False)
         return planned_config, memory_plan
 
     return plan
@@ -271,6 +278,7 @@ def _train(config, overwrite, console, plan_fn, on_step, stop: StopRequest) -> T
         console.print(f"stopped by signal {by} during setup; nothing new to save")
     steps = range(run.start_step + 1, config.steps + 1) if not stopping else range(0)
     reporter, pending = Reporter(run, console), StepRecords(run)
+    peak_shown = run.plan is None
     with reporter.progress:
         for step in steps:
             batch = global_batch(run, next(run.data))
@@ -287,6 +295,12 @@ def _train(config, overwrite, console, plan_fn, on_step, stop: StopRequest) -> T
                 records = pending.flush()  # checked before any checkpoint holds these steps
                 loss = records[-1]["loss"]
                 reporter.write(records)
+                if not peak_shown:  # on a GPU: the device's peak after the first steps
+                    stats = device_memory.local_memory_stats()
+                    line = device_memory.peak_line(run.plan.device_bytes, stats, step)
+                    if line is not None:
+                        console.print(line, highlight=False)
+                    peak_shown = True
             if eval_now:
                 eval_loss = evaluate(run, trainable)
                 reporter.write([{"step": step, "eval_loss": eval_loss}], show=False)

@@ -33,29 +33,30 @@ class MetricsLog:
         self._handle = open(path, "a")  # noqa: SIM115 (closed by close())
 
     def write(self, record: dict[str, Any]) -> None:
-        try:
+        with self._typed_failures():
             self._handle.write(json.dumps(strict(record), allow_nan=False) + "\n")
             self._handle.flush()
-        except OSError as error:
-            kept = "the checkpoints are intact and the run resumes from the latest one"
-            typed = write_failure(error, str(self.path), kept)
-            if typed is None:
-                raise
-            raise typed from None
 
     def close(self) -> None:
         try:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
+            with self._typed_failures():
+                self._handle.flush()
+                os.fsync(self._handle.fileno())
+        finally:
+            with contextlib.suppress(OSError):  # the failure is reported above
+                self._handle.close()
+
+    @contextlib.contextmanager
+    def _typed_failures(self):
+        """A full disk or a lost permission while writing: the typed error naming what is intact."""
+        try:
+            yield
         except OSError as error:
             kept = "the checkpoints are intact and the run resumes from the latest one"
             typed = write_failure(error, str(self.path), kept)
             if typed is None:
                 raise
             raise typed from None
-        finally:
-            with contextlib.suppress(OSError):  # the failure is reported above
-                self._handle.close()
 
 
 def strict(record: dict[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from featherweight.io.embedded_model import cache_dir, require_demo_model
 from featherweight.io.loader import load_model, open_checkpoint
 from featherweight.io.output_paths import refuse_escape, refuse_overlap, resolved
 from featherweight.io.tokenizer import Tokenizer
+from featherweight.memory.defaults import with_lean_defaults
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params
 from featherweight.models.model import Model
@@ -346,6 +347,7 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     model_config, tokenizer = read_header(model_path)
     check_tokenizer_fits(tokenizer, model_config, model_path)
     check_method_settings(config, model_config)
+    config = with_lean_defaults(config, model_config)  # unset chunks chosen from the shapes
     plan = None
     if plan_fn is not None:
         config, plan = plan_fn(config, model_config)

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from featherweight.cli.main import app
 from featherweight.errors import OutputExistsError
 from featherweight.inference.generate import logits
-from featherweight.io.atomic import TEMP_PREFIX
+from featherweight.io.atomic import OUTPUT_MARKER, TEMP_PREFIX
 from featherweight.io.convert import convert
 from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint
 from featherweight.io.loader import load_model
@@ -50,7 +50,11 @@ def test_hf_dir_convert_round_trip(hf_checkpoint, tmp_path):
     """HF dir -> convert -> transformers: the same model, logit for logit."""
     model, directory = hf_checkpoint
     written = convert(directory, tmp_path / "out")
-    assert sorted(path.name for path in written.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(path.name for path in written.iterdir()) == [
+        OUTPUT_MARKER,
+        "config.json",
+        "model.safetensors",
+    ]
     diff = np.abs(hf_logits(transformers_load(written), TOKENS) - hf_logits(model, TOKENS)).max()
     assert diff <= TOLERANCE
 

@@ -17,6 +17,7 @@ import transformers
 from safetensors.numpy import load_file
 
 from featherweight.errors import AdapterConfigError, ExportError, OutputExistsError
+from featherweight.io.atomic import OUTPUT_MARKER
 from featherweight.io.loader import load_model
 from featherweight.io.peft_export import export_merged, export_peft
 from featherweight.peft.lora import LoraConfig, init_lora, merge_lora_weight
@@ -178,7 +179,7 @@ def test_adapters_of_other_settings_are_refused(trained, tmp_path):
     assert not (tmp_path / "p").exists()
 
 
-def test_existing_output_needs_overwrite(trained, tmp_path):
+def test_existing_output_needs_overwrite_and_overwrite_replaces_only_our_own(trained, tmp_path):
     _, _, model, adapters = trained
     out = tmp_path / "p"
     out.mkdir()
@@ -187,9 +188,24 @@ def test_existing_output_needs_overwrite(trained, tmp_path):
         export_peft(adapters, model.config, LORA, out)
     with pytest.raises(OutputExistsError, match="--overwrite"):
         export_merged(model.params, adapters, model.config, LORA, None, out)
+    # a directory of the user's is never replaced, not even with overwrite
+    for export in (
+        lambda: export_peft(adapters, model.config, LORA, out, overwrite=True),
+        lambda: export_merged(
+            model.params, adapters, model.config, LORA, None, out, overwrite=True
+        ),
+    ):
+        with pytest.raises(
+            OutputExistsError, match=r"'keep\.txt', which featherweight did not write"
+        ):
+            export()
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     assert (out / "keep.txt").read_text() == "mine"
-    export_peft(adapters, model.config, LORA, out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == [
+    ours = tmp_path / "ours"
+    export_merged(model.params, adapters, model.config, LORA, None, ours)
+    export_peft(adapters, model.config, LORA, ours, overwrite=True)  # our own output: replaced
+    assert sorted(p.name for p in ours.iterdir()) == [
+        OUTPUT_MARKER,
         "README.md",
         "adapter_config.json",
         "adapter_model.safetensors",

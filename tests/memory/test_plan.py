@@ -8,8 +8,9 @@ import pytest
 
 from featherweight.errors import CheckpointNotFoundError, ConfigError, ModelConfigError
 from featherweight.io.model_source import model_config_from
-from featherweight.memory.measure import abstract_step_arguments, tree_nbytes
+from featherweight.memory.measure import abstract_step_arguments, measure_compiled, tree_nbytes
 from featherweight.memory.plan import plan_for_config
+from featherweight.memory.report import comparable_total, percent_difference
 from featherweight.models.registry import BUILTIN_MODELS, builtin_config
 from featherweight.models.shapes import parameter_count
 from featherweight.recipe.schema import TrainConfig, parse_config
@@ -85,7 +86,10 @@ def test_llama_8b_qlora_plan_is_fast_and_plausible():
 
 def test_loss_chunk_shrinks_only_the_loss_phase():
     model = builtin_config("SmolLM2-135M")
-    whole = plan_for_config(train_config(method="full", data={"seq_len": 1024}), model)
+    whole_sequence = {"loss_chunk": None}  # set: no automatic chunk
+    whole = plan_for_config(
+        train_config(method="full", data={"seq_len": 1024}, memory=whole_sequence), model
+    )
     chunked = plan_for_config(
         train_config(method="full", data={"seq_len": 1024}, memory={"loss_chunk": 128}), model
     )
@@ -188,3 +192,23 @@ def test_accumulation_plans_one_micro_batch_and_a_float32_gradient_buffer():
     )
     head = model.vocab_size * model.hidden_size * 2  # untied head, bf16
     assert clipped.bytes_of("head_gradient_kept") == head
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("method", "optimizer", "memory"),
+    [
+        ("lora", {"clip_norm": 1.0}, {"accumulation_steps": 2}),
+        ("full", {"clip_norm": 1.0, "clipping": "two_pass"}, {}),
+        ("full", {}, {"accumulation_steps": 2}),
+    ],
+    ids=["lora-kept-accumulated", "full-two-pass", "full-accumulated"],
+)
+def test_clipping_and_accumulation_plans_match_the_compiled_step(method, optimizer, memory):
+    config = train_config(
+        method=method, batch_size=4, model={"dtype": "float32"}, optimizer=optimizer, memory=memory
+    )
+    model = tiny_config(vocab_size=1024, hidden_size=128, intermediate_size=384, head_dim=32)
+    plan, measured = plan_for_config(config, model), measure_compiled(config, model)
+    difference = percent_difference(comparable_total(plan, measured), measured.total_bytes)
+    assert abs(difference) <= 10.0, difference

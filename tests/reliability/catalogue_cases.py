@@ -420,6 +420,17 @@ def export_exists(env: Env) -> Action:
 
 
 @case(
+    "export --overwrite over a directory of the user's",
+    r"export holds 'notes\.txt', which featherweight did not write",
+    r"choose a new or empty directory, or remove it yourself",
+)
+def export_overwrite_foreign(env: Env) -> Action:
+    (env.tmp / "export").mkdir()
+    (env.tmp / "export" / "notes.txt").write_text("mine")
+    return env.export(overwrite=True)
+
+
+@case(
     "convert to an integer dtype",
     r"convert --dtype 'int8'",
     r"use one of float32, float16, bfloat16",

@@ -75,6 +75,7 @@ paths | damaged run config in output_dir | a run's config.yaml cut in half | Out
 paths | export into the run's checkpoints | `export RUN --out RUN/checkpoints/merged` | OutputNotWritableError | put the export outside the checkpoints directory
 paths | export over the run itself | `export RUN --out RUN --overwrite` | OutputNotWritableError | put the export somewhere that does not hold the run
 paths | export output that exists | `export RUN --out EXISTING` | OutputExistsError | choose another path or pass --overwrite
+paths | export --overwrite over a directory of the user's | `export RUN --out MY_DIR --overwrite`, MY_DIR holding notes.txt | OutputExistsError | names the first file featherweight did not write; only its own outputs (marker `.featherweight-output`) are replaced
 paths | convert over its source | `convert MODEL --out PARENT_OF_MODEL --overwrite` | OutputNotWritableError | put the output somewhere that does not hold the source
 checkpoints | NaN in a weight | one value of `model.layers.0.mlp.up_proj.weight` set to NaN | CorruptCheckpointError | names the tensor: download it again or use another checkpoint
 checkpoints | tokenizer larger than the embedding | SmolLM2's 49152-token tokenizer.json beside a 256-row embedding | ModelConfigError | names both sizes: use the tokenizer that came with the weights

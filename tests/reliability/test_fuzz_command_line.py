@@ -77,6 +77,7 @@ COMMANDS = {
     "demo": (["demo", "--output-dir", "{dir}"], ["--steps"]),  # {dir} holds the user's notes
     "generate": (["generate", "{absent}"],
                  ["--prompt", "--max-new-tokens", "--temperature", "--seed", "--dtype"]),
+    "chat": (["chat", "{absent}"], ["--max-new-tokens", "--temperature", "--seed"]),
     "convert": (["convert", "{absent}", "--out", "{absent}/out"], ["--dtype", "--max-shard-gib",
                                                                    "--out"]),
     "export": (["export", "{absent}", "--format", "merged", "--out", "{absent}/out"],

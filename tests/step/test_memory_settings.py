@@ -159,7 +159,8 @@ def _config(method="full", optimizer="adamw", **memory):
 
 
 SETTINGS = {
-    "vocab_chunk": ("full", {}, {"vocab_chunk": 1024}),
+    # the whole sequence at once (no automatic loss chunk), where the vocabulary chunk is the saving
+    "vocab_chunk": ("full", {"loss_chunk": None}, {"loss_chunk": None, "vocab_chunk": 1024}),
     "mlp_chunk": ("full", {"loss_chunk": 32}, {"loss_chunk": 32, "mlp_chunk": 16}),
     "optimizer_state": ("full", {}, {"optimizer_state": "host"}),
     "embed": ("lora", {}, {"embed": "host"}),

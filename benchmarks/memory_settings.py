@@ -1,0 +1,238 @@
+"""Every memory setting against the default, in one run: bytes saved and step-time ratio.
+
+SmolLM2-135M shapes (random weights: only shapes matter), batch 2 x 256 tokens, float32, AdamW,
+LoRA r8 on every linear (and QLoRA, and full fine-tuning). Each variant is the trainer's own step
+(`train.setup` via `memory.measure.abstract_step_arguments`), compiled once: its bytes are the
+compiled program's `memory_analysis()` (device bytes: temp + argument + output - alias, less the
+arguments placed in pinned host memory), its matmul FLOPs are counted in its optimized HLO
+(`memory.step_cost.hlo_dot_flops`). Times are paired ratios against the default measured in the
+same round, the variants interleaved round after round (a shared machine's load drifts hit all
+alike); the median over rounds of process CPU time (all threads) and of wall time are given.
+
+    nice python benchmarks/memory_settings.py --method lora --rounds 5 \
+        --out benchmarks/results/memory_settings_lora_cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from results_file import emit
+
+from featherweight.memory.defaults import with_lean_defaults
+from featherweight.memory.measure import abstract_step_arguments, measurement_of
+from featherweight.memory.step_cost import hlo_dot_flops
+from featherweight.models.registry import builtin_config
+from featherweight.parallel.memory_kinds import to_device, to_host
+from featherweight.recipe.build import place_embedding
+from featherweight.recipe.schema import parse_config
+from featherweight.step.opt_state import place_opt_state
+
+MIB = 2**20
+SMALL_LORA = {  # what `plan --budget` reaches with every same-result setting
+    "loss_chunk": 64,
+    "vocab_chunk": 16384,
+    "mlp_chunk": 128,
+    "residuals": "host",
+    "embed": "host",
+    "optimizer_state": "host",
+}
+VARIANTS = {
+    "lora": [
+        ("default (loss_chunk chosen: 64)", "lora", {}, False),
+        ("whole-sequence loss (old default)", "lora", {"loss_chunk": None}, False),
+        ("vocab_chunk 16384", "lora", {"vocab_chunk": 16384}, False),
+        ("mlp_chunk 128", "lora", {"mlp_chunk": 128}, False),
+        ("residuals on host", "lora", {"residuals": "host"}, False),
+        ("optimizer state on host", "lora", {"optimizer_state": "host"}, False),
+        ("embedding on host (+ vocab_chunk 16384)", "lora", {"embed": "host"}, False),
+        ("every setting above", "lora", SMALL_LORA, False),
+    ],
+    "qlora": [
+        ("default (loss_chunk chosen: 64)", "qlora", {}, False),
+        ("whole-sequence loss (old default)", "qlora", {"loss_chunk": None}, False),
+        ("NF4 head", "qlora", {}, True),
+        ("NF4 head + vocab_chunk 16384", "qlora", {"vocab_chunk": 16384}, True),
+    ],
+    "full": [
+        ("default (loss_chunk chosen: 64)", "full", {}, False),
+        ("whole-sequence loss (old default)", "full", {"loss_chunk": None}, False),
+        ("vocab_chunk 16384", "full", {"vocab_chunk": 16384}, False),
+        ("residuals on host", "full", {"residuals": "host"}, False),
+        ("optimizer state on host", "full", {"optimizer_state": "host"}, False),
+        (
+            "small: residuals + optimizer state on host, mlp_chunk 128",
+            "full",
+            {"residuals": "host", "optimizer_state": "host", "mlp_chunk": 128},
+            False,
+        ),
+    ],
+}
+
+
+def _config(method: str, memory: dict, quantize_head: bool, batch: int, seq: int):
+    memory = dict(memory)
+    if memory.get("embed") == "host":
+        memory.setdefault("vocab_chunk", 16384)  # a tied table on the host is read in chunks
+    return parse_config(
+        {
+            "method": method,
+            "batch_size": batch,
+            "model": {"dtype": "float32", "quantize_head": quantize_head},
+            "data": {"seq_len": seq},
+            "optimizer": {"name": "adamw"},
+            "lora": {"rank": 8},
+            "memory": memory,
+        }
+    )
+
+
+def _materialize(abstract, key):
+    """Arrays of the abstract arguments' shapes, dtypes and placements (small random floats,
+    random integers below 2: valid token ids, NF4 codes and counters)."""
+    leaves, treedef = jax.tree.flatten(abstract)
+    arrays = []
+    for index, leaf in enumerate(leaves):
+        leaf_key = jax.random.fold_in(key, index)
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            value = 0.02 * jax.random.normal(leaf_key, leaf.shape, jnp.float32)
+        else:
+            value = jax.random.randint(leaf_key, leaf.shape, 0, 2)
+        value = value.astype(leaf.dtype)
+        sharding = getattr(leaf, "sharding", None)
+        arrays.append(jax.device_put(value, sharding) if sharding is not None else value)
+    return jax.tree.unflatten(treedef, arrays)
+
+
+def _shared_with(base, abstract, key):
+    """Arrays for `abstract` that reuse the leaves of `base` at the same path, shape and dtype
+    (moved where `abstract` places them): one frozen base in memory, not one per variant."""
+    by_path = dict(jax.tree_util.tree_flatten_with_path(base)[0])
+    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    leaves = []
+    for index, (path, leaf) in enumerate(paths):
+        shared = by_path.get(path)
+        if shared is None or shared.shape != leaf.shape or shared.dtype != leaf.dtype:
+            leaves.append(_materialize(leaf, jax.random.fold_in(key, index)))
+        elif getattr(leaf, "sharding", None) is not None:
+            leaves.append(jax.device_put(shared, leaf.sharding))
+        else:
+            leaves.append(shared)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--method", choices=sorted(VARIANTS), default="lora")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--machine", default=f"{platform.machine()} CPU")
+    parser.add_argument(
+        "--only", default="", help="settings whose name contains this (and the default)"
+    )
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    model = builtin_config("SmolLM2-135M")
+    key = jax.random.PRNGKey(0)
+
+    compiled = []
+    variants = [v for i, v in enumerate(VARIANTS[args.method]) if not i or args.only in v[0]]
+    for name, method, memory, quantize_head in variants:
+        config = with_lean_defaults(
+            _config(method, memory, quantize_head, args.batch, args.seq), model
+        )
+        step, abstract = abstract_step_arguments(config, model)
+        start = time.perf_counter()
+        executable = step.lower(*abstract).compile()
+        trainable, opt_state, frozen, _, _ = abstract
+        measured = measurement_of(
+            executable, trainable, opt_state, frozen, time.perf_counter() - start
+        )
+        compiled.append((name, config, step, abstract, measured, hlo_dot_flops(executable)))
+        print(f"compiled {name}: {measured.device_bytes / MIB:.1f} MiB", flush=True)
+
+    # one state flows from variant to variant, placed as the trainer places it (untimed); each
+    # step runs as the trainer runs it (jit, compiled in the warm-up round)
+    _, _, _, first_abstract, _, _ = compiled[0]
+    device_abstract = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), first_abstract
+    )
+    trainable, opt_state, base_frozen, batch, step_key = _materialize(device_abstract, key)
+    tokens = jax.random.randint(key, batch.input_ids.shape, 0, model.vocab_size, jnp.int32)
+    batch = batch._replace(
+        input_ids=tokens, target_ids=tokens, loss_mask=jnp.ones_like(batch.loss_mask, jnp.float32)
+    )
+    frozen_by_variant = {}
+    for name, config, _, abstract, _, _ in compiled:
+        frozen = _shared_with(base_frozen, abstract[2], key)
+        frozen = to_device(frozen)
+        if "embed" in frozen:  # a frozen embedding (LoRA, QLoRA)
+            frozen = place_embedding(config, {}, frozen, to_host)[1]
+        frozen_by_variant[name] = frozen
+
+    cpu = {name: [] for name, *_ in compiled}
+    wall = {name: [] for name, *_ in compiled}
+    for round_index in range(args.rounds + 1):  # round 0 warms up and is dropped
+        for name, config, step, _, _, _ in compiled:
+            trainable = to_device(trainable)
+            if "embed" in trainable:  # a trained embedding (full fine-tuning)
+                trainable = place_embedding(config, trainable, {}, to_host)[0]
+            opt_state = place_opt_state(to_device(opt_state), config.memory.optimizer_state)
+            jax.block_until_ready((trainable, opt_state))
+            if not round_index:
+                print(f"warming up {name}", flush=True)
+            cpu_start, wall_start = time.process_time(), time.perf_counter()
+            trainable, opt_state, metrics = step(
+                trainable, opt_state, frozen_by_variant[name], batch, step_key
+            )
+            jax.block_until_ready(metrics["loss"])
+            if round_index:
+                cpu[name].append(time.process_time() - cpu_start)
+                wall[name].append(time.perf_counter() - wall_start)
+        print(f"round {round_index} done", flush=True)
+
+    default = compiled[0][0]
+    base_bytes, base_flops = compiled[0][4].device_bytes, compiled[0][5]
+    lines = [
+        f"# Memory settings vs the default: SmolLM2-135M shapes, {args.method}",
+        "",
+        f"machine: {args.machine}, {jax.device_count()} JAX device(s) of kind "
+        f"{jax.devices()[0].device_kind!r}; jax {jax.__version__}; batch {args.batch} x seq "
+        f"{args.seq}, float32, AdamW{'' if args.method == 'full' else ', LoRA r8 on every linear'}; "
+        f"{args.rounds} interleaved rounds after one warm-up round",
+        "",
+        "Bytes: XLA:CPU `memory_analysis()` of the compiled step (device bytes; host-placed "
+        "arguments excluded, but on CPU host and device are the same RAM). FLOPs: matmul FLOPs "
+        "in the optimized HLO (loops by trip count). Time: median over rounds of the paired "
+        "ratio to the default in the same round, process CPU time (wall time in brackets).",
+        "",
+        "| setting | device MiB | saved MiB | GFLOP | FLOP ratio | step time ratio (wall) | default step s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, _, _, _, measured, flops in compiled:
+        cpu_ratio = statistics.median(v / d for v, d in zip(cpu[name], cpu[default], strict=True))
+        wall_ratio = statistics.median(
+            v / d for v, d in zip(wall[name], wall[default], strict=True)
+        )
+        lines.append(
+            f"| {name} | {measured.device_bytes / MIB:.1f} | "
+            f"{(base_bytes - measured.device_bytes) / MIB:+.1f} | {flops / 1e9:.1f} | "
+            f"{flops / base_flops:.3f} | {cpu_ratio:.3f} ({wall_ratio:.3f}) | "
+            f"{statistics.median(wall[default]):.2f} |"
+        )
+    lines += [
+        "",
+        "Per-round CPU seconds: "
+        + "; ".join(f"{name}: {', '.join(f'{s:.2f}' for s in cpu[name])}" for name in cpu),
+    ]
+    emit(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""What a train step costs in time: matmul FLOPs and host bytes, counted from the program.
+
+Two counts that must agree:
+
+- `hlo_dot_flops(compiled)`: the matmul FLOPs of a compiled program, read from its optimized HLO
+  (`compiled.as_text()`): every `dot` counts 2 x output elements x contracted size, and a dot
+  inside a loop counts once per iteration (XLA's `known_trip_count`). XLA's own
+  `cost_analysis()` counts a loop body once, so it cannot see a chunked loss or a layer loop.
+- `step_flops(config, model_config)`: the same count from the shapes, phase by phase (forward,
+  the remat forward, the backward's input and weight gradients, the LM head) -- what the budget
+  search weighs, without compiling. tests/memory/test_step_cost.py checks it against
+  `hlo_dot_flops` of compiled steps.
+
+`step_seconds` turns the counts into an estimate with a device's throughput: matmul FLOPs at the
+device's rate, and bytes that cross between host and device memory at the link's rate. Memory
+settings are compared by the difference of these estimates (`setting_costs`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import NamedTuple
+
+from featherweight.memory.state_bytes import (
+    compute_itemsize,
+    host_embedding_bytes,
+    optimizer_state_bytes,
+)
+from featherweight.models.config import ModelConfig
+from featherweight.models.shapes import layer_shapes
+from featherweight.recipe.schema import TrainConfig
+from featherweight.step.loss import resolve_chunk_size
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"^(?:\{[^}]*\})?\s*([\w\-]+)\(")
+_SHAPE = re.compile(r"^[a-z]\w*\[([\d,]*)\]")
+_PARAMETER = re.compile(r"([\w.\-]+):\s*([a-z]\w*\[[\d,]*\])")
+_CALLED = re.compile(r"(?:calls|body|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _shape_and_opcode(rest: str) -> tuple[str, str]:
+    """The result shape and the opcode of an instruction's right-hand side (a tuple shape is
+    skipped as a whole: it holds spaces)."""
+    if rest.startswith("("):
+        depth = 0
+        end = 0
+        for end, char in enumerate(rest):  # noqa: B007 (end is read after the loop)
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 0:
+                break
+        shape, rest = rest[: end + 1], rest[end + 1 :]
+    else:
+        shape, _, rest = rest.partition(" ")
+        shape = shape.split("{")[0]
+    opcode = _OPCODE.match(rest.strip())
+    return shape, opcode.group(1) if opcode else ""
+
+
+def _dims(shape: str) -> tuple[int, ...] | None:
+    match = _SHAPE.match(shape)
+    if match is None:
+        return None
+    return tuple(int(d) for d in match.group(1).split(",") if d)
+
+
+def _dot_flops(line: str, shapes: dict[str, tuple[int, ...]], output: tuple[int, ...]) -> int:
+    operands = re.search(r"\bdot\(\s*%?([\w.\-]+)", line)
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+    lhs = shapes.get(operands.group(1)) if operands else None
+    if lhs is None or contracting is None:
+        raise ValueError(f"cannot read the operands of a dot in the HLO: {line.strip()[:200]}")
+    contracted = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d)
+    return 2 * math.prod(output) * contracted
+
+
+def hlo_dot_flops(compiled) -> int:
+    """Matmul FLOPs of one run of a compiled program (`jax.jit(f).lower(...).compile()`), with
+    loops counted by their trip counts and the larger branch of a conditional."""
+    own: dict[str, int] = {}
+    calls: dict[str, list[tuple[str, int]]] = {}
+    branches: dict[str, list[list[str]]] = {}
+    entry, current, shapes = None, None, {}
+    for line in compiled.as_text().splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = header.group(1)
+            entry = current if line.startswith("ENTRY") else entry
+            own[current], calls[current], branches[current] = 0, [], []
+            shapes = {name: _dims(shape) for name, shape in _PARAMETER.findall(header.group(2))}
+            continue
+        instruction = _INSTRUCTION.match(line) if current else None
+        if instruction is None:
+            continue
+        name, rest = instruction.groups()
+        shape, opcode = _shape_and_opcode(rest)
+        shapes[name] = _dims(shape)
+        if opcode == "dot":
+            own[current] += _dot_flops(line, shapes, shapes[name])
+        trips = _TRIP_COUNT.search(line)
+        repeat = int(trips.group(1)) if opcode == "while" and trips else 1
+        for called in _CALLED.findall(line):
+            calls[current].append((called, repeat))
+        for group in _BRANCHES.findall(line):
+            branches[current].append([b.strip().lstrip("%") for b in group.split(",")])
+
+    def total(computation: str) -> int:
+        flops = own.get(computation, 0)
+        flops += sum(count * total(called) for called, count in calls.get(computation, ()))
+        flops += sum(max(total(b) for b in group) for group in branches.get(computation, ()))
+        return flops
+
+    return total(entry)
+
+
+class StepFlops(NamedTuple):
+    """Matmul FLOPs of one streamed train step, by where they are spent."""
+
+    layers: int  # the blocks: forward, remat forward, backward (input and weight gradients)
+    head: int  # the LM head: forward, its input gradient, its weight gradient when trained
+    head_recompute: int  # one more head forward: the vocabulary-chunked loss's second sweep
+
+    @property
+    def total(self) -> int:
+        return self.layers + self.head + self.head_recompute
+
+
+def _projection_flops(config: TrainConfig, model_config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """{linear: (forward FLOPs of its weight, of its LoRA adapter's two matmuls)} per layer."""
+    tokens = config.batch_size * config.data.seq_len
+    rank = config.lora.rank if config.method != "full" else 0
+    flops = {}
+    for name, shape in layer_shapes(model_config).items():
+        if len(shape) == 2:
+            adapted = rank and name in config.lora.targets
+            flops[name] = (
+                2 * tokens * math.prod(shape),
+                2 * tokens * rank * (shape[0] + shape[1]) if adapted else 0,
+            )
+    return flops
+
+
+def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
+    """The streamed step's matmul FLOPs from the shapes (what `hlo_dot_flops` counts).
+
+    Each block runs forward, again in the backward pass (remat), then its input gradient (as
+    many FLOPs as the forward) and -- for trained weights -- their gradient (as many again).
+    The remat stops short of the down projection (its output is not needed backward; XLA drops
+    it), and of the second matmul of the down projection's adapter. Attention's two batched
+    matmuls (q k^T, p v) run forward, remat, and twice backward. LoRA adapters are trained, so
+    they have both gradients. `save` skips recomputing what it keeps (the q, k, v projections;
+    the gate and up projections) -- an estimate: XLA may rearrange a saved block further.
+    """
+    m, tokens = model_config, config.batch_size * config.data.seq_len
+    projections = _projection_flops(config, model_config)
+    linear = sum(base for base, _ in projections.values())
+    adapters = sum(adapter for _, adapter in projections.values())
+    attention = 2 * 2 * config.batch_size * m.num_heads * config.data.seq_len**2 * m.head_dim
+    saved = {"down"}
+    if "qkv" in config.memory.save:
+        saved |= {"q", "k", "v"}
+    if "mlp_hidden" in config.memory.save:
+        saved |= {"gate", "up"}
+    remat = sum(
+        base + adapter for name, (base, adapter) in projections.items() if name not in saved
+    )
+    if "down" in projections and projections["down"][1]:  # the adapter's first matmul is needed
+        remat += 2 * tokens * config.lora.rank * m.intermediate_size
+    trained_linear = linear if config.method == "full" else 0
+    per_layer = (
+        linear + adapters + remat  # forward, remat
+        + linear + adapters + trained_linear + adapters  # d_input, d_weight
+        + 4 * attention  # forward, remat, and the two operands' gradients of both matmuls
+    )  # fmt: skip
+    head_forward = 2 * tokens * m.vocab_size * m.hidden_size
+    head_trained = config.method == "full"
+    head = head_forward * (3 if head_trained else 2)
+    vocab_chunk = config.memory.vocab_chunk
+    recompute = head_forward if vocab_chunk is not None and vocab_chunk < m.vocab_size else 0
+    return StepFlops(m.num_layers * per_layer, head, recompute)
+
+
+class DeviceRates(NamedTuple):
+    """How fast a device turns the counts into time: matmul FLOP/s, and bytes/s over the
+    host link (None where host and device memory are one, as on a CPU: placement moves nothing).
+    Round figures: only the ratio of a setting's cost to the step's time is used."""
+
+    flops_per_second: float
+    link_bytes_per_second: float | None
+
+
+CPU_RATES = DeviceRates(1e11, None)  # 2-16 cores with AVX2/AVX-512 FMA; host memory is the device's
+# an H100-class GPU: ~40% of its 989 dense bf16 TFLOP/s sustained; PCIe 5 x16 at ~25 GB/s per way
+ACCELERATOR_RATES = DeviceRates(4e14, 2.5e10)
+
+
+def rates_for(platform: str) -> DeviceRates:
+    """The rates of a JAX platform name ("cpu", "gpu", "cuda", "tpu", ...)."""
+    return CPU_RATES if platform == "cpu" else ACCELERATOR_RATES
+
+
+def host_transfer_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
+    """Bytes a train step moves between host and device memory, from the placements.
+
+    residuals on host: the residual stream (L x B x S x D) out in the forward pass and back in
+    the backward pass; optimizer state on host: all of it in and out, one layer at a time;
+    embedding on host: the batch's rows in (a frozen table), or -- trained -- the table and its
+    gradient's rows in and out; a tied head on host also streams the table through the loss
+    once per sequence chunk (twice with vocabulary chunks: the log-sum-exp and gradient sweeps).
+    """
+    m, memory = model_config, config.memory
+    tokens, itemsize = config.batch_size * config.data.seq_len, compute_itemsize(config)
+    moved = 0
+    if memory.residuals == "host":
+        moved += 2 * m.num_layers * tokens * m.hidden_size * itemsize
+    if memory.optimizer_state == "host":
+        moved += 2 * optimizer_state_bytes(config, model_config)
+    table = host_embedding_bytes(config, model_config)
+    if table:
+        trained = config.method == "full"
+        moved += 2 * table if trained else tokens * m.hidden_size * itemsize
+        if m.tie_word_embeddings and not trained:
+            sweeps = config.data.seq_len // resolve_chunk_size(
+                config.data.seq_len, memory.loss_chunk
+            )
+            chunked_vocab = memory.vocab_chunk is not None and memory.vocab_chunk < m.vocab_size
+            moved += sweeps * (2 if chunked_vocab else 1) * table
+    return moved
+
+
+def step_seconds(config: TrainConfig, model_config: ModelConfig, rates: DeviceRates) -> float:
+    """Estimated seconds of one train step: its matmul FLOPs at the device's rate plus its host
+    transfers at the link's rate (not overlapped: an upper bound on what they add)."""
+    seconds = step_flops(config, model_config).total / rates.flops_per_second
+    if rates.link_bytes_per_second is not None:
+        seconds += host_transfer_bytes(config, model_config) / rates.link_bytes_per_second
+    return seconds
+
+
+def seconds_per_token(config: TrainConfig, model_config: ModelConfig, rates: DeviceRates) -> float:
+    """`step_seconds` per trained token: what compares steps of different micro-batches."""
+    tokens = config.batch_size * config.data.seq_len
+    return step_seconds(config, model_config, rates) / tokens

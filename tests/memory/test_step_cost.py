@@ -1,0 +1,67 @@
+"""The step's matmul FLOPs from the shapes (`step_flops`, what the budget search weighs) equal the
+FLOPs counted in the compiled program's optimized HLO, setting by setting; host transfers follow
+the placements."""
+
+import jax
+import pytest
+
+from featherweight.memory.measure import abstract_step_arguments
+from featherweight.memory.step_cost import (
+    ACCELERATOR_RATES,
+    CPU_RATES,
+    hlo_dot_flops,
+    host_transfer_bytes,
+    step_flops,
+    step_seconds,
+)
+from featherweight.recipe.schema import parse_config
+from tests.conftest import tiny_config
+
+BATCH, SEQ = 2, 32
+MODEL = tiny_config(vocab_size=512)
+
+
+def _config(method: str, **memory):
+    return parse_config(
+        {"method": method, "batch_size": BATCH, "data": {"seq_len": SEQ}, "memory": memory}
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "memory"),
+    [
+        ("lora", {}),
+        ("full", {}),
+        ("qlora", {}),
+        ("lora", {"loss_chunk": 8, "vocab_chunk": 128}),
+        ("lora", {"mlp_chunk": 16}),
+    ],
+    ids=["lora", "full", "qlora", "lora-vocab-chunk", "lora-mlp-chunk"],
+)
+def test_step_flops_from_the_shapes_equal_the_compiled_programs(method, memory):
+    config = _config(method, **memory)
+    step, arguments = abstract_step_arguments(config, MODEL)
+    assert step_flops(config, MODEL).total == hlo_dot_flops(step.lower(*arguments).compile())
+
+
+def test_the_hlo_counter_counts_loops_by_their_trip_counts():
+    # negative control for the counter itself: XLA's cost_analysis counts a loop body once
+    def looped(x, w):
+        return jax.lax.scan(lambda h, _: (h @ w, None), x, None, length=5)[0]
+
+    x = jax.ShapeDtypeStruct((8, 16), "float32")
+    w = jax.ShapeDtypeStruct((16, 16), "float32")
+    compiled = jax.jit(looped).lower(x, w).compile()
+    assert hlo_dot_flops(compiled) == 5 * 2 * 8 * 16 * 16
+
+
+def test_host_transfers_follow_the_placements_and_cost_time_only_over_a_link():
+    on_device = _config("lora")
+    assert host_transfer_bytes(on_device, MODEL) == 0
+    residuals = _config("lora", residuals="host")
+    stream = MODEL.num_layers * BATCH * SEQ * MODEL.hidden_size * 2  # bfloat16 compute
+    assert host_transfer_bytes(residuals, MODEL) == 2 * stream
+    assert step_seconds(residuals, MODEL, CPU_RATES) == step_seconds(on_device, MODEL, CPU_RATES)
+    assert step_seconds(residuals, MODEL, ACCELERATOR_RATES) > step_seconds(
+        on_device, MODEL, ACCELERATOR_RATES
+    )
