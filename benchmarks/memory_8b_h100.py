@@ -1,8 +1,12 @@
 """Llama-3.1-8B on an H100: the plan next to the step compiled by XLA's GPU compiler for an H100
 (deviceless, on any machine; `featherweight.memory.measure.measure_for_target`).
 
-Rows: QLoRA b2 x 2048 at the smallest settings the budget search finds (the batch kept at 2), LoRA
-b2 x 2048, full fine-tuning with 8-bit AdamW b2 x 2048. Each row says whether the compiled device
+Rows: QLoRA b2 x 2048 at the settings `--budget 5.5GiB` finds and at the smallest settings the
+budget search finds (the batch kept at 2), LoRA b2 x 2048, full fine-tuning with 8-bit AdamW
+b2 x 2048; then the QLoRA maximum context at batch 1 in 24 GB and 80 GB of device memory (the
+largest multiple of 1024 tokens whose plan fits, at the smallest settings; the model's 131,072
+positions lifted for the search, which beyond them needs rope scaling), each compiled at that
+length. Each row says whether the compiled device
 bytes are the compiler's own ("compiled") or have host bytes subtracted by featherweight
 ("derived": a host-resident argument compiled as a device array, its exact bytes subtracted).
 The plan uses the xla-gpu/bfloat16 calibration (what `--target h100` picks).
@@ -13,6 +17,7 @@ The plan uses the xla-gpu/bfloat16 calibration (what `--target h100` picks).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -25,10 +30,12 @@ from featherweight.memory.measure import measure_for_target
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import format_bytes, percent_difference
 from featherweight.memory.working_set import calibration_for
+from featherweight.models.config import ModelConfig
 from featherweight.models.registry import builtin_config
 from featherweight.recipe.schema import parse_config
 
 TARGET = "h100"
+CONTEXT_BUDGETS = ((24 * 10**9, "78,475"), (80 * 10**9, "342,733"))  # Unsloth, published
 
 
 def _config(method: str, optimizer: str = "adamw"):
@@ -49,12 +56,50 @@ def cases(model) -> list[tuple[str, object]]:
         smallest, _ = budget._search(_config("qlora"), model, 0)  # every change that helps
     # the row is b2 x 2048: the micro-batch the search halves last is set back
     smallest = smallest.model_copy(update={"batch_size": 2})
+    with calibration_for("xla-gpu"):
+        in_budget, _ = budget.fit_budget(_config("qlora"), model, budget.parse_budget("5.5GiB"))
     return [
+        ("QLoRA b2x2048, --budget 5.5GiB (" + ", ".join(
+            budget.describe_changes(_config("qlora"), in_budget)) + ")", in_budget),
         ("QLoRA b2x2048, smallest settings (" + ", ".join(
             budget.describe_changes(_config("qlora"), smallest)) + ")", smallest),
         ("LoRA b2x2048", _config("lora")),
         ("full, 8-bit AdamW, b2x2048", _config("full", "adamw_8bit")),
     ]  # fmt: skip
+
+
+def max_context(config, model: ModelConfig, budget_bytes: int) -> int:
+    """Largest multiple of 1024 tokens (batch 1, `config`'s settings) whose plan fits."""
+    low, high = 0, 1024 * 1024
+    while high - low > 1024:
+        middle = (low + high) // 2 // 1024 * 1024
+        candidate = config.model_copy(
+            update={"batch_size": 1, "data": config.data.model_copy(update={"seq_len": middle})}
+        )
+        with calibration_for("xla-gpu"):
+            fits = plan_for_config(candidate, model).device_bytes <= budget_bytes
+        low, high = (middle, high) if fits else (low, middle)
+    return low
+
+
+def context_cases(model: ModelConfig) -> list[tuple[str, object, ModelConfig]]:
+    """(label, config, model) at the longest context that fits each budget, smallest settings."""
+    unlimited = dataclasses.replace(model, max_position_embeddings=1 << 24)
+    smallest = cases(model)[1][1]
+    rows = []
+    for budget_bytes, peer in CONTEXT_BUDGETS:
+        seq = max_context(smallest, unlimited, budget_bytes)
+        config = smallest.model_copy(
+            update={"batch_size": 1, "data": smallest.data.model_copy(update={"seq_len": seq})}
+        )
+        limit = model.max_position_embeddings
+        where = "beyond" if seq > limit else "within"
+        label = (
+            f"QLoRA context in {budget_bytes // 10**9} GB: b1x{seq:,} tokens (Unsloth: {peer}; "
+            f"{where} the model's {limit:,} positions)"
+        )
+        rows.append((label, config, unlimited))
+    return rows
 
 
 def main() -> None:
@@ -84,11 +129,12 @@ def main() -> None:
         "| configuration | planned device | H100 compiled device | error | host (planned) | how |",
         "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
-    for label, config in cases(model):
+    rows = [(label, config, model) for label, config in cases(model)] + context_cases(model)
+    for label, config, row_model in rows:
         with calibration_for("xla-gpu"):
-            plan = plan_for_config(config, model)
+            plan = plan_for_config(config, row_model)
         if label not in done:
-            measured = measure_for_target(config, model, TARGET)
+            measured = measure_for_target(config, row_model, TARGET)
             done[label] = {"label": label, "device_bytes": measured.device_bytes,
                            "derived": list(measured.derived)}  # fmt: skip
             if args.compiled:
