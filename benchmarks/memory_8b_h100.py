@@ -3,12 +3,13 @@
 
 Rows: QLoRA b2 x 2048 at the settings `--budget 5.5GiB` finds and at the smallest settings the
 budget search finds (the batch kept at 2), LoRA b2 x 2048, full fine-tuning with 8-bit AdamW
-b2 x 2048; then the QLoRA maximum context at batch 1 in 24 GB and 80 GB of device memory (the
-largest multiple of 1024 tokens whose plan fits, at the smallest settings; the model's 131,072
-positions lifted for the search, which beyond them needs rope scaling), each compiled at that
-length. Each row says whether the compiled device
-bytes are the compiler's own ("compiled") or have host bytes subtracted by featherweight
-("derived": a host-resident argument compiled as a device array, its exact bytes subtracted).
+b2 x 2048; then the QLoRA maximum context at batch 1 in 24 GB and 80 GB of device memory: the
+largest multiple of 1024 tokens whose plan fits, at the smallest settings (the model's 131,072
+positions lifted for the search; beyond them it needs rope scaling), compiled at that length and,
+if the compiled step exceeds the budget, at shorter lengths until one fits. Each row says whether
+the compiled device bytes are the compiler's own ("compiled") or have host bytes subtracted by
+featherweight ("derived": a host-resident argument compiled as a device array, its exact bytes
+subtracted).
 The plan uses the xla-gpu/bfloat16 calibration (what `--target h100` picks).
 
     python benchmarks/memory_8b_h100.py [--out benchmarks/results/memory_8b_h100.md]
@@ -82,23 +83,37 @@ def max_context(config, model: ModelConfig, budget_bytes: int) -> int:
     return low
 
 
-def context_cases(model: ModelConfig) -> list[tuple[str, object, ModelConfig]]:
-    """(label, config, model) at the longest context that fits each budget, smallest settings."""
+def _at_length(config, seq: int):
+    return config.model_copy(
+        update={"batch_size": 1, "data": config.data.model_copy(update={"seq_len": seq})}
+    )
+
+
+def context_rows(model: ModelConfig, compile_row) -> list[tuple[str, object, ModelConfig]]:
+    """(label, config, model) rows of the longest context (batch 1, smallest settings) for each
+    budget: the plan's maximum, then -- when the compiled step at that length exceeds the budget
+    -- shorter lengths, scaled by the compiled per-token bytes, until one compiles within it."""
     unlimited = dataclasses.replace(model, max_position_embeddings=1 << 24)
     smallest = cases(model)[1][1]
+    limit = model.max_position_embeddings
+    with calibration_for("xla-gpu"):
+        fixed = plan_for_config(_at_length(smallest, 1024), unlimited).device_bytes
     rows = []
     for budget_bytes, peer in CONTEXT_BUDGETS:
-        seq = max_context(smallest, unlimited, budget_bytes)
-        config = smallest.model_copy(
-            update={"batch_size": 1, "data": smallest.data.model_copy(update={"seq_len": seq})}
-        )
-        limit = model.max_position_embeddings
-        where = "beyond" if seq > limit else "within"
-        label = (
-            f"QLoRA context in {budget_bytes // 10**9} GB: b1x{seq:,} tokens (Unsloth: {peer}; "
-            f"{where} the model's {limit:,} positions)"
-        )
-        rows.append((label, config, unlimited))
+        seq, what = max_context(smallest, unlimited, budget_bytes), "the plan's maximum"
+        for _ in range(4):
+            where = "beyond" if seq > limit else "within"
+            label = (
+                f"QLoRA context in {budget_bytes // 10**9} GB, {what}: b1x{seq:,} tokens "
+                f"(Unsloth: {peer}; {where} the model's {limit:,} positions)"
+            )
+            config = _at_length(smallest, seq)
+            rows.append((label, config, unlimited))
+            compiled = compile_row(label, config, unlimited)["device_bytes"]
+            if compiled <= budget_bytes:
+                break
+            seq = int(seq * (budget_bytes - fixed) / (compiled - fixed)) // 1024 * 1024
+            what = "shortened until the compiled step fits"
     return rows
 
 
@@ -129,10 +144,8 @@ def main() -> None:
         "| configuration | planned device | H100 compiled device | error | host (planned) | how |",
         "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
-    rows = [(label, config, model) for label, config in cases(model)] + context_cases(model)
-    for label, config, row_model in rows:
-        with calibration_for("xla-gpu"):
-            plan = plan_for_config(config, row_model)
+
+    def compile_row(label, config, row_model):
         if label not in done:
             measured = measure_for_target(config, row_model, TARGET)
             done[label] = {"label": label, "device_bytes": measured.device_bytes,
@@ -140,6 +153,14 @@ def main() -> None:
             if args.compiled:
                 with open(args.compiled, "a") as file:
                     file.write(json.dumps(done[label], separators=(",", ":")) + "\n")
+        return done[label]
+
+    rows = [(label, config, model) for label, config in cases(model)]
+    rows += context_rows(model, compile_row)
+    for label, config, row_model in rows:
+        with calibration_for("xla-gpu"):
+            plan = plan_for_config(config, row_model)
+        compile_row(label, config, row_model)
         row = done[label]
         how = "derived (" + "; ".join(row["derived"]) + ")" if row["derived"] else "compiled"
         error = percent_difference(plan.device_bytes, row["device_bytes"])

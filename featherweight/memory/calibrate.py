@@ -152,6 +152,25 @@ def _real_cases(held_out: bool) -> list[tuple[ModelConfig, dict[str, Any]]]:
         settings = {"method": "qlora", "model": {"dtype": "float32"}, "batch_size": 2,
                     "data": {"seq_len": 2048}, "memory": {"attention": "materialized"}}  # fmt: skip
         cases.append((builtin_config("Llama-3.1-8B"), settings))
+    # long context (batch 1, the position limit lifted for the shapes): the per-token terms of
+    # blockwise attention, and the S x S scores of materialized attention, decide the step there
+    for name, method, seq, attention in (
+        (("SmolLM2-135M", "qlora", 32768, "blockwise"),)
+        if held_out
+        else (
+            ("SmolLM2-135M", "qlora", 16384, "blockwise"),
+            ("SmolLM2-360M", "lora", 8192, "blockwise"),
+            ("SmolLM2-135M", "qlora", 8192, "materialized"),
+        )
+    ):
+        model = config_from_hf_dict(
+            {**builtin_config(name).to_hf_dict(), "max_position_embeddings": seq},
+            source="calibration grid",
+        )
+        settings = {"method": method, "model": {"dtype": "float32"}, "batch_size": 1,
+                    "data": {"seq_len": seq},
+                    "memory": {"loss_chunk": 1024, "attention": attention}}  # fmt: skip
+        cases.append((model, settings))
     return cases
 
 
@@ -275,6 +294,42 @@ def gpu_grid(seed: int, size: int, dtype: str) -> list[tuple[ModelConfig, TrainC
         except FeatherweightError:
             continue
         cases.append((model, config))
+    return cases
+
+
+# Long context (batch 1): at 16K-128K tokens the per-token terms (activations, the blockwise
+# attention's buffers, host-offloaded residuals) decide the step, which the 512-4096 grids cannot
+# tell apart from the weights. (model, method, seq, memory settings); the fit's, then the held-out's.
+_SMALLEST = {"residuals": "host", "loss_chunk": 1024, "vocab_chunk": 16384, "mlp_chunk": 256,
+             "embed": "host", "optimizer_state": "host"}  # fmt: skip
+GPU_LONG_CONTEXT = (
+    ("Llama-3.1-8B", "qlora", 65536, _SMALLEST),
+    ("Llama-3.2-1B", "lora", 32768, {"residuals": "host", "loss_chunk": 1024, "mlp_chunk": 512}),
+    ("Llama-3.2-3B", "qlora", 16384, {"loss_chunk": 2048}),
+    ("Llama-3.2-1B", "qlora", 32768, {"residuals": "host", "loss_chunk": 1024}),
+    ("SmolLM2-1.7B", "lora", 32768, {"residuals": "host", "loss_chunk": 1024}),  # no GQA
+)
+GPU_LONG_CONTEXT_HELD_OUT = (
+    ("Llama-3.1-8B", "qlora", 131072, _SMALLEST),
+    ("SmolLM2-1.7B", "qlora", 65536, {"residuals": "host", "loss_chunk": 1024}),
+    ("Llama-3.2-3B", "qlora", 32768, {"residuals": "host", "loss_chunk": 1024}),
+)
+
+
+def gpu_long_context(dtype: str, held_out: bool) -> list[tuple[ModelConfig, TrainConfig]]:
+    """The long-context cases (batch 1) of `GPU_LONG_CONTEXT` or its held-out list, the model's
+    position limit lifted for the shapes (memory does not depend on rope scaling)."""
+    cases = []
+    for name, method, seq, memory in GPU_LONG_CONTEXT_HELD_OUT if held_out else GPU_LONG_CONTEXT:
+        model = builtin_config(name)
+        model = config_from_hf_dict(
+            {**model.to_hf_dict(), "max_position_embeddings": max(seq, 4096)},
+            source="calibration grid",
+        )
+        settings = {"method": method, "model": {"dtype": dtype, "quantize_head": method == "qlora"},
+                    "optimizer": {"name": "adamw_8bit"}, "batch_size": 1,
+                    "data": {"seq_len": seq}, "memory": memory}  # fmt: skip
+        cases.append((model, parse_config(settings, source="calibration grid")))
     return cases
 
 
@@ -414,9 +469,12 @@ def _grids(args: argparse.Namespace) -> tuple[list, int, list, int]:
     if args.target != "cpu":
         toys = gpu_toy_grid(FIT_SEED, args.fit_size, args.dtype)
         return (
-            toys + gpu_grid(FIT_SEED, args.fit_size, args.dtype),
+            toys
+            + gpu_grid(FIT_SEED, args.fit_size, args.dtype)
+            + gpu_long_context(args.dtype, held_out=False),
             len(toys),
-            gpu_grid(HELD_OUT_SEED, args.held_out_size, args.dtype),
+            gpu_grid(HELD_OUT_SEED, args.held_out_size, args.dtype)
+            + gpu_long_context(args.dtype, held_out=True),
             0,
         )
     fit_cases = grid(FIT_SEED, args.fit_size, False)
