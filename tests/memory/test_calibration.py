@@ -17,11 +17,12 @@ from featherweight.memory.report import percent_difference
 from featherweight.parallel.backend import cuda_plugin_installed
 
 ENTRY = json.loads(calibrate.calibration_path().read_text())["calibrations"][calibrate.KEY]
-# percent, planned vs compiled on the held-out grid (XLA:CPU, float32). The median is the planner's
-# accuracy; the worst case is a toy whose 4096-token head dwarfs its 3 layers (8-bit AdamW's head
-# moments dequantized), where a few buffers decide the peak.
-TOTAL_MEDIAN, TOTAL_WORST = 5.0, 25.0
-TEMP_MEDIAN, TEMP_WORST = 8.0, 50.0
+# percent, planned vs compiled on the held-out grid (XLA:CPU, float32): the goal is 10 (issue 14),
+# reached: worst total 8.5 (a full fine-tune of a toy whose 4096-token head dwarfs its 5 layers:
+# how many copies of the head XLA makes for its update varies with how the loss is chunked),
+# median 1.5; temporaries alone: worst 22.0 (a 3-layer toy of the kind), median 3.4
+TOTAL_MEDIAN, TOTAL_WORST = 5.0, 10.0
+TEMP_MEDIAN, TEMP_WORST = 8.0, 25.0
 
 
 def test_the_calibration_says_where_it_comes_from():
@@ -81,10 +82,9 @@ GPU_KEY = "xla-gpu/bfloat16"
 GPU_ENTRY = json.loads(calibrate.calibration_path().read_text())["calibrations"].get(GPU_KEY)
 needs_gpu_entry = pytest.mark.skipif(GPU_ENTRY is None, reason=f"no {GPU_KEY} calibration yet")
 # percent, planned device bytes vs the H100 compile's device bytes on the held-out grid: the goal
-# is 10 (issue 14); the stored held-out grid's worst is 16.1 (Llama-3.2-1B QLoRA b1 x 4096 and
-# Llama-3.1-8B LoRA b4 x 4096 planned low: the S x S attention scores), so this bound is what the
-# calibration achieves, kept from getting worse
-GPU_DEVICE_GOAL, GPU_DEVICE_WORST = 10.0, 16.5
+# is 10 (issue 14), reached: worst 8.1 (Llama-3.2-1B LoRA b4 x 512, vocab and MLP chunks, embedding
+# on the host), median 4.1
+GPU_DEVICE_GOAL = GPU_DEVICE_WORST = 10.0
 
 
 @needs_gpu_entry
@@ -110,19 +110,11 @@ def test_held_out_gpu_plans_are_within_bounds_of_the_h100_compile():
 
 
 @needs_gpu_entry
-@pytest.mark.xfail(
-    strict=True, reason="goal not reached: held-out worst 16.1% (see GPU_DEVICE_WORST)"
-)
-def test_held_out_gpu_plans_are_within_ten_percent_of_the_h100_compile():
-    assert max(_gpu_device_errors(GPU_ENTRY["counts"])) <= GPU_DEVICE_GOAL
-
-
-@needs_gpu_entry
 def test_the_cpu_counts_would_miss_the_h100_compile():
     # negative control: XLA:CPU's counts (float32 copies of bf16 operands) miss the GPU compile
+    # (worst 22.5%, Llama-3.1-8B LoRA b4 x 4096 planned high)
     errors = _gpu_device_errors(ENTRY["counts"])
     assert max(errors) > GPU_DEVICE_WORST, errors
-    assert sorted(errors)[len(errors) // 2] > GPU_DEVICE_GOAL / 2, errors
 
 
 @pytest.mark.slow
