@@ -8,7 +8,7 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
       embedding_gradient   full fine-tuning with the embedding on the device: its V x D x
                            itemsize gradient, alive from the loss to the embedding's update (tied:
                            the head's gradient of the table; untied: the zero table the input
-                           cotangent is scattered into, which XLA allocates before the loss)
+                           cotangent is scattered into, which XLA:CPU allocates before the loss)
       optimizer_update     c_o x one layer's optimizer state (its slices and the new state)
       layer_activations    B S itemsize x (c_d D + c_f F + c_a (H + 2K) h): the remat forward
                            and its cotangents (c_fs for c_f with `save: mlp_hidden`)
