@@ -23,8 +23,10 @@ appended to a progress file (`--progress`, default next to calibration.json) and
 run picks up where it stopped. A change to the step's program (attention, chunking) needs a
 re-run: `python -m featherweight.memory.calibrate --target h100 --fresh`.
 
-The fit model: planned temporaries = stored activations + max(backward phase, loss phase), each
-phase a linear function of its counts; which phase is the peak depends on the counts, so the fit
+The fit model: planned temporaries = stored activations + the largest phase (backward, loss, and
+in full fine-tuning the untied head's update and the embedding's), each phase a linear function
+of its counts (a count may appear in more than one phase: 8-bit AdamW's float32 moments in both
+updates); which phase is the peak depends on the counts, so the fit
 alternates between assigning each configuration its peak phase and solving the least squares,
 until the assignment no longer changes.
 """
@@ -56,22 +58,39 @@ from featherweight.recipe.schema import TrainConfig, parse_config
 
 KEY = "xla-cpu/float32"
 GPU_TARGET, GPU_DTYPE = "h100", "bfloat16"
-# each count: the phase it belongs to, and the raw term(s) it multiplies
+# each count: per phase it appears in, the raw term(s) it multiplies
 COUNTS = {
-    "layer_weights": ("backward", ("layer_weights",)),
-    "optimizer_state": ("backward", ("optimizer_state",)),
-    "activations_d": ("backward", ("activations_d",)),
-    "activations_f": ("backward", ("activations_f",)),
-    "activations_attention": ("backward", ("activations_attention",)),
-    "attention_scores": ("backward", ("attention_scores",)),
-    "logits": ("loss", ("logits",)),
-    "head_gradient": ("loss", ("head_gradient",)),
-    "head_dequantized_moments": ("loss", ("head_dequantized_moments",)),
+    "layer_weights": {"backward": ("layer_weights",)},
+    "optimizer_state": {"backward": ("optimizer_state",)},
+    "activations_d": {"backward": ("activations_d",)},
+    "activations_f": {"backward": ("activations_f",)},
+    "activations_f_saved": {"backward": ("activations_f_saved",)},
+    "activations_attention": {"backward": ("activations_attention",)},
+    "attention_scores": {"backward": ("attention_scores",)},
+    "logits": {"loss": ("logits",)},
+    "head_gradient": {"head_update": ("head_gradient",)},
+    # 8-bit AdamW's moments in float32: the untied head's update and the embedding's (after
+    # the backward loop) are the same update of a V x D tensor
+    "head_dequantized_moments": {
+        "head_update": ("head_dequantized_moments",),
+        "embedding": ("embedding_dequantized_moments",),
+    },
 }
+# counts that refine another for a setting: where a grid never uses the setting (the GPU grids
+# save no MLP hidden states), the fit gives them the other's value
+REFINES = {"activations_f_saved": "activations_f"}
 # terms counted once (no fitted count): they are what they are
 FIXED = {
-    "backward": ("layer_gradient", "tied_embedding_gradient", "attention_blockwise"),
-    "loss": ("dequantized_head", "head_rows_from_host", "top_state_on_device"),
+    "backward": ("layer_gradient", "embedding_gradient", "attention_blockwise"),
+    "loss": (
+        "embedding_gradient",
+        "head_gradient",
+        "dequantized_head",
+        "head_rows_from_host",
+        "top_state_on_device",
+    ),
+    "head_update": ("embedding_gradient",),
+    "embedding": ("embedding_gradient",),
 }
 FIT_SEED, HELD_OUT_SEED = 1, 2
 
@@ -386,7 +405,9 @@ def case_of(record: dict[str, Any]) -> tuple[ModelConfig, TrainConfig]:
 
 def _stored_bytes(config: TrainConfig, model: ModelConfig) -> int:
     names = ("residual_stream", "saved_intermediates")
-    plan = plan_one_device(config, model)
+    # the stored activations do not depend on the counts: any counts do (the stored ones may
+    # predate a new count)
+    plan = plan_one_device(config, model, calibration=dict.fromkeys(COUNTS, 1.0))
     return sum(c.bytes for c in plan.components if c.name in names)
 
 
@@ -395,12 +416,9 @@ def _phase_rows(record: dict[str, Any]) -> dict[str, tuple[np.ndarray, float]]:
     model, config = case_of(record)
     terms = working_set.raw_terms(config, model)
     rows = {}
-    for phase in ("backward", "loss"):
+    for phase in FIXED:  # a phase without terms (no trained embedding) is 0 and never the peak
         coefficients = np.array(
-            [
-                sum(terms[t] for t in names) if count_phase == phase else 0.0
-                for count_phase, names in COUNTS.values()
-            ],
+            [sum(terms[t] for t in per_phase.get(phase, ())) for per_phase in COUNTS.values()],
             dtype=np.float64,
         )
         rows[phase] = (coefficients, float(sum(terms[name] for name in FIXED[phase])))
@@ -432,6 +450,10 @@ def fit(records: list[dict[str, Any]], start: dict[str, float] | None = None) ->
         used = matrix.any(axis=0)  # a count no configuration exercises keeps its start value
         solution, _ = nnls(matrix[:, used], goal)
         counts[used] = solution
+    names = list(COUNTS)
+    for name, base in REFINES.items():  # ... or, refining another count, takes that one's
+        if not used[names.index(name)]:
+            counts[names.index(name)] = counts[names.index(base)]
     return {name: round(float(value), 2) for name, value in zip(COUNTS, counts)}
 
 

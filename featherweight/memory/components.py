@@ -31,10 +31,11 @@ class MemoryPlan:
     """The planned bytes of one train step.
 
     components: persistent, stored, the peak phase's working set and the outputs, in that order.
-    phases: {phase: bytes of its working set} for "backward" and "loss"; `peak_phase` is the
-      larger, and its components are the ones listed.
+    phases: {phase: bytes of its working set} for "backward" and "loss" (and, in full
+      fine-tuning, "head_update" and "embedding"); `peak_phase` is the largest, and its
+      components are the ones listed.
     lower_bound_bytes: what no step of this configuration can go below: persistent + stored on
-      device + `working_set_floor` (the larger phase with every tensor counted once).
+      device + `working_set_floor` (the largest phase with every tensor counted once).
     settings: the choices the plan describes (method, batch, seq, dtype, optimizer, policy, ...).
     warnings: things the user should know (e.g. sequence beyond the trained context).
     """

@@ -14,8 +14,10 @@ bytes of the layer-streamed step (featherweight/step/streamed.py) per component:
     saved_intermediates  L x B x S x ((H + 2K) h  [qkv] + 2 F  [mlp_hidden]) x itemsize
   the working set of the step's peak phase (featherweight/memory/working_set.py)
     backward: layer_weights, layer_gradient, optimizer_update, layer_activations,
-              attention (scores, or the blockwise/cuDNN buffers)
-    loss: logits_chunk, head_gradient, dequantized_head
+              attention (scores, or the blockwise/cuDNN buffers), embedding_gradient
+    loss: logits_chunk, embedding_gradient, head_gradient, dequantized_head, ...
+    head_update (an untied head in full fine-tuning): embedding_gradient, head_update
+    embedding (full fine-tuning): embedding_gradient, embedding_update
   step_outputs           the metrics, and XLA's output tuple (8 bytes per output buffer)
 
 `temporaries` (what XLA reports as temp) = the stored activations + the peak phase's working set.

@@ -8,8 +8,9 @@ scores and the logits all follow the rows -- except:
 - frozen base, trainable weights, optimizer state: this device's shards, exact, from the partition
   rules applied to abstract shapes (what does not divide stays whole: NF4 fields that would split
   a block, step counts, small adapters);
-- layer_gradient, optimizer_update, head_gradient (and the reference step's full gradient): split
-  over fsdp, since XLA reduce-scatters a layer's gradient and updates only the local shard;
+- layer_gradient, optimizer_update, head_gradient, head_update, embedding_gradient,
+  embedding_update (and the reference step's full gradient): split over fsdp, since XLA
+  reduce-scatters a gradient and updates only the local shard;
 - layer_weights and dequantized_head stay whole: FSDP gathers a layer's weights before its
   matmuls, so one layer is whole on every device at a time.
 
@@ -60,7 +61,15 @@ from featherweight.recipe.optimizer import make_optimizer
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.loss import resolve_chunk_size
 
-SPLIT_OVER_FSDP = ("layer_gradient", "optimizer_update", "head_gradient", "full_gradient")
+SPLIT_OVER_FSDP = (
+    "layer_gradient",
+    "optimizer_update",
+    "head_gradient",
+    "head_update",
+    "embedding_gradient",
+    "embedding_update",
+    "full_gradient",
+)
 
 
 def sharded_state_bytes(

@@ -4,12 +4,14 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
     backward phase: one layer's VJP and update
       layer_weights        c_w x one layer's linear weights in the compute dtype (sliced, or
                            dequantized from NF4: the copy the matmuls read)
-      layer_gradient       one layer's gradient of the trainable tensors (plus, for tied
-                           embeddings in full fine-tuning, the V x D embedding gradient, alive
-                           through the whole backward loop)
+      layer_gradient       one layer's gradient of the trainable tensors
+      embedding_gradient   full fine-tuning with the embedding on the device: its V x D x
+                           itemsize gradient, alive from the loss to the embedding's update (tied:
+                           the head's gradient of the table; untied: the zero table the input
+                           cotangent is scattered into, which XLA:CPU allocates before the loss)
       optimizer_update     c_o x one layer's optimizer state (its slices and the new state)
       layer_activations    B S itemsize x (c_d D + c_f F + c_a (H + 2K) h): the remat forward
-                           and its cotangents
+                           and its cotangents (c_fs for c_f with `save: mlp_hidden`)
       attention            the attention the step calls (`models/attention.py`):
                            materialized: c_s x B x H x S x S x 4, float32 scores and probabilities;
                            blockwise: its log-sum-exps and row terms (2 B H S x 4) and four float32
@@ -18,16 +20,32 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
                            accumulator, B H S (h + 1) x 4
     loss phase: LM head + cross-entropy over one sequence chunk, with its VJP
       logits_chunk         c_l x B x chunk x V x 4 (V: vocab_chunk when the head is chunked)
-      head_gradient        full fine-tuning: c_h x V x D x itemsize (gradient + update), + c_m x
-                           2 V D x 4 with 8-bit AdamW (its moments dequantized to float32)
+      embedding_gradient   as in the backward phase (tied: it is the head's gradient)
+      head_gradient        full fine-tuning of an untied head: its V x D x itemsize gradient
       dequantized_head     quantize_head: V (or vocab_chunk) x D x itemsize, the dense copy the
                            head matmul reads
       head_rows_from_host  tied embedding on the host: the vocab_chunk rows brought over
       head_optimizer_state optimizer state on the host: the largest head/embedding state, on
                            the device for its one update
-    (mlp_chunk replaces S by the chunk in the F term of layer_activations)
+    head_update phase: full fine-tuning of an untied head, updated once its gradient exists
+      embedding_gradient   as in the backward phase
+      head_update          c_h x V x D x itemsize (its gradient and the copies its update makes:
+                           1 to 3 of them compiled on XLA:CPU, by optimizer and how the loss is
+                           chunked), + c_m x the float32 moments with 8-bit AdamW (below)
+    embedding phase: full fine-tuning, the embedding's one update after the backward loop
+      embedding_gradient   V x D x itemsize (tied: the head's gradient plus the scattered input
+                           cotangent)
+      embedding_update     8-bit AdamW: c_m x its moments in float32: the new ones, 2 V D x 4,
+                           and the old ones dequantized, 2 V D x 4 more -- unless a row is one
+                           quantization block (D = 256), where XLA fuses the dequantization into
+                           the update
+    (mlp_chunk replaces S by the chunk in the F term of layer_activations; with `save:
+    mlp_hidden` the F term has its own count c_fs: the backward reads the saved gate and up
+    outputs instead of recomputing them)
 
-`temporaries` (what XLA reports as temp) = the stored activations + the peak phase's working set.
+`temporaries` (what XLA reports as temp) = the stored activations + the peak phase's working set
+(the embedding phase runs after the backward pass has freed them: where it is the peak, the plan
+is high by their bytes).
 The buffer counts c_* are how many such buffers XLA keeps alive at once. They are data, not code:
 `calibration.json` holds them per compiler and dtype together with the compiled measurements they
 were fitted on and their provenance; `python -m featherweight.memory.calibrate` measures a fit grid
@@ -63,6 +81,7 @@ from featherweight.memory.state_bytes import (
 from featherweight.models.attention import AttentionTarget, block_size
 from featherweight.models.config import ModelConfig
 from featherweight.models.shapes import layer_shapes
+from featherweight.optim.adamw8bit import BLOCK_SIZE
 from featherweight.recipe.build import attention_implementation
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.loss import resolve_chunk_size
@@ -166,6 +185,9 @@ class StepShapes:
         self.full = config.method == "full"
         self.attention = attention_of(config, model_config)
         self.tied = m.tie_word_embeddings
+        # the gate and up outputs kept from the forward pass (`memory.save`): the backward reads
+        # them instead of recomputing them, which changes its F-wide buffers
+        self.saved_mlp = "mlp_hidden" in config.memory.save
 
 
 def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
@@ -173,19 +195,28 @@ def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
     s = StepShapes(config, model_config)
     head_like = s.V * s.D * s.a
     eight_bit = config.optimizer.name == "adamw_8bit"
+    # full fine-tuning updates the embedding after the backward loop; on the host (untied) it
+    # is updated in row chunks, so no V x D gradient exists on the device
+    trained_table = s.full and config.memory.embed == "device"
+    # 8-bit AdamW's two moments of a V x D tensor in float32: the new ones, and the old ones
+    # dequantized -- unless a row is one quantization block, where the blocks' reshapes are
+    # identities and XLA fuses the dequantization into the update (compiled on XLA:CPU)
+    moments = 2 * s.V * s.D * 4 * (1 if s.D == BLOCK_SIZE else 2)
     return {
         "layer_weights": s.linear * s.a,
         "layer_gradient": layer_gradient_bytes(config, model_config),
         "optimizer_state": layer_optimizer_bytes(config, model_config),
         "activations_d": s.T * s.a * s.D,
-        "activations_f": s.B * s.Sm * s.a * s.F,
+        "activations_f": 0 if s.saved_mlp else s.B * s.Sm * s.a * s.F,
+        "activations_f_saved": s.B * s.Sm * s.a * s.F if s.saved_mlp else 0,
         "activations_attention": s.T * s.a * (s.H + 2 * s.K) * s.h,
         "attention_scores": attention_bytes(s)[0],
         "attention_blockwise": attention_bytes(s)[1],
-        "tied_embedding_gradient": head_like if s.full and s.tied else 0,
+        "embedding_gradient": head_like if trained_table else 0,
         "logits": 4 * s.B * s.chunk * s.Vc,
-        "head_gradient": head_like if s.full else 0,
-        "head_dequantized_moments": 8 * s.V * s.D if s.full and eight_bit else 0,
+        "head_gradient": head_like if s.full and not s.tied else 0,
+        "head_dequantized_moments": moments if s.full and not s.tied and eight_bit else 0,
+        "embedding_dequantized_moments": moments if trained_table and eight_bit else 0,
         "dequantized_head": s.Vc * s.D * s.a if config.model.quantize_head else 0,
         "head_rows_from_host": (
             s.Vc * s.D * s.a if config.memory.embed == "host" and s.tied and not s.full else 0
@@ -206,6 +237,7 @@ def phase_working_sets(
     s, t = StepShapes(config, model_config), raw_terms(config, model_config)
     c = calibration or calibration_counts(calibration_key(config))
     attention_width = (s.H + 2 * s.K) * s.h
+    c_f = c["activations_f_saved"] if s.saved_mlp else c["activations_f"]
     backward = [
         WorkingBuffer(
             "layer_weights",
@@ -213,12 +245,7 @@ def phase_working_sets(
             f"{c['layer_weights']} x one layer's linear weights x {s.a} B = "
             f"{c['layer_weights']} x {s.linear} x {s.a}",
         ),
-        WorkingBuffer(
-            "layer_gradient",
-            t["layer_gradient"] + t["tied_embedding_gradient"],
-            "one layer's trainable tensors"
-            + (" + tied embedding gradient V x D" if t["tied_embedding_gradient"] else ""),
-        ),
+        WorkingBuffer("layer_gradient", t["layer_gradient"], "one layer's trainable tensors"),
         WorkingBuffer(
             "optimizer_update",
             round(c["optimizer_state"] * t["optimizer_state"]),
@@ -228,16 +255,18 @@ def phase_working_sets(
             "layer_activations",
             round(
                 c["activations_d"] * t["activations_d"]
-                + c["activations_f"] * t["activations_f"]
+                + c_f * (t["activations_f"] + t["activations_f_saved"])
                 + c["activations_attention"] * t["activations_attention"]
             ),
-            f"B x S x {s.a} x ({c['activations_d']} D + {c['activations_f']} F + "
+            f"B x S x {s.a} x ({c['activations_d']} D + {c_f} F + "
             f"{c['activations_attention']} (H+2K)h) = {s.B} x {s.S} x {s.a} x "
-            f"({c['activations_d']} x {s.D} + {c['activations_f']} x {s.F} + "
+            f"({c['activations_d']} x {s.D} + {c_f} x {s.F} + "
             f"{c['activations_attention']} x {attention_width})",
         ),
         _attention_buffer(s, t, c),
     ]
+    table = _embedding_gradient(s, t)
+    backward += table
     loss = [
         WorkingBuffer(
             "logits_chunk",
@@ -245,22 +274,12 @@ def phase_working_sets(
             f"{c['logits']} x B x chunk x V x 4 = {c['logits']} x {s.B} x {s.chunk} x {s.Vc} x 4"
             + ("" if s.Vc == s.V else " (vocab_chunk)"),
         ),
+        *table,
     ]
     if t["head_gradient"]:
-        moments = t["head_dequantized_moments"]
         loss.append(
             WorkingBuffer(
-                "head_gradient",
-                round(
-                    c["head_gradient"] * t["head_gradient"]
-                    + c["head_dequantized_moments"] * moments
-                ),
-                f"{c['head_gradient']} x V x D x {s.a} (gradient and update of the head)"
-                + (
-                    f" + {c['head_dequantized_moments']} x 2 x V x D x 4 (float32 moments)"
-                    if moments
-                    else ""
-                ),
+                "head_gradient", t["head_gradient"], f"V x D x {s.a}: the untied head's gradient"
             )
         )
     if t["dequantized_head"]:
@@ -283,7 +302,48 @@ def phase_working_sets(
                 "optimizers), brought from the host for its update",
             )
         )
-    return {"backward": backward, "loss": loss}
+    phases = {"backward": backward, "loss": loss}
+    if t["head_gradient"]:
+        phases["head_update"] = [*table, _update_buffer(s, t, c)]
+    if table:
+        phases["embedding"] = list(table)
+        if t["embedding_dequantized_moments"]:
+            phases["embedding"].append(
+                WorkingBuffer(
+                    "embedding_update",
+                    round(c["head_dequantized_moments"] * t["embedding_dequantized_moments"]),
+                    f"{c['head_dequantized_moments']} x 2 x V x D x 4 (8-bit AdamW's moments "
+                    "in float32)",
+                )
+            )
+    return phases
+
+
+def _update_buffer(s: StepShapes, t: dict[str, int], c: dict[str, float]) -> WorkingBuffer:
+    """The untied head's update: its gradient and the copies its update makes, and 8-bit
+    AdamW's moments in float32."""
+    moments = t["head_dequantized_moments"]
+    return WorkingBuffer(
+        "head_update",
+        round(c["head_gradient"] * t["head_gradient"] + c["head_dequantized_moments"] * moments),
+        f"{c['head_gradient']} x V x D x {s.a} (the head's gradient and its update's copies)"
+        + (
+            f" + {c['head_dequantized_moments']} x 2 x V x D x 4 (float32 moments)"
+            if moments
+            else ""
+        ),
+    )
+
+
+def _embedding_gradient(s: StepShapes, t: dict[str, int]) -> list[WorkingBuffer]:
+    if not t["embedding_gradient"]:
+        return []
+    what = (
+        "the head's gradient of the tied table, kept for its one update"
+        if s.tied
+        else "the zero table the input cotangent is scattered into (allocated before the loss)"
+    )
+    return [WorkingBuffer("embedding_gradient", t["embedding_gradient"], f"V x D x {s.a}: {what}")]
 
 
 def _attention_buffer(s: StepShapes, t: dict[str, int], c: dict[str, float]) -> WorkingBuffer:
@@ -306,10 +366,11 @@ def _attention_buffer(s: StepShapes, t: dict[str, int], c: dict[str, float]) -> 
 
 
 def working_set_floor(config: TrainConfig, model_config: ModelConfig) -> int:
-    """The larger phase with every tensor counted once: (one layer's weights in the compute dtype
-    unless trainable, its gradient, its intermediates x, q, k, v, attended, gate, up, their
-    product and the attention's buffers: float32 scores B x H x S x S when materialized) or (one logits chunk and the head's gradient).
-    The implementation's floor, not XLA's: every tensor it needs, each once."""
+    """The largest phase with every tensor counted once: (one layer's weights in the compute
+    dtype unless trainable, its gradient, its intermediates x, q, k, v, attended, gate, up, their
+    product and the attention's buffers: float32 scores B x H x S x S when materialized) or (one
+    logits chunk and the head's gradient: the tied table's, or the untied head's) or (the
+    embedding's gradient). The implementation's floor, not XLA's: every tensor it needs, each once."""
     s, t = StepShapes(config, model_config), raw_terms(config, model_config)
     intermediates = s.T * s.a * (2 * s.D + (2 * s.H + 2 * s.K) * s.h) + s.B * s.Sm * s.a * 3 * s.F
     backward = (
@@ -319,5 +380,5 @@ def working_set_floor(config: TrainConfig, model_config: ModelConfig) -> int:
         + t["attention_scores"]
         + t["attention_blockwise"]
     )
-    loss = t["logits"] + t["head_gradient"]
-    return max(backward, loss)
+    head = t["embedding_gradient"] if s.tied else t["head_gradient"]
+    return max(backward, t["logits"] + head, t["embedding_gradient"])
