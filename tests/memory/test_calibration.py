@@ -138,7 +138,6 @@ def test_a_held_out_gpu_measurement_is_todays_compiler():
 
 GPU_F32_KEY = "xla-gpu/float32"
 GPU_F32 = json.loads(calibrate.calibration_path().read_text())["calibrations"].get(GPU_F32_KEY)
-# percent, held-out device error of the float32 step compiled for the H100: worst 20.2 (S 4096,
 # percent, held-out device error of the float32 step compiled for the H100: worst 22.1 (Llama-3.1-8B
 # QLoRA b1 x 131072 with every host placement planned low), median 1.1
 GPU_F32_WORST, GPU_F32_MEDIAN = 23.0, 5.0
