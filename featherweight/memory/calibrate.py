@@ -48,6 +48,7 @@ from scipy.optimize import nnls
 
 from featherweight.errors import FeatherweightError
 from featherweight.memory import working_set
+from featherweight.memory.defaults import with_lean_defaults
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.measure import measure_for_target
 from featherweight.memory.report import percent_difference
@@ -216,7 +217,10 @@ def _planner_test_cases() -> list[tuple[ModelConfig, TrainConfig]]:
                     "batch_size": batch,
                     "model": {"dtype": "float32"},
                     "data": {"seq_len": seq},
-                    "memory": {"residuals": residuals, "attention": "materialized"},
+                    "memory": {
+                        "residuals": residuals,
+                        "attention": "blockwise",
+                    },  # what auto runs on CPU
                 }
                 cases.append((model, parse_config(settings, source="calibration grid")))
     return cases
@@ -377,6 +381,9 @@ def measure(
             done[record.pop("case")] = record
     records = []
     for index, (model, config) in enumerate(cases):
+        # what the trainer, the plan and the measurement run: unset chunks chosen from the shapes
+        # (recorded as chosen, so a refit plans exactly the measured program)
+        config = with_lean_defaults(config, model)
         case = _case_id(model, config)
         if case not in done:
             measured = measure_for_target(config, model, target)
