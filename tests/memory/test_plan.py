@@ -148,7 +148,9 @@ def test_model_sources_config_dir_gguf_and_errors(tmp_path, demo_gguf):
     (tmp_path / "config.json").write_text(json.dumps(builtin_config("SmolLM2-135M").to_hf_dict()))
     assert model_config_from(tmp_path) == builtin_config("SmolLM2-135M")
     assert model_config_from(demo_gguf).hidden_size == 576
-    with pytest.raises(CheckpointNotFoundError, match=r"Llama-3\.1-8B, Llama-3\.2-1B"):
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"Llama-3\.1-8B, Llama-3\.1-70B, Llama-3\.2-1B"
+    ):
         model_config_from("Llama-9B")
     broken = tmp_path / "broken"
     broken.mkdir()
