@@ -7,12 +7,12 @@ forward: a scan of the block over the stacked layers (a frozen base in pinned ho
   there by the step itself (naming the block's input, not its output: XLA #17541).
 backward: a `fori_loop` from the last layer to the first. Layer l's saved input comes back (the
   next one is fetched while l computes, and so is its frozen base when that is in host memory),
-  its VJP is rebuilt (remat), and its gradient goes to a `LayerSink`: straight into the optimizer on layer l's slice of each tensor's state
-  (`update_sink`: parameters and state written back in place on the donated stacks, the fused
-  update), into slice l of a gradient buffer (`accumulate_sink`: global clipping of adapters,
-  accumulation over micro-batches), or nowhere but the squared norm (`norm_sink`: the first pass
-  of two-pass clipping). At most one layer's gradient is alive at a time; only the buffer sink
-  keeps a trainable-sized gradient.
+  its VJP is rebuilt (remat), and its gradient goes to a `LayerSink`: straight into the
+  optimizer on layer l's slice of each tensor's state (`update_sink`: parameters and state
+  written back in place on the donated stacks, the fused update), into slice l of a gradient
+  buffer (`accumulate_sink`: global clipping of adapters, accumulation over micro-batches), or
+  nowhere but the squared norm (`norm_sink`: the first pass of two-pass clipping). At most one
+  layer's gradient is alive at a time; only the buffer sink keeps a trainable-sized gradient.
 """
 
 from __future__ import annotations
