@@ -9,7 +9,9 @@ import pytest
 
 from featherweight.memory.measure import measure_compiled
 from featherweight.memory.state_bytes import frozen_layer_bytes
+from featherweight.models.init import init_params
 from featherweight.parallel.memory_kinds import to_device, to_host
+from featherweight.peft.lora import LoraConfig, init_lora
 from featherweight.recipe.schema import parse_config
 from featherweight.step.loss import batch_from_tokens
 from featherweight.step.reference import model_loss
@@ -55,6 +57,28 @@ def test_the_base_on_the_host_trains_bit_for_bit_as_on_the_device(config, method
     for expected, actual in zip(losses, host_losses, strict=True):
         np.testing.assert_array_equal(actual, expected)
     for expected, actual in zip(leaves, host_leaves, strict=True):
+        np.testing.assert_array_equal(actual, expected)
+
+
+@pytest.mark.slow
+def test_the_base_on_the_host_with_dropout_and_global_clipping_trains_bit_for_bit():
+    """The kept-gradient mode (global clipping of the adapters) and per-layer dropout keys, which
+    ride beside the host base through the scan: the same training as with the base on the device."""
+    params = init_params(jax.random.PRNGKey(0), UNTIED)
+    lora = LoraConfig(rank=4, alpha=8, dropout=0.1)
+
+    def train(frozen):
+        trainable = init_lora(jax.random.PRNGKey(1), UNTIED, lora)
+        state = init_streamed_opt_state(ADAMW, trainable)
+        step = build_streamed_step(UNTIED, ADAMW, trainable, frozen, lora.spec, clip_norm=1.0)
+        for index in range(2):
+            trainable, state, metrics = step(
+                trainable, state, frozen, BATCH, jax.random.PRNGKey(index)
+            )
+        return [np.asarray(metrics["loss"]), *map(np.asarray, jax.tree.leaves(trainable))]
+
+    on_host = train({**params, "layers": to_host(params["layers"])})
+    for expected, actual in zip(train(params), on_host, strict=True):
         np.testing.assert_array_equal(actual, expected)
 
 
