@@ -9,7 +9,9 @@ Public API (pure functions over pytrees; frozen and trainable parameters always 
   (`jax.grad`), `init_streamed_opt_state`, `MemoryPolicy`, `Batch`, `adamw_8bit`
 - training: `TrainConfig`, `load_config`, `train`, `export_run`, `export_merged`, `export_peft`,
   `export_merged_gguf`, `export_adapter_gguf` (llama.cpp / Ollama)
-- memory: `plan_for_config`, `fit_budget`, `measure_compiled`, `measure_device_peak`
+- memory: `plan_for_config`, `fit_budget`, `measure_compiled`, `measure_device_peak`,
+  `host_base_estimate` (`memory.base: host`: transfer and compute per step on a target);
+  `load_model(..., layers_on_host=True)` loads a base for it
 """
 
 from featherweight.parallel.backend import quiet_cuda_plugin
@@ -27,6 +29,7 @@ from featherweight.io.tokenizer import Tokenizer
 from featherweight.memory.budget import fit_budget, parse_budget, plan_within_budget
 from featherweight.memory.measure import MemoryMeasurement, measure_compiled, measure_device_peak
 from featherweight.memory.plan import MemoryPlan, plan_for_config
+from featherweight.memory.step_cost import host_base_estimate
 from featherweight.models.config import ModelConfig, config_from_hf_dict
 from featherweight.models.model import Model
 from featherweight.models.registry import BUILTIN_MODELS, builtin_config
@@ -70,6 +73,7 @@ __all__ = [
     "fit_budget",
     "generate",
     "generate_ids",
+    "host_base_estimate",
     "init_lora",
     "init_streamed_opt_state",
     "load_config",

@@ -112,7 +112,7 @@ def plan(
     budget: Annotated[str | None, typer.Option(help="device memory, e.g. 8GiB")] = None,
     offload: Annotated[
         str,
-        typer.Option(help="to host memory: none, or any of residuals,optimizer_state,embed"),
+        typer.Option(help="to host memory: none, or any of residuals,optimizer_state,embed,base"),
     ] = "none",
     optimizer: Annotated[
         str, typer.Option(help="adamw, adamw_8bit, sgd, lion, adafactor")
@@ -174,11 +174,11 @@ def plan(
     from featherweight.recipe.schema import parse_config
 
     offloaded = set() if offload == "none" else {part.strip() for part in offload.split(",")}
-    unknown = offloaded - {"residuals", "optimizer_state", "embed"}
+    unknown = offloaded - {"residuals", "optimizer_state", "embed", "base"}
     if unknown:
         raise ConfigError(
             f"--offload {offload!r}: {sorted(unknown)} cannot go to the host; use none, or any of "
-            "residuals,optimizer_state,embed"
+            "residuals,optimizer_state,embed,base"
         )
     budget_bytes = None if budget is None else parse_budget(budget)
     requested = parse_config(
@@ -194,6 +194,7 @@ def plan(
                 "residuals": "host" if "residuals" in offloaded else "device",
                 "optimizer_state": "host" if "optimizer_state" in offloaded else "device",
                 "embed": "host" if "embed" in offloaded else "device",
+                "base": "host" if "base" in offloaded else "device",
                 "loss_chunk": loss_chunk,
                 "vocab_chunk": vocab_chunk,
                 "mlp_chunk": mlp_chunk,
@@ -207,19 +208,40 @@ def plan(
         requested, model_config, chosen, budget_bytes, measure
     )
     changes = describe_changes(requested, config)
+    estimate = _host_base_estimate(config, model_config, chosen)
     if plot is not None:
         plot_plan(memory_plan, measurement, plot, budget_bytes)
     if json_output:
         report = report_json(memory_plan, measurement, changes, judged)
+        report["host_base_estimate"] = None if estimate is None else estimate._asdict()
         typer.echo(json.dumps(report, indent=2))
         return
     if judged is not None:
         console.print(f"[bold]{judged.line}[/]", highlight=False)
     print_report(memory_plan, measurement, console, changes)
+    if config.memory.base == "host":
+        console.print(
+            f"host memory: {memory_plan.host_bytes / 2**30:.2f} GiB pinned (the frozen base "
+            f"{memory_plan.bytes_of('base_layers') / 2**30:.2f} GiB)",
+            highlight=False,
+        )
+    for line in [] if estimate is None else estimate.lines(chosen.short_name):
+        console.print(line, highlight=False)
     if judged is not None:
         console.print(f"[dim]note: {judged.limit_note}[/]", highlight=False)
     if plot is not None:
         console.print(f"plot: {plot}")
+
+
+def _host_base_estimate(config, model_config, target):
+    """Transfer and compute estimates of `memory.base: host` on a GPU target, else None."""
+    from featherweight.memory.step_cost import host_base_estimate
+
+    if config.memory.base != "host" or target is None or target.peak_flops is None:
+        return None
+    return host_base_estimate(
+        config, model_config, target.host_link_bytes_per_second, target.peak_flops
+    )
 
 
 def _plan_on_target(requested, model_config, target, budget_bytes, measure):

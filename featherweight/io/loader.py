@@ -4,7 +4,8 @@ Loading is lean: tensors are read one at a time (from safetensors with plain rea
 by one from GGUF), cast, optionally NF4-quantized, and written straight into one stacked host
 buffer per tensor kind, which goes to the device before the next kind is read. On CPU the device
 adopts that buffer without a copy, so host memory holds the model once plus one tensor in flight;
-on an accelerator, the host holds at most one stack.
+on an accelerator, the host holds at most one stack. With `layers_on_host` (`memory.base: host`)
+the layer stacks go to pinned host memory instead, and the device never holds one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LINEAR_NAMES, Params
 from featherweight.models.model import Model
 from featherweight.models.shapes import layer_shapes, top_level_shapes
+from featherweight.parallel.memory_kinds import host_sharding
 from featherweight.quant.nf4 import BLOCK_SIZE, NF4Tensor, quantize_nf4
 
 QUANTIZATIONS = (None, "nf4")
@@ -92,20 +94,35 @@ def check_finite(values: np.ndarray, name: str, path) -> np.ndarray:
     return values
 
 
-def _stack_layers(source, name: str, shape, config: ModelConfig, dtype, quantize: bool):
-    """Read layer tensor `name` of every layer into one stacked device array (or NF4 stack)."""
+def _stack_layers(
+    source, name: str, shape, config: ModelConfig, dtype, quantize: bool, on_host: bool
+):
+    """Read layer tensor `name` of every layer into one stacked array (or NF4 stack): on the
+    device, or with `on_host` in pinned host memory, where the stack is filled layer by layer
+    and never reaches the device (an NF4 layer is quantized on the device, one at a time)."""
     if quantize:
-        parts = []
+        parts, stack = [], None
         for layer in range(config.num_layers):
             values = source.read((name, layer)).astype(np.float32, copy=False)
             check_finite(values, f"layer {layer} {name}", source.path)
-            parts.append(quantize_nf4(values, name=f"layer {layer} {name}"))
+            part = quantize_nf4(values, name=f"layer {layer} {name}")
+            if not on_host:
+                parts.append(part)
+                continue
+            if stack is None:
+                stack = jax.tree.map(
+                    lambda leaf: host_buffer((config.num_layers, *leaf.shape), leaf.dtype), part
+                )
+            for buffer, leaf in zip(jax.tree.leaves(stack), jax.tree.leaves(part), strict=True):
+                buffer[layer] = np.asarray(leaf)
+        if on_host:
+            return jax.device_put(stack, host_sharding())
         return jax.tree.map(lambda *leaves: jnp.stack(leaves), *parts)
     stack = host_buffer((config.num_layers, *shape), dtype)
     for layer in range(config.num_layers):
         source.read_into((name, layer), stack[layer])
         check_finite(stack[layer], f"layer {layer} {name}", source.path)
-    return jax.device_put(stack)
+    return jax.device_put(stack, host_sharding() if on_host else None)
 
 
 def host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -125,6 +142,7 @@ def load_model(
     dtype: str | jnp.dtype | None = None,
     quantize: str | None = None,
     quantize_head: bool = False,
+    layers_on_host: bool = False,
 ) -> Model:
     """Load a Llama-family checkpoint (HF directory or GGUF file) into JAX.
 
@@ -136,6 +154,9 @@ def load_model(
       quantize: "nf4" quantizes each linear weight of the blocks as it is read (QLoRA's frozen
         base); a full-precision copy of the blocks never exists on the device.
       quantize_head: with "nf4", also quantize the LM head (or the tied embedding table).
+      layers_on_host: put the stacked layer tensors in pinned host memory instead of on the
+        device (`memory.base: host`): the device never holds the layer stack, not even while
+        loading.
     """
     if quantize not in QUANTIZATIONS:
         raise ConfigError(f"quantize={quantize!r} is not supported; use None or 'nf4'")
@@ -174,6 +195,7 @@ def load_model(
                 config,
                 target_dtype,
                 quantize == "nf4" and name in LINEAR_NAMES,
+                layers_on_host,
             )
             for name, shape in layer_shapes(config).items()
         }

@@ -6,9 +6,9 @@ why nothing does.
 a time: of each setting's next candidate that lowers the planned bytes, the one whose estimated
 time per token rises least (`memory/step_cost.py`: matmul FLOPs and host transfers counted from the
 shapes, checked against compiled programs; ties go to the order below). Settings that keep the
-step's result are searched first, then those that change its numerics, the micro-batch last. Once
-a plan fits, every change it does not need is undone (the costliest first), so a setting that saves
-nothing is never kept. The settings, each with what it costs:
+step's result are searched first, then those that change its numerics, then the base on the host,
+the micro-batch last. Once a plan fits, every change it does not need is undone (the costliest
+first), so a setting that saves nothing is never kept. The settings, each with what it costs:
 
 1. loss chunk: halve the LM-head/cross-entropy chunk (down to 64 tokens) -- same result, no extra
    FLOPs; helps when the loss phase is the peak (large vocabularies);
@@ -23,7 +23,10 @@ nothing is never kept. The settings, each with what it costs:
    link in and out, one layer at a time (one device only, like 6);
 8. quantized head (QLoRA): model.quantize_head = true -- the LM head (or tied embedding) in NF4;
 9. optimizer-state dtype: adamw -> adamw_8bit -- 2 bytes of state per parameter instead of 8;
-10. micro-batch: halve batch_size (down to 1) -- the streamed step updates per micro-batch, so
+10. base on host (LoRA/QLoRA): memory.base = "host" -- same result, but the whole frozen layer
+   stack crosses the host link twice a step (forward, and the backward's recompute), the
+   costliest transfer of all: it is tried after every other setting that keeps the batch;
+11. micro-batch: halve batch_size (down to 1) -- the streamed step updates per micro-batch, so
    this changes the effective batch; it comes last.
 
 When the last plan still does not fit, `BudgetError` names the largest component, the shortfall in
@@ -148,6 +151,12 @@ def _optimizer_state_on_host(config: TrainConfig) -> Iterator[TrainConfig]:
         yield _replace(config, "memory", optimizer_state="host")
 
 
+def _base_on_host(config: TrainConfig) -> Iterator[TrainConfig]:
+    movable = config.method != "full" and config.memory.base != "host"
+    if movable and _host_placement_possible(config):
+        yield _replace(config, "memory", base="host")
+
+
 def _no_saved(config: TrainConfig) -> Iterator[TrainConfig]:
     if config.memory.save:
         yield _replace(config, "memory", save=())
@@ -189,6 +198,7 @@ PREFERENCE: tuple[tuple[str, Callable[[TrainConfig, ModelConfig], Iterator[Train
     ("quantized head", lambda c, m: _quantized_head(c)),
     ("optimizer state on host", lambda c, m: _optimizer_state_on_host(c)),
     ("8-bit optimizer state", lambda c, m: _eight_bit_state(c)),
+    ("base on host", lambda c, m: _base_on_host(c)),
     ("micro-batch", lambda c, m: _micro_batches(c)),
 )
 
@@ -204,6 +214,7 @@ SEARCHED_FIELDS = (
     ("memory", "optimizer_state"),
     ("model", "quantize_head"),
     ("optimizer", "name"),
+    ("memory", "base"),
     (None, "batch_size"),
 )
 
@@ -244,10 +255,11 @@ def _plan_if_valid(config: TrainConfig, model_config: ModelConfig) -> MemoryPlan
 
 
 # The settings searched in turn: those that keep the step's result (tier 0, taken by estimated
-# time), those that change its numerics (1), then the micro-batch (2: the effective batch).
-_TIER_OF = {"quantized head": 1, "8-bit optimizer state": 1, "micro-batch": 2}
-_FIELD_TIER = {"quantize_head": 1, "name": 1, "batch_size": 2}  # the same tiers, by field
-TIERS = tuple(tuple(p for p in PREFERENCE if _TIER_OF.get(p[0], 0) == tier) for tier in range(3))
+# time), those that change its numerics (1), the base on the host (2: the whole frozen stack over
+# the host link twice a step), then the micro-batch (3: the effective batch).
+_TIER_OF = {"quantized head": 1, "8-bit optimizer state": 1, "base on host": 2, "micro-batch": 3}
+_FIELD_TIER = {"quantize_head": 1, "name": 1, "base": 2, "batch_size": 3}  # the tiers, by field
+TIERS = tuple(tuple(p for p in PREFERENCE if _TIER_OF.get(p[0], 0) == tier) for tier in range(4))
 
 
 def _cheapest_step(

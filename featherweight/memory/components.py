@@ -13,6 +13,7 @@ DEVICE, HOST = "device", "host"
 PERSISTENT = ("frozen_base", "trainable_weights", "optimizer_state", "batch")
 OUTPUTS = "step_outputs"
 HOST_EMBEDDING = "embedding_table"  # the embedding table with memory.embed: host
+HOST_BASE = "base_layers"  # the frozen layer stack with memory.base: host
 METRIC_BYTES = 14  # loss, tokens, grad_norm (float32), updated and params_finite (bool)
 
 
@@ -54,7 +55,8 @@ class MemoryPlan:
 
     @property
     def host_bytes(self) -> int:
-        """Planned bytes in (pinned) host memory: offloaded residuals, optimizer state, embedding."""
+        """Planned bytes in (pinned) host memory: offloaded residuals, optimizer state, embedding,
+        frozen layer stack."""
         return sum(c.bytes for c in self.components if c.placement == HOST)
 
     @property
@@ -67,7 +69,8 @@ class MemoryPlan:
         return sum(c.bytes for c in self.components if c.name == name)
 
     def largest_component(self) -> PlanComponent:
-        return max(self.components, key=lambda c: c.bytes)
+        """The largest component on the device (what a budget or a device must hold)."""
+        return max((c for c in self.components if c.placement == DEVICE), key=lambda c: c.bytes)
 
     def measured_groups(self) -> dict[str, int]:
         """The plan summed into the groups a compiled step's memory analysis can tell apart
@@ -77,8 +80,8 @@ class MemoryPlan:
         # an argument like the rest: trainable with full fine-tuning, frozen otherwise
         owner = "trainable_weights" if self.settings["method"] == "full" else "frozen_base"
         groups[owner] += self.bytes_of(HOST_EMBEDDING)
-        groups["temporaries"] = sum(
-            c.bytes for c in self.components if c.name not in (*PERSISTENT, OUTPUTS, HOST_EMBEDDING)
-        )
+        groups["frozen_base"] += self.bytes_of(HOST_BASE)
+        arguments = (*PERSISTENT, OUTPUTS, HOST_EMBEDDING, HOST_BASE)
+        groups["temporaries"] = sum(c.bytes for c in self.components if c.name not in arguments)
         groups["unaliased_outputs"] = self.bytes_of(OUTPUTS)
         return groups

@@ -22,7 +22,9 @@ bytes of the layer-streamed step (featherweight/step/streamed.py) per component:
 
 `temporaries` (what XLA reports as temp) = the stored activations + the peak phase's working set.
 
-Host bytes: residuals placed on host leave the device; XLA CPU has one memory, so on CPU the
+Host bytes: residuals placed on host leave the device, and so do the optimizer state, the
+embedding table and the frozen layer stack (`base_layers`: two layers of it are then on the
+device in the backward phase on an accelerator, `base_layers_in_flight`); XLA CPU has one memory, so on CPU the
 measured total is to be compared with device + host (`MemoryPlan.cpu_comparable_bytes`).
 
 Every component carries its placement: the small-memory settings (embedding table and optimizer
@@ -41,6 +43,7 @@ from featherweight.errors import ConfigError
 from featherweight.memory.components import (
     DEVICE,
     HOST,
+    HOST_BASE,
     METRIC_BYTES,
     OUTPUTS,
     MemoryPlan,
@@ -48,6 +51,7 @@ from featherweight.memory.components import (
 )
 from featherweight.memory.state_bytes import (
     frozen_base_bytes,
+    host_base_bytes,
     host_embedding_bytes,
     optimizer_state_bytes,
     output_buffer_count,
@@ -75,10 +79,11 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
     s = StepShapes(config, model_config)
     uses_key = config.method != "full" and config.lora.dropout > 0
     host_embedding = host_embedding_bytes(config, model_config)
+    host_base = host_base_bytes(config, model_config)
     components = [
         PlanComponent(
             "frozen_base",
-            frozen_base_bytes(config, model_config) - (0 if s.full else host_embedding),
+            frozen_base_bytes(config, model_config) - (0 if s.full else host_embedding) - host_base,
             DEVICE,
             {"full": "none (everything trains)", "lora": f"all weights x {s.a} B"}.get(
                 config.method, f"linear weights NF4 (~0.52 B/value), the rest x {s.a} B"
@@ -106,6 +111,15 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
             f"5 x B x S x 4 = 5 x {s.B} x {s.S} x 4" + (" + dropout key" if uses_key else ""),
         ),
     ]
+    if host_base:
+        components.append(
+            PlanComponent(
+                HOST_BASE,
+                host_base,
+                HOST,
+                f"the frozen layer stack, L = {s.L} layers; each comes over one layer ahead",
+            )
+        )
     if host_embedding:
         components.append(
             PlanComponent(
@@ -193,6 +207,7 @@ def plan_settings(config: TrainConfig, model_config: ModelConfig) -> dict[str, A
         "mlp_chunk": memory.mlp_chunk,
         "optimizer_state": memory.optimizer_state,
         "embed": memory.embed,
+        "base": memory.base,
         "attention": attention_of(config, model_config),
         "save": list(memory.save),
         "step": memory.step,

@@ -35,7 +35,11 @@ import jax.numpy as jnp
 
 from featherweight.errors import ConfigError
 from featherweight.memory.defaults import with_lean_defaults
-from featherweight.memory.state_bytes import host_embedding_bytes, optimizer_state_bytes
+from featherweight.memory.state_bytes import (
+    host_base_bytes,
+    host_embedding_bytes,
+    optimizer_state_bytes,
+)
 from featherweight.memory.targets import (
     DEVICELESS_COMPILER_OPTIONS,
     get_target,
@@ -50,6 +54,7 @@ from featherweight.parallel.sharding import per_device_bytes
 from featherweight.recipe.build import (
     abstract_split,
     build_train_step,
+    place_base,
     place_embedding,
     split_params,
 )
@@ -57,7 +62,7 @@ from featherweight.recipe.optimizer import make_optimizer
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.loss import Batch
 
-HOST_ARGUMENTS = ("optimizer_state", "embed")  # memory settings that place step arguments on host
+HOST_ARGUMENTS = ("optimizer_state", "embed", "base")  # settings placing step arguments on host
 MEASURED_COMPONENTS = (
     "frozen_base",
     "trainable_weights",
@@ -137,6 +142,7 @@ def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig, mesh
     if config.memory.optimizer_state == "host":
         opt_state = abstract_on_host(opt_state)
     trainable, frozen = place_embedding(config, trainable, frozen, abstract_on_host)
+    frozen = place_base(config, frozen, abstract_on_host)
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     batch = abstract_batch(config.batch_size, config.data.seq_len)
     return step, (trainable, opt_state, frozen, batch, key)
@@ -211,9 +217,10 @@ def measure_for_target(
     against the target's description (`memory.targets`), with no GPU present.
 
     The deviceless GPU compiler refuses host memory kinds for arguments: a step with its
-    optimizer state or embedding table on the host is compiled with those arrays given as device
-    arrays, and their exact bytes (`jax.eval_shape` of the real initialisers) are then counted as
-    host bytes (`MemoryMeasurement.derived` says so). Residuals offloaded inside the step compile
+    optimizer state, embedding table or frozen base on the host is compiled with those arrays
+    given as device arrays, and their exact bytes (`jax.eval_shape` of the real initialisers) are
+    then counted as host bytes (`MemoryMeasurement.derived` says so; the base's two layers in
+    flight are then not in the compiled temp). Residuals offloaded inside the step compile
     as they run: XLA reports them as host temporaries.
     """
     resolved = get_target(target)
@@ -236,6 +243,7 @@ def measure_for_target(
     host_bytes = {
         "optimizer_state": optimizer_state_bytes(config, model_config),
         "embed": host_embedding_bytes(config, model_config),
+        "base": host_base_bytes(config, model_config),
     }
     derived = tuple(
         f"memory.{name}: host compiled as a device array; its {host_bytes[name]:,} B "

@@ -102,6 +102,16 @@ def host_embedding_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
     return 0 if table is None else tree_bytes(table)
 
 
+def host_base_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
+    """The frozen layer stack kept in host memory (`memory.base: host`), else 0."""
+    return frozen_layer_bytes(config, model_config) if config.memory.base == "host" else 0
+
+
+def frozen_layer_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
+    """The frozen layer stack (NF4 codes and scales, or the compute dtype; norms included)."""
+    return tree_bytes(state_shapes(config, model_config).frozen.get("layers", {}))
+
+
 def layer_gradient_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
     """One layer's slice of the stacked trainable tensors: the gradient the backward loop holds."""
     layers = state_shapes(config, model_config).trainable.get("layers", {})

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 from featherweight.memory.state_bytes import (
     compute_itemsize,
+    host_base_bytes,
     host_embedding_bytes,
     optimizer_state_bytes,
 )
@@ -207,6 +208,7 @@ def host_transfer_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
 
     residuals on host: the residual stream (L x B x S x D) out in the forward pass and back in
     the backward pass; optimizer state on host: all of it in and out, one layer at a time;
+    base on host: every layer of the frozen stack in, twice (`host_base_transfer_bytes`);
     embedding on host: the batch's rows in (a frozen table), or -- trained -- the table and its
     gradient's rows in and out; a tied head on host also streams the table through the loss
     once per sequence chunk (twice with vocabulary chunks: the log-sum-exp and gradient sweeps).
@@ -218,6 +220,7 @@ def host_transfer_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
         moved += 2 * m.num_layers * tokens * m.hidden_size * itemsize
     if memory.optimizer_state == "host":
         moved += 2 * optimizer_state_bytes(config, model_config)
+    moved += host_base_transfer_bytes(config, model_config)
     table = host_embedding_bytes(config, model_config)
     if table:
         trained = config.method == "full"
@@ -229,6 +232,58 @@ def host_transfer_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
             chunked_vocab = memory.vocab_chunk is not None and memory.vocab_chunk < m.vocab_size
             moved += sweeps * (2 if chunked_vocab else 1) * table
     return moved
+
+
+def host_base_transfer_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
+    """Bytes of the frozen base brought from the host per step with `memory.base: host`: each
+    layer once in the forward scan and once in the backward loop (its recompute), plus the one
+    fetch ahead each walk makes past its last layer: 2 (L + 1) layers (0 otherwise)."""
+    stack = host_base_bytes(config, model_config)
+    layers = model_config.num_layers
+    return 2 * (layers + 1) * stack // layers
+
+
+class HostBaseEstimate(NamedTuple):
+    """What streaming the base from the host costs a step on a target: estimates from the
+    target's published peaks (`targets.json`), not measurements.
+
+    moved_bytes: the base brought over per step (`host_base_transfer_bytes`).
+    transfer_seconds: those bytes at the host link's one-way rate (PCIe x16, theoretical).
+    compute_seconds: the step's matmul FLOPs (`step_flops`) at the dense bf16 peak.
+    hiding_tokens: batch x sequence from which the compute at peak takes as long as the
+      transfer, so that overlapped transfers hide behind it (the FLOPs per token of this step's
+      sequence length).
+    """
+
+    moved_bytes: int
+    transfer_seconds: float
+    flops: int
+    compute_seconds: float
+    hiding_tokens: int
+
+    def lines(self, device: str) -> list[str]:
+        """The estimate as the plan prints it."""
+        return [
+            f"estimate ({device}, published peaks): the base crosses the host link twice a "
+            f"step: {self.moved_bytes / 2**30:.2f} GiB, {self.transfer_seconds:.2f} s at the "
+            f"link's rate; compute {self.flops / 1e12:.1f} TFLOP, {self.compute_seconds:.2f} s "
+            f"at peak; compute hides the transfer from ~{self.hiding_tokens:,} tokens per step "
+            "(batch x sequence), if overlapped",
+        ]
+
+
+def host_base_estimate(
+    config: TrainConfig, model_config: ModelConfig, link_bytes_per_second: float, peak_flops: float
+) -> HostBaseEstimate:
+    """The transfer and compute estimates of `memory.base: host` at a target's rates."""
+    moved = host_base_transfer_bytes(config, model_config)
+    flops = step_flops(config, model_config).total
+    transfer = moved / link_bytes_per_second
+    tokens = config.batch_size * config.data.seq_len
+    per_token_seconds = flops / tokens / peak_flops
+    return HostBaseEstimate(
+        moved, transfer, flops, flops / peak_flops, math.ceil(transfer / per_token_seconds)
+    )
 
 
 def step_seconds(config: TrainConfig, model_config: ModelConfig, rates: DeviceRates) -> float:

@@ -68,6 +68,16 @@ class Target:
         """How a person names it: "H100", "RTX 4090"."""
         return self.name.upper().replace("RTX", "RTX ").replace("-", " ")
 
+    @property
+    def host_link_bytes_per_second(self) -> float | None:
+        """The host link's published one-way rate (PCIe x16), None for the CPU."""
+        return self.facts.get("host_link_bytes_per_second")
+
+    @property
+    def peak_flops(self) -> float | None:
+        """The published dense bf16 tensor-core peak, None for the CPU."""
+        return self.facts.get("peak_bf16_flops")
+
     def calibration_key(self, dtype: str) -> str:
         """The working-set calibration for this target's compiler and `dtype`."""
         return f"xla-{self.platform}/{dtype}"

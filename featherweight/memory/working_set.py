@@ -74,6 +74,7 @@ from typing import NamedTuple
 from featherweight.errors import ConfigError
 from featherweight.memory.state_bytes import (
     compute_itemsize,
+    host_base_bytes,
     layer_gradient_bytes,
     layer_optimizer_bytes,
     top_optimizer_bytes,
@@ -221,6 +222,7 @@ def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
         "head_rows_from_host": (
             s.Vc * s.D * s.a if config.memory.embed == "host" and s.tied and not s.full else 0
         ),
+        "base_layer": host_base_bytes(config, model_config) // s.L,
         "top_state_on_device": (
             top_optimizer_bytes(config, model_config)
             if config.memory.optimizer_state == "host"
@@ -267,6 +269,8 @@ def phase_working_sets(
     ]
     table = _embedding_gradient(s, t)
     backward += table
+    if t["base_layer"]:
+        backward.append(_base_in_flight(config, t["base_layer"]))
     loss = [
         WorkingBuffer(
             "logits_chunk",
@@ -344,6 +348,24 @@ def _embedding_gradient(s: StepShapes, t: dict[str, int]) -> list[WorkingBuffer]
         else "the zero table the input cotangent is scattered into (allocated before the loss)"
     )
     return [WorkingBuffer("embedding_gradient", t["embedding_gradient"], f"V x D x {s.a}: {what}")]
+
+
+def _base_in_flight(config: TrainConfig, layer_bytes: int) -> WorkingBuffer:
+    """memory.base: host -- the layers of the frozen base on the device: two on an accelerator
+    (the one computing and the next coming over, each a buffer of its own: the copy's
+    destination). XLA:CPU has one memory for both, so its host-to-device copies are no-ops and
+    the two are the layer slices the loop takes with the base on the device too (compiled: the
+    same temp bytes either way), already in `layer_weights`: none more."""
+    if calibration_key(config).startswith("xla-cpu"):
+        return WorkingBuffer(
+            "base_layers_in_flight", 0, "XLA:CPU: one memory, the copies are the layer slices"
+        )
+    return WorkingBuffer(
+        "base_layers_in_flight",
+        2 * layer_bytes,
+        f"2 x one layer of the frozen base from the host (computing, coming over) = 2 x "
+        f"{layer_bytes}",
+    )
 
 
 def _attention_buffer(s: StepShapes, t: dict[str, int], c: dict[str, float]) -> WorkingBuffer:

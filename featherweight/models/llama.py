@@ -29,7 +29,7 @@ import numpy as np
 from featherweight.errors import StepConfigError
 from featherweight.models.attention import IMPLEMENTATIONS, attend
 from featherweight.models.config import ModelConfig
-from featherweight.parallel.memory_kinds import host_rows, on_host
+from featherweight.parallel.memory_kinds import host_rows, on_host, scan_layers
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, take_rows_nf4
 
 Params = dict[str, Any]
@@ -316,14 +316,15 @@ def run_layers(
     dropout_keys: jax.Array | None = None,
     mlp_chunk: int | None = None,
 ) -> jax.Array:
-    """Scan `block` over the stacked layers; `dropout_keys` [L, ...] gives each layer its key."""
+    """Scan `block` over the stacked layers; `dropout_keys` [L, ...] gives each layer its key.
+    Stacks in pinned host memory (`memory.base: host`) come to the device one layer ahead."""
     layer_fn = jax.checkpoint(block, static_argnums=(3, 4, 6)) if remat else block
 
     def step(hidden, per_layer):
         layer, key = per_layer
         return layer_fn(layer, hidden, inputs, config, lora, key, mlp_chunk), None
 
-    x, _ = jax.lax.scan(step, x, (layers, dropout_keys))
+    x, _ = scan_layers(step, x, layers, dropout_keys, config.num_layers)
     return x
 
 

@@ -1,8 +1,11 @@
 """Host memory inside a jitted step: what stays in pinned host memory, and how slices of it move.
 
-Three things may live on the host (the device holds only what the current layer needs):
+Four things may live on the host (the device holds only what the current layer needs):
 - the residual stream (saved layer inputs), fetched back one layer ahead in the backward pass;
 - the optimizer state: each layer's slice comes in, is updated, and goes back;
+- the frozen layer stack (`memory.base: host`): layer l+1's slice is brought over while layer l
+  computes (`scan_layers`, and the backward loop's own prefetch), so the device holds two layers
+  of the base and never the stack;
 - the token-embedding table (when frozen): only the rows a batch uses, or the vocabulary chunk the
   LM head is at, come to the device.
 
@@ -15,6 +18,7 @@ copies; on CPU host and device are the same RAM, and the placement shows only in
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
 
 HOST = jax.memory.Space.Host
@@ -47,6 +51,47 @@ def host_slice(tree, index):
         return jax.device_put(part, DEVICE)
 
     return jax.tree.map(one, tree)
+
+
+def has_host_leaves(tree) -> bool:
+    """Whether any leaf of a pytree is in host memory."""
+    return any(on_host(leaf) for leaf in jax.tree.leaves(tree))
+
+
+def scan_layers(body, init, layers, xs, length: int):
+    """`jax.lax.scan(body, init, (layers, xs))` over `length` stacked layers, where the leaves of
+    `layers` that live in pinned host memory are brought to the device one layer ahead.
+
+    Layer l+1's slice of every host-resident stack is taken on the host and copied over while
+    layer l computes (it rides in the scan's carry: double buffering), so the device holds two
+    layers of those stacks, never a stack. Without host leaves this is exactly the plain scan.
+    `body(carry, (layer, x)) -> (carry, y)` sees each layer's slices on the device either way.
+    """
+    if not has_host_leaves(layers):
+        return jax.lax.scan(body, init, (layers, xs))
+    leaves, treedef = jax.tree.flatten(layers)
+    resident = [on_host(leaf) for leaf in leaves]
+    host_stacks = [leaf for leaf, host in zip(leaves, resident, strict=True) if host]
+    device_stacks = [leaf for leaf, host in zip(leaves, resident, strict=True) if not host]
+
+    def layer_of(device_slices, host_slices):
+        device_slices, host_slices = iter(device_slices), iter(host_slices)
+        return jax.tree.unflatten(
+            treedef, [next(host_slices) if host else next(device_slices) for host in resident]
+        )
+
+    def step(carry, per_layer):
+        inner, current = carry
+        device_slices, x, index = per_layer
+        upcoming = host_slice(host_stacks, jnp.minimum(index + 1, length - 1))
+        inner, y = body(inner, (layer_of(device_slices, current), x))
+        return (inner, upcoming), y
+
+    first = host_slice(host_stacks, jnp.int32(0))
+    (carry, _), ys = jax.lax.scan(
+        step, (init, first), (device_stacks, xs, jnp.arange(length, dtype=jnp.int32))
+    )
+    return carry, ys
 
 
 def host_write(tree, values, index):
@@ -87,10 +132,15 @@ def host_row_write(leaf, value, start):
         return jax.lax.dynamic_update_slice_in_dim(leaf, value, jax.device_put(start, HOST), 0)
 
 
+def host_sharding() -> jax.sharding.SingleDeviceSharding:
+    """Pinned host memory of the default device: where host-resident arrays are put."""
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+
+
 def abstract_on_host(tree):
     """Abstract shapes (`jax.ShapeDtypeStruct`) of `tree` placed in pinned host memory, for
     compiling a step on abstract arguments as it will run with host-resident state."""
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    sharding = host_sharding()
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 

@@ -97,6 +97,14 @@ def place_embedding(
     return trainable, {**frozen, "embed": move(frozen["embed"])}
 
 
+def place_base(config: TrainConfig, frozen: Params, move: Callable) -> Params:
+    """`frozen` with its layer stack moved by `move` (to pinned host memory, or to abstract host
+    shapes) when `memory.base` is "host"; the step then brings one layer at a time over."""
+    if config.memory.base != "host":
+        return frozen
+    return {**frozen, "layers": move(frozen["layers"])}
+
+
 def step_optimizer(
     config: TrainConfig, optimizer: optax.GradientTransformation
 ) -> optax.GradientTransformation:
@@ -259,18 +267,26 @@ def check_clipping_and_accumulation(config: TrainConfig) -> None:
         )
 
 
+HOST_PLACEMENTS = ("optimizer_state", "embed", "base")  # memory settings with a host choice
+
+
 def _check_placements(config: TrainConfig, model_config: ModelConfig) -> None:
-    """Host placements need the streamed step on one device. A host embedding trained (full
-    fine-tuning) must be untied and use an elementwise optimizer (it is updated in row chunks);
-    a frozen one that is also the (tied) LM head must be read in vocabulary chunks."""
+    """Host placements need the streamed step on one device (on a mesh they are refused, not
+    sharded: FSDP already divides that memory over the devices). The base on the host needs a
+    frozen base (LoRA/QLoRA). A host embedding trained (full fine-tuning) must be untied and use
+    an elementwise optimizer (it is updated in row chunks); a frozen one that is also the (tied)
+    LM head must be read in vocabulary chunks."""
     memory = config.memory
     on_host = [
-        f"memory.{name}: host"
-        for name in ("optimizer_state", "embed")
-        if getattr(memory, name) == "host"
+        f"memory.{name}: host" for name in HOST_PLACEMENTS if getattr(memory, name) == "host"
     ]
     if not on_host:
         return
+    if memory.base == "host" and config.method == "full":
+        raise ConfigError(
+            "memory.base: host keeps the frozen base in host memory, and method: full has none "
+            "(every weight trains); use method lora or qlora, or memory.base: device"
+        )
     if memory.step == "reference":
         raise ConfigError(
             f"{', '.join(on_host)} needs the streamed step (it moves one layer at a time); "

@@ -155,6 +155,14 @@ class MemorySettings(_Section):
     embed: Literal["device", "host"] = Field(
         "device", description="host: a frozen embedding table sends only the rows a batch uses"
     )
+    base: Literal["device", "host"] = Field(
+        "device",
+        description=(
+            "host: the frozen layer stack (LoRA/QLoRA) stays in pinned host memory and each "
+            "layer comes to the device one layer ahead, forward and backward: two layers of "
+            "the base on the device instead of all of them, the stack moved twice per step"
+        ),
+    )
     attention: Literal["auto", "blockwise", "cudnn", "materialized"] = Field(
         "auto",
         description=(

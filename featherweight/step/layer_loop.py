@@ -1,17 +1,18 @@
 """The streamed step's walk over the layer stack: forward keeping each layer's input, and backward
 updating each layer as soon as its gradient exists.
 
-forward: a scan of the block over the stacked layers; each layer's input (and the intermediates
+forward: a scan of the block over the stacked layers (a frozen base in pinned host memory comes
+  over one layer ahead: `memory_kinds.scan_layers`); each layer's input (and the intermediates
   the policy saves) is kept at the policy's placement -- the device, or pinned host memory, put
   there by the step itself (naming the block's input, not its output: XLA #17541).
 backward: a `fori_loop` from the last layer to the first. Layer l's saved input comes back (the
-  next one is fetched while l computes), its VJP is rebuilt (remat), and its gradient goes to a
-  `LayerSink`: straight into the optimizer on layer l's slice of each tensor's state
-  (`update_sink`: parameters and state written back in place on the donated stacks, the fused
-  update), into slice l of a gradient buffer (`accumulate_sink`: global clipping of adapters,
-  accumulation over micro-batches), or nowhere but the squared norm (`norm_sink`: the first pass
-  of two-pass clipping). At most one layer's gradient is alive at a time; only the buffer sink
-  keeps a trainable-sized gradient.
+  next one is fetched while l computes, and so is its frozen base when that is in host memory),
+  its VJP is rebuilt (remat), and its gradient goes to a `LayerSink`: straight into the
+  optimizer on layer l's slice of each tensor's state (`update_sink`: parameters and state
+  written back in place on the donated stacks, the fused update), into slice l of a gradient
+  buffer (`accumulate_sink`: global clipping of adapters, accumulation over micro-batches), or
+  nowhere but the squared norm (`norm_sink`: the first pass of two-pass clipping). At most one
+  layer's gradient is alive at a time; only the buffer sink keeps a trainable-sized gradient.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ import jax.numpy as jnp
 
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import AttentionInputs, LoraSpec, Params
-from featherweight.parallel.memory_kinds import host_slice, host_write
+from featherweight.parallel.memory_kinds import (
+    has_host_leaves,
+    host_slice,
+    host_write,
+    scan_layers,
+)
 from featherweight.step.common import scaled, squared_norm
 from featherweight.step.layer_grad import layer_forward, layer_vjp
 from featherweight.step.opt_state import guarded_update
@@ -67,7 +73,7 @@ def forward_layers(
     policy = context.policy
 
     def forward_layer(x, per_layer):
-        frozen_l, trainable_l, key_l = per_layer
+        (frozen_l, trainable_l), key_l = per_layer
         x = context.constrain(x)
         y, saved = layer_forward(
             frozen_l, trainable_l, x, context.inputs, context.config, context.lora, key_l,
@@ -75,7 +81,8 @@ def forward_layers(
         )  # fmt: skip
         return y, jax.tree.map(put, (x, saved))
 
-    return jax.lax.scan(forward_layer, x, (frozen_layers, trainable_layers, context.keys))
+    layers = (frozen_layers, trainable_layers)
+    return scan_layers(forward_layer, x, layers, context.keys, context.config.num_layers)
 
 
 class LayerSink(NamedTuple):
@@ -153,22 +160,29 @@ def backward_layers(
     """
     _, fetch = _residual_store(context.policy.residuals)
     num_layers = context.config.num_layers
+    # a frozen base in host memory rides in the carry, fetched one layer ahead like the inputs
+    base_on_host = has_host_leaves(frozen_layers)
+
+    def fetch_layer(index):
+        saved = jax.tree.map(fetch, _slice(stored, index))
+        return (saved, host_slice(frozen_layers, index)) if base_on_host else (saved, None)
 
     def backward_layer(i, carry):
         cotangent, target, grad_sq, current = carry
         cotangent = context.constrain(cotangent)
         index = num_layers - 1 - i
-        upcoming = jax.tree.map(fetch, _slice(stored, jnp.maximum(index - 1, 0)))
-        x, saved = current
+        upcoming = fetch_layer(jnp.maximum(index - 1, 0))
+        (x, saved), frozen_l = current
         grads, cotangent = layer_vjp(
-            _slice(frozen_layers, index), sink.params(target, index),
-            x, saved, cotangent, context.inputs, context.config, context.lora,
-            None if context.keys is None else context.keys[index], context.policy.mlp_chunk,
+            frozen_l if base_on_host else _slice(frozen_layers, index),
+            sink.params(target, index), x, saved, cotangent, context.inputs, context.config,
+            context.lora, None if context.keys is None else context.keys[index],
+            context.policy.mlp_chunk,
         )  # fmt: skip
         target = sink.absorb(target, index, grads)
         return cotangent, target, grad_sq + squared_norm(grads), upcoming
 
-    first = jax.tree.map(fetch, _slice(stored, num_layers - 1))
+    first = fetch_layer(num_layers - 1)
     cotangent, target, grad_sq, _ = jax.lax.fori_loop(
         0, num_layers, backward_layer, (cotangent, target, jnp.float32(0), first)
     )

@@ -270,6 +270,7 @@ def load_weights(config: TrainConfig, model_path: Path) -> Model:
         dtype=config.model.dtype,
         quantize=quantize,
         quantize_head=config.model.quantize_head,
+        layers_on_host=config.memory.base == "host",  # the base never reaches the device
     )
 
 

@@ -194,3 +194,43 @@ def test_tied_table_with_partial_row_blocks_is_refused(tmp_path):
     with pytest.raises(QuantizationError, match=r"tied embedding table \(256, 96\)"):
         load_model(directory, quantize="nf4", quantize_head=True)
     assert isinstance(load_model(directory, quantize="nf4").params["embed"], jax.Array)
+
+
+def device_resident_bytes() -> int:
+    """Bytes of the live arrays in device memory (pinned host arrays left out)."""
+    return sum(
+        array.nbytes for array in jax.live_arrays() if array.sharding.memory_kind != "pinned_host"
+    )
+
+
+@pytest.mark.parametrize("quantize", [None, "nf4"], ids=["dense", "nf4"])
+def test_a_base_loaded_into_host_memory_never_reaches_the_device(checkpoint, monkeypatch, quantize):
+    """`layers_on_host` (memory.base: host): every layer stack is in pinned host memory, equal to
+    the device load value for value, and while loading the device held at most the dense top
+    tensors and one layer being quantized -- never a stack (negative control: the device load
+    holds them all)."""
+    directory, config = checkpoint
+    on_device = load_model(directory, dtype="float32", quantize=quantize).params
+    baseline = device_resident_bytes()
+    peaks = []
+    read = loader.check_finite
+
+    def tracked(values, *args):
+        peaks.append(device_resident_bytes() - baseline)
+        return read(values, *args)
+
+    monkeypatch.setattr(loader, "check_finite", tracked)
+    on_host = load_model(directory, dtype="float32", quantize=quantize, layers_on_host=True).params
+    peaks.append(device_resident_bytes() - baseline)
+    kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(on_host["layers"])}
+    assert kinds == {"pinned_host"}
+    assert all(
+        leaf.sharding.memory_kind == "device" for k, leaf in on_host.items() if k != "layers"
+    )
+    for expected, actual in zip(jax.tree.leaves(on_device), jax.tree.leaves(on_host), strict=True):
+        np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected))
+    top = sum(leaf.nbytes for name, leaf in on_host.items() if name != "layers")
+    one_layer = 4 * max(math.prod(shape) for shape in layer_shapes(config).values())
+    assert max(peaks) <= top + one_layer
+    stacks = sum(leaf.nbytes for leaf in jax.tree.leaves(on_device["layers"]))
+    assert stacks > one_layer  # the device load holds every stack on the device

@@ -11,6 +11,7 @@ from featherweight.io.model_source import model_config_from
 from featherweight.memory.measure import abstract_step_arguments, measure_compiled, tree_nbytes
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import comparable_total, percent_difference
+from featherweight.memory.working_set import calibration_for
 from featherweight.models.registry import BUILTIN_MODELS, builtin_config
 from featherweight.models.shapes import parameter_count
 from featherweight.recipe.schema import TrainConfig, parse_config
@@ -115,6 +116,7 @@ def test_saved_intermediates_are_planned_per_layer():
 # published parameter counts (model cards)
 PARAMETER_COUNTS = {
     "Llama-3.1-8B": 8.03e9,
+    "Llama-3.1-70B": 70.6e9,
     "Llama-3.2-1B": 1.24e9,
     "Llama-3.2-3B": 3.21e9,
     "Mistral-7B-v0.3": 7.25e9,
@@ -146,7 +148,9 @@ def test_model_sources_config_dir_gguf_and_errors(tmp_path, demo_gguf):
     (tmp_path / "config.json").write_text(json.dumps(builtin_config("SmolLM2-135M").to_hf_dict()))
     assert model_config_from(tmp_path) == builtin_config("SmolLM2-135M")
     assert model_config_from(demo_gguf).hidden_size == 576
-    with pytest.raises(CheckpointNotFoundError, match=r"Llama-3\.1-8B, Llama-3\.2-1B"):
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"Llama-3\.1-8B, Llama-3\.1-70B, Llama-3\.2-1B"
+    ):
         model_config_from("Llama-9B")
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -212,3 +216,29 @@ def test_clipping_and_accumulation_plans_match_the_compiled_step(method, optimiz
     plan, measured = plan_for_config(config, model), measure_compiled(config, model)
     difference = percent_difference(comparable_total(plan, measured), measured.total_bytes)
     assert abs(difference) <= 10.0, difference
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_a_base_on_the_host_is_planned_as_the_compiled_step_holds_it(method):
+    """memory.base: host -- the frozen stack is planned in host memory, byte for byte what the
+    compiled step takes as host-resident arguments; the planned device bytes within the 10% the
+    measurement grid holds (tests/memory/test_measure.py). XLA:CPU (one memory) plans no layers
+    in flight beyond the slices the device base takes too; a GPU compiler's plan, two layers."""
+    config = train_config(
+        method=method, batch_size=2, model={"dtype": "float32"}, memory={"base": "host"}
+    )
+    model = tiny_config(vocab_size=512, num_layers=8)
+    plan, measured = plan_for_config(config, model), measure_compiled(config, model)
+    stack = plan.bytes_of("base_layers")
+    assert plan.host_bytes == stack == measured.host_argument_bytes
+    assert plan.bytes_of("base_layers_in_flight") == 0
+    with calibration_for("xla-gpu"):
+        on_gpu = plan_for_config(config, model)
+    assert on_gpu.bytes_of("base_layers_in_flight") == 2 * stack // model.num_layers
+    groups = plan.measured_groups()
+    assert groups["frozen_base"] == measured.components["frozen_base"]  # device + host parts
+    difference = percent_difference(plan.device_bytes, measured.device_bytes)
+    assert abs(difference) <= 10.0, difference
+    on_device = plan_for_config(config.model_copy(update={"memory": config.memory.model_copy(
+        update={"base": "device"})}), model)  # fmt: skip
+    assert on_device.device_bytes - plan.device_bytes == stack

@@ -6,10 +6,12 @@ import jax
 import pytest
 
 from featherweight.memory.measure import abstract_step_arguments
+from featherweight.memory.state_bytes import host_base_bytes
 from featherweight.memory.step_cost import (
     ACCELERATOR_RATES,
     CPU_RATES,
     hlo_dot_flops,
+    host_base_estimate,
     host_transfer_bytes,
     step_flops,
     step_seconds,
@@ -65,3 +67,19 @@ def test_host_transfers_follow_the_placements_and_cost_time_only_over_a_link():
     assert step_seconds(residuals, MODEL, ACCELERATOR_RATES) > step_seconds(
         on_device, MODEL, ACCELERATOR_RATES
     )
+
+
+def test_a_base_on_the_host_crosses_the_link_twice_and_its_estimate_adds_up():
+    on_host = _config("qlora", base="host")
+    stack = host_base_bytes(on_host, MODEL)
+    layers = MODEL.num_layers
+    assert stack and host_transfer_bytes(_config("qlora"), MODEL) == 0
+    # every layer once forward and once backward, and each walk's one fetch past its end
+    assert host_transfer_bytes(on_host, MODEL) == 2 * (layers + 1) * stack // layers
+    estimate = host_base_estimate(on_host, MODEL, 25e9, 1e14)
+    assert estimate.transfer_seconds == estimate.moved_bytes / 25e9
+    assert estimate.compute_seconds == step_flops(on_host, MODEL).total / 1e14
+    # at the hiding batch x sequence, compute (per token, at this length) covers the transfer
+    per_token = estimate.compute_seconds / (BATCH * SEQ)
+    assert (estimate.hiding_tokens - 1) * per_token < estimate.transfer_seconds
+    assert estimate.hiding_tokens * per_token >= estimate.transfer_seconds

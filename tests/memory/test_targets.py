@@ -38,6 +38,18 @@ def test_every_target_is_shipped_with_its_facts_and_source():
     assert get_target("H100") is get_target("h100")
 
 
+def test_gpu_targets_carry_their_host_link_and_peak():
+    """The published figures the base-on-host estimates use: PCIe x16 one way (4.0: 31.5 GB/s,
+    5.0: 63 GB/s) and the dense bf16 tensor peak."""
+    for name in GPU_TARGETS:
+        target = get_target(name)
+        assert target.host_link_bytes_per_second in (31.5e9, 63e9)
+        assert 50e12 < target.peak_flops < 1000e12 and target.facts["link_and_peak_source"]
+    assert get_target("h100").host_link_bytes_per_second == 63e9
+    assert get_target("rtx4090").host_link_bytes_per_second == 31.5e9
+    assert get_target("cpu").peak_flops is None
+
+
 def test_target_configs_carry_the_facts():
     h100, l40s = gpu_target_config(get_target("h100")), gpu_target_config(get_target("l40s"))
     assert "core_count: 132" in h100 and "major: 9 minor: 0" in h100

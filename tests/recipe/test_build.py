@@ -98,3 +98,26 @@ def test_clipping_the_step_cannot_do_exactly_is_refused(settings, expected):
 def test_clipping_each_step_does_exactly_is_accepted(settings):
     settings = {**settings, "optimizer": {"clip_norm": 1.0, **settings.get("optimizer", {})}}
     check_method_settings(parse_config(settings), tiny_config())
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"method": "full"}, "method: full has none .* lora or qlora, or memory.base: device"),
+        ({"memory": {"step": "reference"}}, "needs the streamed step"),
+        ({"mesh": {"data": 1, "fsdp": 8}}, "one device only; .* drop the host placement"),
+    ],
+)
+def test_a_base_on_the_host_that_cannot_work_is_refused(settings, expected):
+    """memory.base: host needs a frozen base and the streamed step on one device: on a mesh it
+    is refused (FSDP divides the base over the devices instead), naming the alternatives."""
+    memory = {"base": "host", **settings.get("memory", {})}
+    with pytest.raises(ConfigError, match=expected):
+        check_method_settings(parse_config({**settings, "memory": memory}), tiny_config())
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_a_base_on_the_host_is_accepted_for_adapters(method):
+    check_method_settings(
+        parse_config({"method": method, "memory": {"base": "host"}}), tiny_config()
+    )

@@ -263,6 +263,15 @@ def host_placement_on_a_mesh(env: Env) -> Action:
     return env.train(**{"memory.optimizer_state": "host", "mesh.data": 1, "mesh.fsdp": 8})
 
 
+@case(
+    "frozen base on the host without a frozen base",
+    r"memory\.base: host keeps the frozen base in host memory, and method: full has none",
+    r"use method lora or qlora, or memory\.base: device",
+)
+def base_on_host_with_full(env: Env) -> Action:
+    return env.train(**{"memory.base": "host", "method": "full"})
+
+
 @case("unknown saved intermediate", r"\['attn'\]", r"known names are \['qkv', 'mlp_hidden'\]")
 def unknown_saved(env: Env) -> Action:
     return env.train(**{"memory.save": ["attn"]})

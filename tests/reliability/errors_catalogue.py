@@ -60,6 +60,7 @@ config | global clipping the step cannot do in one pass | `method: full`, `optim
 config | loss chunk that does not divide the sequence | `memory.loss_chunk: 48`, `seq_len: 64` | StepConfigError | names both sizes and a divisor to use
 config | MLP chunk that does not divide the sequence | `memory.mlp_chunk: 48`, `seq_len: 64` | ConfigError | names both sizes and a divisor to use
 config | host placement on a mesh | `memory.optimizer_state: host` with `mesh: {fsdp: 8}` | ConfigError | says it is one-device only: drop the host placement or the mesh
+config | frozen base on the host without a frozen base | `memory.base: host` with `method: full` | ConfigError | says full fine-tuning has no frozen base: method lora or qlora, or `memory.base: device`
 config | unknown saved intermediate | `memory: {save: [attn]}` | StepConfigError | names `attn` and the known names
 paths | missing model path | `model.path: /no/such/model` | CheckpointNotFoundError | give a Hugging Face model directory or a .gguf file
 paths | output_dir holding other files | an output_dir with someone's notes in it | OutputExistsError | pass --overwrite or choose a new output_dir
