@@ -66,6 +66,10 @@ def cases(model) -> list[tuple[str, object]]:
             budget.describe_changes(_config("qlora"), smallest)) + ")", smallest),
         ("LoRA b2x2048", _config("lora")),
         ("full, 8-bit AdamW, b2x2048", _config("full", "adamw_8bit")),
+        ("full, AdamW state on the host, small-memory settings, b2x2048", _config("full").model_copy(
+            update={"memory": _config("full").memory.model_copy(update={
+                "optimizer_state": "host", "residuals": "host", "loss_chunk": 512,
+                "mlp_chunk": 512})})),
     ]  # fmt: skip
 
 

@@ -363,6 +363,15 @@ def _case_id(model: ModelConfig, config: TrainConfig) -> str:
     return json.dumps([model.to_hf_dict(), config.model_dump(mode="json")], sort_keys=True)
 
 
+def _current_case_id(recorded: str) -> str:
+    """A recorded case's id as today's schema writes it: a setting added since (at its default)
+    leaves the program, and so the measurement, as it was."""
+    model, config = json.loads(recorded)
+    return _case_id(
+        config_from_hf_dict(model, source="calibration record"), TrainConfig.model_validate(config)
+    )
+
+
 def measure(
     cases: list[tuple[ModelConfig, TrainConfig]],
     real_from: int,
@@ -378,7 +387,7 @@ def measure(
     if reuse and progress is not None and progress.is_file():
         for line in progress.read_text().splitlines():
             record = json.loads(line)
-            done[record.pop("case")] = record
+            done[_current_case_id(record.pop("case"))] = record
     records = []
     for index, (model, config) in enumerate(cases):
         # what the trainer, the plan and the measurement run: unset chunks chosen from the shapes
