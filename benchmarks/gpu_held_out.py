@@ -2,7 +2,8 @@
 
 The grid is the calibration's held-out grid (`featherweight.memory.calibrate.gpu_grid` with the
 held-out seed: real models 1B-8B, LoRA/QLoRA/full, AdamW and 8-bit AdamW, b1-4, S 512-4096, with
-and without each memory setting), never used by the fit. Each configuration is compiled for the
+and without each memory setting; and batch 1 at 32K-131K tokens, `calibrate.gpu_long_context`),
+never used by the fit. Each configuration is compiled for the
 target without a GPU (`measure_for_target`), and planned with that compiler's calibration (what
 `--target` picks). Compiles take minutes on a small machine: `--progress` keeps them (JSON lines)
 and a re-run only plans again.
@@ -58,7 +59,11 @@ def main() -> None:
     args = parser.parse_args()
     target = get_target(args.target)
     cases = calibrate.gpu_grid(calibrate.HELD_OUT_SEED, args.size, "bfloat16")
-    records = calibrate.measure(cases, 0, target.name, args.progress)
+    cases += calibrate.gpu_long_context("bfloat16", held_out=True)
+    progress = args.progress or calibrate.calibration_path().with_name(
+        "calibration-xla-gpu-bfloat16.jsonl"
+    )  # the calibration's own measurements: nothing compiled twice
+    records = calibrate.measure(cases, 0, target.name, progress)
     lines = [
         f"# Held-out grid: planned vs compiled for the {target.short_name} (jax {jax.__version__})",
         "",
