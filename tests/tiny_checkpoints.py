@@ -189,9 +189,17 @@ def write_gguf(
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    # past the 256 bytes, a vocabulary gets two-letter tokens and their merges ("a b" -> "ab"),
+    # as llama.cpp needs merges to load a byte-level BPE vocabulary
+    tokens = _byte_level_tokens()[: config.vocab_size]
+    pairs = [(chr(ord("a") + i // 26), chr(ord("a") + i % 26)) for i in range(26 * 26)]
+    pairs = pairs[: config.vocab_size - len(tokens)]
+    tokens += [left + right for left, right in pairs]
+    merges = [f"{left} {right}" for left, right in pairs]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list(_byte_level_tokens()[: config.vocab_size])
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
     writer.add_token_types([TokenType.NORMAL] * config.vocab_size)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)

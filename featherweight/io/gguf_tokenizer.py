@@ -26,8 +26,13 @@ _QWEN2_SPLIT_START = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
+# names llama.cpp's vocabulary loader maps to a pre-tokenizer (llama-vocab.cpp), of those written here
+LLAMA_CPP_PRE_NAMES = frozenset({"default", "gpt-2", "llama-bpe", "qwen2", "smollm"})
+
+
 def pre_tokenizer_name(tokenizer: Tokenizer, backend_json: dict[str, Any]) -> str:
-    """llama.cpp's name for the split a byte-level BPE tokenizer applies before its merges."""
+    """llama.cpp's name for the split a byte-level BPE tokenizer applies before its merges (one of
+    `LLAMA_CPP_PRE_NAMES`, or the name kept from the GGUF file the model came from)."""
     if tokenizer.gguf_pre:
         return tokenizer.gguf_pre
     pre = backend_json.get("pre_tokenizer") or {}
@@ -42,7 +47,7 @@ def pre_tokenizer_name(tokenizer: Tokenizer, backend_json: dict[str, Any]) -> st
     if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits"):
         return "smollm"
     if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
-        return "gpt2"
+        return "gpt-2"  # llama.cpp's name (it refuses "gpt2": "unknown pre-tokenizer type")
     return "default"
 
 

@@ -13,6 +13,7 @@ from featherweight.errors import ConfigError
 from featherweight.inference.generate import logits
 from featherweight.io.convert import convert
 from featherweight.io.gguf_reader import GGUFSource, unpermute_rotary_rows
+from featherweight.io.gguf_tokenizer import LLAMA_CPP_PRE_NAMES
 from featherweight.io.gguf_writer import GGUF_QUANTS, permute_rotary_rows
 from featherweight.io.loader import load_model
 from featherweight.io.ollama import MODEL_FILE, MODELFILE, chat_family
@@ -124,6 +125,7 @@ def test_tokenizer_and_hyperparameters_survive_the_round_trip(tiny_model_dir, sm
     }
     assert fields["general.architecture"] == "llama"
     assert fields["tokenizer.ggml.model"] == "gpt2"
+    assert fields["tokenizer.ggml.pre"] in LLAMA_CPP_PRE_NAMES  # llama.cpp refuses other names
     assert fields["llama.attention.head_count_kv"] == 2
     assert fields["llama.rope.freq_base"] == 10000.0
     assert fields["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
