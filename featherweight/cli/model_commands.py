@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from pathlib import Path
 from typing import Annotated
@@ -66,6 +67,16 @@ def generate(
     console.print(f"[dim]{seconds:.1f} s including compilation[/]")
 
 
+def shard_gib(value: float | None) -> float | None:
+    """A shard size in GiB: positive, and a whole number of bytes (1e308 GiB is not)."""
+    value = positive(value)
+    if value is not None and not math.isfinite(value * 1024**3):
+        raise typer.BadParameter(
+            f"{value} GiB is too large for a shard; give e.g. 2 (GiB per file)"
+        )
+    return value
+
+
 @friendly_errors
 def convert(
     source: Annotated[str, typer.Argument(help="GGUF file or HF directory")],
@@ -73,7 +84,7 @@ def convert(
     dtype: Annotated[str | None, typer.Option(help="cast tensors, e.g. bfloat16")] = None,
     overwrite: bool = False,
     max_shard_gib: Annotated[
-        float, typer.Option(callback=positive, help="shard size in GiB")
+        float, typer.Option(callback=shard_gib, help="shard size in GiB")
     ] = 2.0,
     to: Annotated[str, typer.Option(help="hf (transformers) or gguf (llama.cpp, Ollama)")] = "hf",
     quant: Annotated[

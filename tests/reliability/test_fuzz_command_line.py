@@ -37,7 +37,8 @@ QUICK = settings(
 THOROUGH = settings(QUICK, max_examples=1500)
 
 EDGE_NUMBERS = ["0", "-1", "1", "nan", "inf", "-inf", "1e309", "2.5", "0x10", "1_000", "١", "²",
-                str(2**64), str(-(2**63)), "  3", "3 ", "+4", "", " ", "abc", "[1]", "1GiB"]  # fmt: skip
+                str(2**64), str(-(2**63)), "  3", "3 ", "+4", "", " ", "abc", "[1]", "1GiB",
+                "1.7976931348623157e+308"]  # fmt: skip
 EDGE_TEXT = ["", " ", ".", "..", "/", "~", "[b]x[/b]", "data[v2].jsonl", "a\x00b", "é", "\t",
              "auto", "none", "float32", "bfloat16", "int8", "merged", "peft", "gguf", "-",
              "8GiB", "8 gigs", "-8GiB", "data=2,fsdp=4", "fsdp=100000", "data=0", ",", "a=b=c"]  # fmt: skip
