@@ -301,6 +301,24 @@ def gpu_toy_grid(seed: int, size: int, dtype: str) -> list[tuple[ModelConfig, Tr
     return cases
 
 
+def _gpu_planner_test_cases(dtype: str) -> list[tuple[ModelConfig, TrainConfig]]:
+    """The small full fine-tune tests/memory/test_measure_gpu.py compiles for the H100 (residuals
+    and optimizer state on the host), and the same settings on SmolLM2-135M: in the fit grid, so
+    the planner's own test holds with the fitted counts (as `_planner_test_cases` on CPU)."""
+    small = config_from_hf_dict(
+        {"model_type": "llama", "vocab_size": 1024, "hidden_size": 256,
+         "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 4, "head_dim": 32, "tie_word_embeddings": False,
+         "max_position_embeddings": 4096},
+        source="calibration grid",
+    )  # fmt: skip
+    settings = {"method": "full", "batch_size": 2, "model": {"dtype": dtype},
+                "data": {"seq_len": 128},
+                "memory": {"residuals": "host", "optimizer_state": "host"}}  # fmt: skip
+    config = parse_config(settings, source="calibration grid")
+    return [(small, config), (builtin_config("SmolLM2-135M"), config)]
+
+
 def gpu_grid(seed: int, size: int, dtype: str) -> list[tuple[ModelConfig, TrainConfig]]:
     """`size` valid configurations of real models (1B-8B) drawn with `seed`; the fit grid
     (`FIT_SEED`) starts with the planner's reference, Llama-3.1-8B QLoRA b2 x 2048."""
@@ -409,6 +427,8 @@ def measure(
             if progress is not None:
                 with progress.open("a") as file:
                     file.write(json.dumps({"case": case, **done[case]}) + "\n")
+        # the weight belongs to the case's place in the grid, not to the measurement
+        done[case]["weight"] = REAL_WEIGHT if index >= real_from else 1.0
         records.append(done[case])
         print(f"  {index + 1}/{len(cases)} temp {done[case]['temp_bytes']:,} B", file=sys.stderr)
     return records
@@ -508,6 +528,7 @@ def _grids(args: argparse.Namespace) -> tuple[list, int, list, int]:
         toys = gpu_toy_grid(FIT_SEED, args.fit_size, args.dtype)
         return (
             toys
+            + _gpu_planner_test_cases(args.dtype)
             + gpu_grid(FIT_SEED, args.fit_size, args.dtype)
             + gpu_long_context(args.dtype, held_out=False),
             len(toys),
