@@ -12,8 +12,8 @@ first), so a setting that saves nothing is never kept. The settings, each with w
 
 1. loss chunk: halve the LM-head/cross-entropy chunk (down to 64 tokens) -- same result, no extra
    FLOPs; helps when the loss phase is the peak (large vocabularies);
-2. vocabulary chunk: the LM head 16384 rows at a time, then halved (down to 2048) -- same result,
-   one more LM-head forward;
+2. vocabulary chunk: the LM head 16384 rows at a time, then halved (down to 2048) -- same result;
+   no extra FLOPs for a frozen head (one sweep), one more LM-head forward for a trained one;
 3. saved intermediates: drop them (memory.save = ()) -- the backward pass recomputes them;
 4. MLP chunk: halve the MLP's sequence chunk (down to 256) -- same result; long context;
 5. residual offload: memory.residuals = "host" -- same result, the residual stream crosses the

@@ -122,7 +122,7 @@ class StepFlops(NamedTuple):
 
     layers: int  # the blocks: forward, remat forward, backward (input and weight gradients)
     head: int  # the LM head: forward, its input gradient, its weight gradient when trained
-    head_recompute: int  # one more head forward: the vocabulary-chunked loss's second sweep
+    head_recompute: int  # one more head forward: a trained head's vocabulary-chunked second sweep
 
     @property
     def total(self) -> int:
@@ -180,7 +180,8 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
     head_trained = config.method == "full"
     head = head_forward * (3 if head_trained else 2)
     vocab_chunk = config.memory.vocab_chunk
-    recompute = head_forward if vocab_chunk is not None and vocab_chunk < m.vocab_size else 0
+    chunked_vocab = vocab_chunk is not None and vocab_chunk < m.vocab_size
+    recompute = head_forward if chunked_vocab and head_trained else 0  # a frozen head: one sweep
     return StepFlops(m.num_layers * per_layer, head, recompute)
 
 
@@ -211,7 +212,7 @@ def host_transfer_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
     base on host: every layer of the frozen stack in, twice (`host_base_transfer_bytes`);
     embedding on host: the batch's rows in (a frozen table), or -- trained -- the table and its
     gradient's rows in and out; a tied head on host also streams the table through the loss
-    once per sequence chunk (twice with vocabulary chunks: the log-sum-exp and gradient sweeps).
+    once per sequence chunk (a frozen head's vocabulary chunks take one sweep, `step.loss`).
     """
     m, memory = model_config, config.memory
     tokens, itemsize = config.batch_size * config.data.seq_len, compute_itemsize(config)
@@ -229,8 +230,7 @@ def host_transfer_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
             sweeps = config.data.seq_len // resolve_chunk_size(
                 config.data.seq_len, memory.loss_chunk
             )
-            chunked_vocab = memory.vocab_chunk is not None and memory.vocab_chunk < m.vocab_size
-            moved += sweeps * (2 if chunked_vocab else 1) * table
+            moved += sweeps * table
     return moved
 
 

@@ -10,15 +10,22 @@ cotangent of 1) in the same sweep over the sequence chunks, so no logits chunk i
 
   sequence chunks only   each chunk's logits are made once; the loss, (softmax - onehot) x mask
                          and its contractions into d_hidden (and d_head) follow at once;
-  vocabulary chunks too  per sequence chunk, one sweep over the vocabulary chunks gives an online
-                         log-sum-exp (running max and sum) and the target logit; a second sweep
-                         rebuilds each logits chunk once for the gradients;
+  vocabulary chunks, frozen head
+                         per sequence chunk, one sweep over the vocabulary chunks gives an online
+                         log-sum-exp (running max and sum), the target logit and the running
+                         softmax-weighted sum of head rows (rescaled as the max moves, as flash
+                         attention does for its output): d_normed = that sum / the running sum -
+                         the target's row. Each logits chunk is made once;
+  vocabulary chunks, trained head
+                         d_head's rows need each token's final log-sum-exp, so a first sweep gives
+                         it and a second rebuilds each logits chunk once for the gradients;
   backward               scales the kept gradients by the cotangent.
 
-So the head's matmuls are the unchunked step's (forward, d_hidden, d_head) with a sequence chunk,
-plus one head forward with vocabulary chunks -- not a rematerialized scan nested in another, which
-re-ran the head's forward twice more (tests/step/test_loss_flops.py counts them in the compiled
-HLO). A trained head's gradient is accumulated transposed, [D, V], when the vocabulary is whole
+So the head's matmuls are the unchunked step's (forward, d_hidden, d_head) with a sequence chunk
+and with vocabulary chunks of a frozen head, plus one head forward with vocabulary chunks of a
+trained head -- not a rematerialized scan nested in another, which re-ran the head's forward twice
+more (tests/step/test_loss_flops.py counts them in the compiled HLO). Whether the head is trained
+is read from the differentiation itself (`symbolic_zeros`: the head is "perturbed" or not). A trained head's gradient is accumulated transposed, [D, V], when the vocabulary is whole
 (`_add_head_grad`). Without any chunk the plain computation runs under autodiff.
 """
 
@@ -204,10 +211,62 @@ def _chunk_value_and_grads(normed, head, targets, weight, vocab_chunk: int, d_he
     return logsumexp - target_logit, d_normed, d_head
 
 
-def _differentiable_head(head) -> bool:
-    """Whether the head gets a gradient: a dense table on the device (an NF4 or host-resident
-    head is always frozen)."""
-    return not isinstance(head, NF4Tensor) and not on_host(head)
+def _frozen_head_value_and_grads(normed, head, targets, weight, vocab_chunk: int):
+    """A frozen head's sequence chunk in one vocabulary sweep: cross-entropy [B, c] and, for the
+    loss sum x `weight`, d_normed [B, c, D] float32.
+
+    d_normed = sum_v softmax_v x row_v - row_target: the sweep keeps the running max, the running
+    sum of exp(logit - max) and the rows weighted by exp(logit - max), rescaling both when the
+    max moves, so no logits chunk is made twice (the trained head's d_head rows would need the
+    final log-sum-exp before the sweep: `_chunk_value_and_grads`).
+    """
+
+    def body(carry, rows, row_ids, fresh):
+        running_max, running_sum, target_logit, weighted_rows = carry
+        logits = jnp.where(fresh, _logits(normed, rows), -jnp.inf)
+        new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
+        decay = jnp.exp(running_max - new_max)
+        probs = jnp.exp(logits - new_max[..., None])  # unnormalized; 0 where not fresh
+        running_sum = running_sum * decay + jnp.sum(probs, axis=-1)
+        weighted_rows = weighted_rows * decay[..., None] + jnp.einsum(
+            "bcv,vd->bcd", probs.astype(rows.dtype), rows, preferred_element_type=jnp.float32
+        )
+        hit = (row_ids == targets[..., None]) & fresh
+        target_logit = target_logit + jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+        return new_max, running_sum, target_logit, weighted_rows
+
+    shape = targets.shape
+    start = (
+        jnp.full(shape, -jnp.inf, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros(normed.shape, jnp.float32),
+    )
+    running_max, running_sum, target_logit, weighted_rows = _vocab_sweep(
+        head, vocab_chunk, normed, body, start
+    )
+    expected_row = weighted_rows / running_sum[..., None]
+    d_normed = (expected_row - _target_rows(head, targets)) * weight[..., None]
+    return running_max + jnp.log(running_sum) - target_logit, d_normed
+
+
+def _target_rows(head, targets) -> jax.Array:
+    """The head rows of the target tokens, [B, c, D] float32 (gathered: only these are dense)."""
+    if isinstance(head, NF4Tensor):
+        return take_rows_nf4(head, targets, jnp.float32)
+    if on_host(head):
+        return host_rows(head, targets).astype(jnp.float32)
+    return jnp.take(head, targets, axis=0, mode="clip").astype(jnp.float32)
+
+
+def _perturbed(tree) -> bool:
+    """Whether any leaf of a `symbolic_zeros` custom-VJP argument is being differentiated."""
+    return any(leaf.perturbed for leaf in jax.tree.leaves(tree))
+
+
+def _values(tree):
+    """The primal values of a `symbolic_zeros` custom-VJP argument."""
+    return jax.tree.map(lambda leaf: leaf.value, tree)
 
 
 def _to_chunks(x: jax.Array, chunk: int) -> jax.Array:
@@ -237,23 +296,31 @@ def _chunked_loss_sum(layout: _Chunks, hidden, final_norm, head, targets, mask):
 
 def _chunked_loss_fwd(layout: _Chunks, hidden, final_norm, head, targets, mask):
     """The loss and, in the same sweeps, its gradients for a cotangent of 1 (the loss is a sum,
-    so the backward pass only scales them): no logits chunk is ever made again."""
+    so the backward pass only scales them): no logits chunk is ever made again. The arguments
+    come as `symbolic_zeros` primals: a head nobody differentiates gets no gradient (and, with
+    vocabulary chunks, the one-sweep path)."""
+    train_head = _perturbed(head)
+    hidden, final_norm, head, targets, mask = _values((hidden, final_norm, head, targets, mask))
     weight = mask.astype(jnp.float32)
+    one_sweep = not train_head and layout.vocab < head.shape[0]
 
     def body(carry, chunk_inputs):
         d_head, d_norm = carry
         h, chunk_targets, chunk_weight = chunk_inputs
         normed, norm_vjp = jax.vjp(lambda x, w: rms_norm(x, w, layout.eps), h, final_norm)
-        nll, d_normed, d_head = _chunk_value_and_grads(
-            normed, head, chunk_targets, chunk_weight, layout.vocab, d_head
-        )
+        if one_sweep:
+            nll, d_normed = _frozen_head_value_and_grads(
+                normed, head, chunk_targets, chunk_weight, layout.vocab
+            )
+        else:
+            nll, d_normed, d_head = _chunk_value_and_grads(
+                normed, head, chunk_targets, chunk_weight, layout.vocab, d_head
+            )
         d_h, d_w = norm_vjp(d_normed.astype(normed.dtype))
         return (d_head, d_norm + d_w.astype(jnp.float32)), (nll, d_h)
 
     start = (
-        jnp.zeros(_head_grad_shape(layout, head), head.dtype)
-        if _differentiable_head(head)
-        else None,
+        jnp.zeros(_head_grad_shape(layout, head), head.dtype) if train_head else None,
         jnp.zeros(final_norm.shape, jnp.float32),
     )
     xs = tuple(_to_chunks(x, layout.seq) for x in (hidden, targets, weight))
@@ -298,7 +365,7 @@ def _chunked_loss_bwd(layout: _Chunks, residuals, g):
     )
 
 
-_chunked_loss_sum.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
+_chunked_loss_sum.defvjp(_chunked_loss_fwd, _chunked_loss_bwd, symbolic_zeros=True)
 
 
 def token_losses_sum(
