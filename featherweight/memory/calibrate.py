@@ -88,6 +88,7 @@ FIXED = {
         "head_gradient",
         "dequantized_head",
         "head_rows_from_host",
+        "head_rows_copy",
         "top_state_on_device",
     ),
     "head_update": ("embedding_gradient",),

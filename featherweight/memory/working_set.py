@@ -25,6 +25,9 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
       dequantized_head     quantize_head: V (or vocab_chunk) x D x itemsize, the dense copy the
                            head matmul reads
       head_rows_from_host  tied embedding on the host: the vocab_chunk rows brought over
+      head_rows_copy       a dense head on the device with vocab_chunk: the chunk's rows,
+                           vocab_chunk x D x itemsize, copied for the matmul (XLA:CPU copies a
+                           sliced operand; at small shapes this outweighs the logits it saves)
       head_optimizer_state optimizer state on the host: the largest head/embedding state, on
                            the device for its one update
     head_update phase: full fine-tuning of an untied head, updated once its gradient exists
@@ -203,6 +206,7 @@ def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
     # dequantized -- unless a row is one quantization block, where the blocks' reshapes are
     # identities and XLA fuses the dequantization into the update (compiled on XLA:CPU)
     moments = 2 * s.V * s.D * 4 * (1 if s.D == BLOCK_SIZE else 2)
+    rows_from_host = config.memory.embed == "host" and s.tied and not s.full
     return {
         "layer_weights": s.linear * s.a,
         "layer_gradient": layer_gradient_bytes(config, model_config),
@@ -219,8 +223,11 @@ def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
         "head_dequantized_moments": moments if s.full and not s.tied and eight_bit else 0,
         "embedding_dequantized_moments": moments if trained_table and eight_bit else 0,
         "dequantized_head": s.Vc * s.D * s.a if config.model.quantize_head else 0,
-        "head_rows_from_host": (
-            s.Vc * s.D * s.a if config.memory.embed == "host" and s.tied and not s.full else 0
+        "head_rows_from_host": s.Vc * s.D * s.a if rows_from_host else 0,
+        "head_rows_copy": (
+            s.Vc * s.D * s.a
+            if s.Vc < s.V and not config.model.quantize_head and not rows_from_host
+            else 0
         ),
         "base_layer": host_base_bytes(config, model_config) // s.L,
         "top_state_on_device": (
@@ -295,6 +302,14 @@ def phase_working_sets(
                 "head_rows_from_host",
                 t["head_rows_from_host"],
                 f"vocab_chunk x D x {s.a}: the tied table's rows brought from the host",
+            )
+        )
+    if t["head_rows_copy"]:
+        loss.append(
+            WorkingBuffer(
+                "head_rows_copy",
+                t["head_rows_copy"],
+                f"vocab_chunk x D x {s.a}: the chunk's head rows, copied for the matmul",
             )
         )
     if t["top_state_on_device"]:

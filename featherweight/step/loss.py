@@ -106,11 +106,22 @@ def _logits(normed: jax.Array, rows: jax.Array) -> jax.Array:
 def _vocab_sweep(head, chunk: int, normed, body, carry):
     """Run `body(carry, rows, row_ids, fresh) -> carry` over the head `chunk` rows at a time.
 
-    The last chunk starts at V - chunk so every slice is in range; `fresh` [Vc] marks the rows a
+    A dense device head whose rows divide into chunks is scanned as [V / chunk, chunk, D] blocks
+    (a free reshape; XLA:CPU then holds one block's copy, where a clamped slice held two). Else
+    the last chunk starts at V - chunk so every slice is in range; `fresh` [Vc] marks the rows a
     chunk sees first (the overlap with the previous chunk is masked out by the body).
     """
     vocab = head.shape[0]
     count = -(-vocab // chunk)
+    if count > 1 and not vocab % chunk and not isinstance(head, NF4Tensor) and not on_host(head):
+
+        def block_step(carry, xs):
+            index, rows = xs
+            row_ids = index * chunk + jnp.arange(chunk)
+            return body(carry, rows.astype(normed.dtype), row_ids, jnp.ones((chunk,), bool)), None
+
+        blocks = head.reshape(count, chunk, head.shape[1])
+        return jax.lax.scan(block_step, carry, (jnp.arange(count), blocks))[0]
 
     def step(carry, index):
         first = index * chunk

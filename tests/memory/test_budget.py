@@ -113,18 +113,26 @@ def test_micro_batch_comes_last_and_every_kept_change_is_needed():
 
 
 def test_the_search_weighs_time_a_vocabulary_chunk_only_when_needed():
-    # SmolLM2-135M LoRA b2 x 256 (the shapes): on this CPU host placements move nothing,
-    # so they come before a vocabulary chunk (one more LM-head forward); with a GPU's host link
-    # the link's cost is weighed
+    # SmolLM2-135M b2 x 256 (the shapes). Full fine-tuning trains the head, so a
+    # vocabulary chunk costs one more LM-head forward: on this CPU host placements move nothing,
+    # so they come first. A frozen head's chunks take one sweep (no extra FLOPs), so LoRA's
+    # search may keep one -- only where it lowers the plan. With a GPU's host link the link's
+    # cost is weighed.
     model = builtin_config("SmolLM2-135M")
-    config = config_of(method="lora", batch_size=2, data={"seq_len": 256})
-    plan = plan_for_config(config, model)
-    fitted, _ = fit_budget(config, model, plan.device_bytes - 2**20)
-    assert fitted.memory.vocab_chunk is None
-    costs = change_costs(config, _replace(config, "memory", vocab_chunk=16384), model, "cpu")
     head_forward = 2 * 2 * 256 * model.vocab_size * model.hidden_size
-    total = step_flops(with_lean_defaults(config, model), model).total
-    assert costs["memory.vocab_chunk"] == pytest.approx(head_forward / total, rel=0.05)
+    for method, extra in (("full", head_forward), ("lora", 0)):
+        config = config_of(method=method, batch_size=2, data={"seq_len": 256})
+        chunked = _replace(config, "memory", vocab_chunk=16384)
+        costs = change_costs(config, chunked, model, "cpu")
+        total = step_flops(with_lean_defaults(config, model), model).total
+        assert costs["memory.vocab_chunk"] == pytest.approx(extra / total, rel=0.05, abs=1e-12)
+        plan = plan_for_config(config, model)
+        fitted, _ = fit_budget(config, model, plan.device_bytes - 2**20)
+        if method == "full":
+            assert fitted.memory.vocab_chunk is None
+        elif fitted.memory.vocab_chunk is not None:  # kept: undoing it no longer fits
+            undone = _replace(fitted, "memory", vocab_chunk=None)
+            assert plan_for_config(undone, model).device_bytes > plan.device_bytes - 2**20
     offload = change_costs(config, _replace(config, "memory", residuals="host"), model, "gpu")
     assert offload["memory.residuals"] > 0
     assert change_costs(config, _replace(config, "memory", residuals="host"), model, "cpu") == {

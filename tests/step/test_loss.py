@@ -35,7 +35,7 @@ def _float64_reference(hidden, norm, head, targets, mask):
 
 @pytest.mark.parametrize("train_head", [True, False], ids=["trained-head", "frozen-head"])
 @pytest.mark.parametrize(
-    ("chunk", "vocab_chunk"), [(None, None), (4, None), (None, 64), (8, 48), (16, 200)]
+    ("chunk", "vocab_chunk"), [(None, None), (4, None), (None, 64), (8, 48), (16, 200), (8, 50)]
 )
 def test_chunked_loss_and_gradients_equal_the_plain_ones(chunk, vocab_chunk, train_head):
     """A trained head takes the two-sweep path, a frozen one the one-sweep path (loss.py)."""
