@@ -34,6 +34,7 @@ from featherweight.recipe.schema import parse_config
 from featherweight.step.opt_state import place_opt_state
 
 MIB = 2**20
+OLD_DEFAULT = {"loss_chunk": None, "mlp_chunk": None, "vocab_chunk": None}  # whole sequence
 SMALL_LORA = {  # what `plan --budget` reaches with every same-result setting
     "loss_chunk": 64,
     "vocab_chunk": 16384,
@@ -44,8 +45,9 @@ SMALL_LORA = {  # what `plan --budget` reaches with every same-result setting
 }
 VARIANTS = {
     "lora": [
-        ("default (loss_chunk chosen: 64)", "lora", {}, False),
-        ("whole-sequence loss (old default)", "lora", {"loss_chunk": None}, False),
+        ("default", "lora", {}, False),
+        ("no chunks (old default)", "lora", OLD_DEFAULT, False),
+        ("no MLP chunk", "lora", {"mlp_chunk": None}, False),
         ("vocab_chunk 16384", "lora", {"vocab_chunk": 16384}, False),
         ("mlp_chunk 128", "lora", {"mlp_chunk": 128}, False),
         ("residuals on host", "lora", {"residuals": "host"}, False),
@@ -54,14 +56,17 @@ VARIANTS = {
         ("every setting above", "lora", SMALL_LORA, False),
     ],
     "qlora": [
-        ("default (loss_chunk chosen: 64)", "qlora", {}, False),
-        ("whole-sequence loss (old default)", "qlora", {"loss_chunk": None}, False),
+        ("default", "qlora", {}, False),
+        ("no chunks (old default)", "qlora", OLD_DEFAULT, False),
+        ("no MLP chunk", "qlora", {"mlp_chunk": None}, False),
         ("NF4 head", "qlora", {}, True),
+        ("NF4 head, no chunks", "qlora", OLD_DEFAULT, True),
         ("NF4 head + vocab_chunk 16384", "qlora", {"vocab_chunk": 16384}, True),
     ],
     "full": [
-        ("default (loss_chunk chosen: 64)", "full", {}, False),
-        ("whole-sequence loss (old default)", "full", {"loss_chunk": None}, False),
+        ("default", "full", {}, False),
+        ("no chunks (old default)", "full", OLD_DEFAULT, False),
+        ("no MLP chunk", "full", {"mlp_chunk": None}, False),
         ("vocab_chunk 16384", "full", {"vocab_chunk": 16384}, False),
         ("residuals on host", "full", {"residuals": "host"}, False),
         ("optimizer state on host", "full", {"optimizer_state": "host"}, False),
@@ -147,6 +152,14 @@ def main() -> None:
         config = with_lean_defaults(
             _config(method, memory, quantize_head, args.batch, args.seq), model
         )
+        if not memory:  # say what the defaults chose
+            memory = config.memory
+            chosen = ", ".join(
+                f"{field} {getattr(memory, field)}"
+                for field in ("loss_chunk", "mlp_chunk", "vocab_chunk")
+                if getattr(memory, field) is not None
+            )
+            name = f"{name} ({chosen or 'no chunks'} chosen)"
         step, abstract = abstract_step_arguments(config, model)
         start = time.perf_counter()
         executable = step.lower(*abstract).compile()

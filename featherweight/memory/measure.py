@@ -132,7 +132,7 @@ def abstract_batch(batch_size: int, seq_len: int) -> Batch:
 def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig, mesh=None):
     """(step, (trainable, opt_state, frozen, batch, key)) as abstract shapes, from `train.setup`;
     on `mesh` (default: the one `config.mesh` describes) the step is the sharded one."""
-    config = with_lean_defaults(config, model_config)  # what the plan and the trainer use
+    config = with_lean_defaults(config, model_config, mesh)  # what the plan and trainer use
     trainable, frozen = abstract_split(config, model_config)
     optimizer = make_optimizer(config.optimizer, config.steps)
     step, init_opt_state = build_train_step(

@@ -34,7 +34,7 @@ from featherweight.io.embedded_model import cache_dir, require_demo_model
 from featherweight.io.loader import load_model, open_checkpoint
 from featherweight.io.output_paths import refuse_escape, refuse_overlap, resolved
 from featherweight.io.tokenizer import Tokenizer
-from featherweight.memory.defaults import with_lean_defaults
+from featherweight.memory.defaults import LEAN_DEFAULT_FIELDS, with_lean_defaults
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params
 from featherweight.models.model import Model
@@ -93,6 +93,17 @@ def _comparable(config: TrainConfig) -> dict[str, Any]:
     return values
 
 
+def _with_saved_choices(config: TrainConfig, saved: TrainConfig) -> TrainConfig:
+    """`config` with the chunks it leaves unset taken from the saved run, which recorded what the
+    lean defaults chose for it (`memory/defaults.py`): the same settings resume that run."""
+    unset = {
+        field: getattr(saved.memory, field)
+        for field in LEAN_DEFAULT_FIELDS
+        if field not in config.memory.model_fields_set
+    }
+    return config.model_copy(update={"memory": config.memory.model_copy(update=unset)})
+
+
 def absolute_paths(config: TrainConfig) -> TrainConfig:
     """`config` with its file paths resolved: a run records where its inputs are, so an export
     or a resume from another working directory reads the same files."""
@@ -130,11 +141,14 @@ def check_run_dir(config: TrainConfig, overwrite: bool) -> tuple[Path, bool]:
     resuming = False
     if out.exists() and not overwrite:
         saved = out / CONFIG_FILE
-        if saved.is_file() and _comparable(_saved_config(saved)) == _comparable(config):
+        saved_config = _saved_config(saved) if saved.is_file() else None
+        if saved_config is not None:
+            config = _with_saved_choices(config, saved_config)
+        if saved_config is not None and _comparable(saved_config) == _comparable(config):
             resuming = True
         elif any(out.iterdir()):
             what = (
-                f"another run (its config differs: {changed_settings(_comparable(_saved_config(saved)), _comparable(config))})"
+                f"another run (its config differs: {changed_settings(_comparable(saved_config), _comparable(config))})"
                 if saved.is_file()
                 else "files that are not a featherweight run"
             )

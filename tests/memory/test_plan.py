@@ -87,12 +87,15 @@ def test_llama_8b_qlora_plan_is_fast_and_plausible():
 
 def test_loss_chunk_shrinks_only_the_loss_phase():
     model = builtin_config("SmolLM2-135M")
-    whole_sequence = {"loss_chunk": None}  # set: no automatic chunk
+    whole_sequence = {"loss_chunk": None, "mlp_chunk": None}  # set: no automatic chunk
     whole = plan_for_config(
         train_config(method="full", data={"seq_len": 1024}, memory=whole_sequence), model
     )
     chunked = plan_for_config(
-        train_config(method="full", data={"seq_len": 1024}, memory={"loss_chunk": 128}), model
+        train_config(
+            method="full", data={"seq_len": 1024}, memory={"loss_chunk": 128, "mlp_chunk": None}
+        ),
+        model,
     )
     assert whole.peak_phase == "loss"  # 49k vocabulary: the logits dominate
     assert chunked.phases["backward"] == whole.phases["backward"]
