@@ -17,13 +17,15 @@ Bytes: XLA:CPU `compiled.memory_analysis()` of each JAX program, temp + argument
 (`memory.measure.measurement_of`, the same formula for both), split into frozen base, trainable
 weights, optimizer state, batch, temporaries and unaliased outputs. GFLOP: matmul FLOPs in each
 compiled program's optimized HLO (`memory.step_cost.hlo_dot_flops`, loops counted by their trip
-counts). Time: measured on this machine; the steps run interleaved (featherweight, JAX peer,
-torch, featherweight, ...), one warm-up round dropped; a ratio is featherweight's time over the
-peer's in the same round, the median over rounds, of process CPU time (all threads; wall time in
-brackets). The trainable weights flow from one step to the next (same layout in both JAX
+counts). Time: measured on this machine; the steps run interleaved, one round after another
+(featherweight, JAX peer, torch; then JAX peer, torch, featherweight; ...: the order rotates each
+round: in a fixed order featherweight always followed torch and measured 1.08x the JAX peer in
+LoRA, against 0.99x in a run of the JAX steps alone), one warm-up round dropped; a ratio is
+featherweight's time over the peer's in the same round, the median over rounds, of process CPU
+time (all threads; wall time in brackets). The trainable weights flow from one step to the next (same layout in both JAX
 programs); each step keeps its own optimizer state.
 
-    nice python benchmarks/peers.py --method all --rounds 3 --out benchmarks/results/peers_cpu.md
+    nice python benchmarks/peers.py --method all --rounds 6 --out benchmarks/results/peers_cpu.md
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def _measure_method(method: str, args, model, key) -> dict:
     cpu = {name: [] for name in STEPS}
     wall = {name: [] for name in STEPS}
     for round_index in range(args.rounds + 1):  # round 0 warms up and is dropped
-        for name in STEPS:
+        shift = round_index % len(STEPS)  # each step in each place in turn: no order bias
+        for name in STEPS[shift:] + STEPS[:shift]:
             cpu_start, wall_start = time.process_time(), time.perf_counter()
             if name == "featherweight":
                 trainable, fw_opt_state, metrics = fw_step(
@@ -143,7 +146,7 @@ def _report(results: dict, args) -> list[str]:
         f"machine: {args.machine}, {jax.device_count()} JAX device(s) of kind "
         f"{jax.devices()[0].device_kind!r}; jax {jax.__version__}, torch {_torch_version()}; "
         f"batch {args.batch} x seq {args.seq}, float32, AdamW, LoRA r8 alpha 16 on every linear "
-        f"(LoRA, QLoRA); {args.rounds} interleaved rounds after one warm-up round",
+        f"(LoRA, QLoRA); {args.rounds} interleaved rounds (order rotating) after one warm-up round",
         "",
         "MiB: XLA:CPU `memory_analysis()` of the compiled step, temp + argument + output - alias. "
         "GFLOP: matmul FLOPs in the optimized HLO (loops by trip count). Time: median over rounds "
