@@ -22,8 +22,8 @@ counts). Time: measured on this machine; the steps run interleaved, one round af
 round: in a fixed order featherweight always followed torch and measured 1.08x the JAX peer in
 LoRA, against 0.99x in a run of the JAX steps alone), one warm-up round dropped; a ratio is
 featherweight's time over the peer's in the same round, the median over rounds, of process CPU
-time (all threads; wall time in brackets). The trainable weights flow from one step to the next (same layout in both JAX
-programs); each step keeps its own optimizer state.
+time (all threads; wall time in brackets). The trainable weights flow from one step to the next
+(same layout in both JAX programs); each step keeps its own optimizer state.
 
     nice python benchmarks/peers.py --method all --rounds 6 --out benchmarks/results/peers_cpu.md
 """
