@@ -13,7 +13,8 @@ the chunks' matmuls get smaller. So, for a setting the config leaves unset:
   `MIN_GAIN` of it and a chunk keeps at least `MIN_AUTO_MLP_TOKENS` rows (B x chunk) per matmul
   (one device; on a mesh the batch is split, so the MLP is left whole);
 - loss_chunk: the largest halving of the sequence whose loss phase is no larger than the backward
-  phase (the planner's working sets), but no smaller than `MIN_AUTO_LOSS_CHUNK` tokens;
+  phase (the planner's working sets), but no smaller than `MIN_AUTO_LOSS_CHUNK` tokens, nor, for
+  a trained head (whose gradient each chunk adds into), than `MIN_TRAINED_HEAD_ROWS` rows;
 - vocab_chunk: only for a frozen head (LoRA, QLoRA: one sweep, no extra FLOPs) whose loss phase
   is still the peak -- typically an NF4 head, whose dense copy is then one chunk: 16384 rows,
   halved while each halving lowers the plan by `MIN_GAIN` (down to 2048), on one device. A
@@ -34,6 +35,7 @@ from featherweight.recipe.schema import TrainConfig
 
 MIN_AUTO_LOSS_CHUNK = 64  # tokens per row: below this the head's matmuls lose speed
 MIN_AUTO_MLP_TOKENS = 256  # rows (batch x chunk) of each MLP matmul
+MIN_TRAINED_HEAD_ROWS = 512  # rows (batch x chunk) of a loss chunk whose head gradient is summed
 MIN_GAIN = 0.02  # a smaller chunk must lower the planned step by this fraction of it
 AUTO_VOCAB_CHUNKS = (16384, 8192, 4096, 2048)  # rows of the LM head at a time
 LEAN_DEFAULT_FIELDS = ("mlp_chunk", "loss_chunk", "vocab_chunk")  # memory fields chosen here
@@ -58,15 +60,24 @@ def _planned_bytes(config: TrainConfig, model_config: ModelConfig) -> int | None
 
 
 def auto_loss_chunk(config: TrainConfig, model_config: ModelConfig) -> int | None:
-    """The sequence chunk of the loss for these shapes (None: the whole sequence is lean)."""
+    """The sequence chunk of the loss for these shapes (None: the whole sequence is lean).
+
+    A trained head (full fine-tuning) adds each chunk's head gradient, a [D, V] float32 product,
+    into an accumulator: each chunk reads and writes a head-sized buffer, 12 x V x D bytes for
+    the chunk's 2 x rows x V x D FLOPs of that gradient. Below `MIN_TRAINED_HEAD_ROWS` rows
+    (batch x chunk) that traffic is a visible share of the step (SmolLM2-135M, b2 x 256, on a
+    CPU: 4 chunks of 128 rows cost 2.5-3%), so a trained head's chunk keeps at least that many.
+    """
     seq = config.data.seq_len
+    rows = micro_batch_config(config).batch_size
+    least = MIN_TRAINED_HEAD_ROWS if config.method == "full" else 0
     chunk, chosen = seq, None
     while True:
         phases = _phase_bytes(_with_memory(config, loss_chunk=chosen), model_config)
         if phases["loss"] <= phases["backward"]:
             return chosen
         chunk //= 2
-        if chunk < MIN_AUTO_LOSS_CHUNK or seq % chunk:
+        if chunk < MIN_AUTO_LOSS_CHUNK or seq % chunk or rows * chunk < least:
             return chosen
         chosen = chunk
 

@@ -9,7 +9,8 @@ backward: a `fori_loop` from the last layer to the first. Layer l's saved input 
   next one is fetched while l computes, and so is its frozen base when that is in host memory),
   its VJP is rebuilt (remat), and its gradient goes to a `LayerSink`: straight into the
   optimizer on layer l's slice of each tensor's state (`update_sink`: parameters and state
-  written back in place on the donated stacks, the fused update), into slice l of a gradient
+  written back in place on the donated stacks, the fused update, and the new slice checked
+  finite), into slice l of a gradient
   buffer (`accumulate_sink`: global clipping of adapters, accumulation over micro-batches), or
   nowhere but the squared norm (`norm_sink`: the first pass of two-pass clipping). At most one
   layer's gradient is alive at a time; only the buffer sink keeps a trainable-sized gradient.
@@ -31,7 +32,7 @@ from featherweight.parallel.memory_kinds import (
     host_write,
     scan_layers,
 )
-from featherweight.step.common import scaled, squared_norm
+from featherweight.step.common import all_finite, scaled, squared_norm
 from featherweight.step.layer_grad import layer_forward, layer_vjp
 from featherweight.step.opt_state import guarded_update
 from featherweight.step.policy import MemoryPolicy
@@ -100,15 +101,16 @@ class LayerSink(NamedTuple):
 def update_sink(optimizer, ok, treedef, scale: jax.Array | None = None) -> LayerSink:
     """Update layer l's tensors at once from its gradient (times `scale`, the global clip).
 
-    target: (stacks, states) -- the trainable layer stacks (leaf order) and their per-tensor
-    states, written back in place at slice l.
+    target: (stacks, states, finite) -- the trainable layer stacks (leaf order) and their
+    per-tensor states, written back in place at slice l, and whether every updated slice so far
+    is finite (read from each slice while it is fresh, not in another pass over the stacks).
     """
 
     def params(target, index):
         return jax.tree.unflatten(treedef, [stack[index] for stack in target[0]])
 
     def absorb(target, index, grads):
-        stacks, states = target
+        stacks, states, finite = target
         new_stacks, new_states = [], []
         for stack, state, grad in zip(stacks, states, jax.tree.leaves(grads), strict=True):
             param, state_l = guarded_update(
@@ -118,9 +120,10 @@ def update_sink(optimizer, ok, treedef, scale: jax.Array | None = None) -> Layer
                 host_slice(state, index),
                 stack[index],
             )
+            finite = finite & all_finite(param)
             new_stacks.append(jax.lax.dynamic_update_index_in_dim(stack, param, index, 0))
             new_states.append(host_write(state, state_l, index))
-        return new_stacks, tuple(new_states)
+        return new_stacks, tuple(new_states), finite
 
     return LayerSink(params, absorb)
 

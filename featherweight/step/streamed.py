@@ -190,9 +190,9 @@ def _fused(pieces: _Pieces, optimizer, opt_state, batch, key, clip_norm, two_pas
                 trainable[name], pieces.policy.vocab_chunk,
             )  # fmt: skip
     stacks, treedef = jax.tree.flatten(pieces.trainable_layers)
-    cotangent, (stacks, layer_states), layers_sq = backward_layers(
+    cotangent, (stacks, layer_states, layers_finite), layers_sq = backward_layers(
         cotangent, stored, pieces.frozen_layers, context, update_sink(optimizer, ok, treedef, scale),
-        (stacks, opt_state.layers),
+        (stacks, opt_state.layers, jnp.bool_(True)),
     )  # fmt: skip
     if pieces.trainable_layers:
         new_trainable["layers"] = jax.tree.unflatten(treedef, stacks)
@@ -204,8 +204,19 @@ def _fused(pieces: _Pieces, optimizer, opt_state, batch, key, clip_norm, two_pas
         )  # fmt: skip
     if not two_pass:
         grad_sq = _head_sq(head_grads) + layers_sq + embed_sq
-    metrics = {"loss": loss, "grad_norm": jnp.sqrt(grad_sq), "updated": ok}
+    metrics = {
+        "loss": loss,
+        "grad_norm": jnp.sqrt(grad_sq),
+        "updated": ok,
+        "params_finite": layers_finite & _top_finite(new_trainable),
+    }
     return new_trainable, StreamedOptState(layer_states, new_top_state), metrics
+
+
+def _top_finite(trainable) -> jax.Array:
+    """Whether the trainable tensors outside the layer stack are finite (the layers' slices are
+    checked as the backward loop updates them: `update_sink`)."""
+    return all_finite({name: value for name, value in trainable.items() if name != "layers"})
 
 
 def _kept(pieces: _Pieces, optimizer, opt_state, batch, key, clip_norm, accumulation_steps):
@@ -264,15 +275,20 @@ def _kept(pieces: _Pieces, optimizer, opt_state, batch, key, clip_norm, accumula
             new_trainable[name], new_top_state[name] = top_update(
                 optimizer, ok, grad, opt_state.top[name], trainable[name], pieces.policy.vocab_chunk
             )
-    layer_states = opt_state.layers
+    layer_states, layers_finite = opt_state.layers, jnp.bool_(True)
     if pieces.trainable_layers:
         stacks, treedef = jax.tree.flatten(pieces.trainable_layers)
-        stacks, layer_states = update_layers(
+        stacks, layer_states, layers_finite = update_layers(
             update_sink(optimizer, ok, treedef, scale), jax.tree.leaves(buffer["layers"]),
-            (stacks, opt_state.layers), pieces.config.num_layers,
+            (stacks, opt_state.layers, jnp.bool_(True)), pieces.config.num_layers,
         )  # fmt: skip
         new_trainable["layers"] = jax.tree.unflatten(treedef, stacks)
-    metrics = {"loss": loss, "grad_norm": jnp.sqrt(grad_sq), "updated": ok}
+    metrics = {
+        "loss": loss,
+        "grad_norm": jnp.sqrt(grad_sq),
+        "updated": ok,
+        "params_finite": layers_finite & _top_finite(new_trainable),
+    }
     return new_trainable, StreamedOptState(layer_states, new_top_state), metrics
 
 
@@ -320,11 +336,7 @@ def build_streamed_step(
             new_trainable, new_state, metrics = _fused(
                 pieces, optimizer, opt_state, batch, key, clip_norm, mode == "two_pass"
             )
-        metrics = {
-            **metrics,
-            "tokens": jnp.sum(batch.loss_mask),
-            "params_finite": all_finite(new_trainable),
-        }
+        metrics = {**metrics, "tokens": jnp.sum(batch.loss_mask)}
         return new_trainable, new_state, metrics
 
     return jax.jit(step, donate_argnums=(0, 1) if donate else (), **jit_shardings(shardings))

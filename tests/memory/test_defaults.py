@@ -10,6 +10,7 @@ import pytest
 from featherweight.memory.defaults import (
     MIN_AUTO_LOSS_CHUNK,
     MIN_AUTO_MLP_TOKENS,
+    MIN_TRAINED_HEAD_ROWS,
     auto_loss_chunk,
     with_lean_defaults,
 )
@@ -43,6 +44,21 @@ def test_an_unset_loss_chunk_is_chosen_and_a_set_one_is_kept():
     plan = plan_for_config(chosen, SMOLLM2)
     assert plan.phases["loss"] <= plan.phases["backward"]  # the loss phase is no longer the peak
     assert plan_for_config(config, SMOLLM2) == plan  # the planner plans what the trainer runs
+
+
+@pytest.mark.parametrize(("batch", "seq"), [(2, 256), (2, 2048), (8, 1024), (1, 4096)])
+def test_a_trained_heads_loss_chunk_keeps_enough_rows(batch, seq):
+    """Full fine-tuning sums the head's gradient over the loss chunks: a chunk keeps at least
+    `MIN_TRAINED_HEAD_ROWS` rows (none at b2 x 256, where LoRA takes 64-token chunks), while
+    a frozen head's chunks cost nothing and only `MIN_AUTO_LOSS_CHUNK` bounds them."""
+    full = auto_loss_chunk(_config("full", batch, seq), SMOLLM2)
+    lora = auto_loss_chunk(_config("lora", batch, seq), SMOLLM2)
+    assert full is None or batch * full >= MIN_TRAINED_HEAD_ROWS
+    assert lora is not None and (full is None or lora <= full)
+    if full is not None:  # chosen because the loss phase was the peak at the whole sequence
+        whole = plan_for_config(_config("full", batch, seq, loss_chunk=None), SMOLLM2)
+        assert whole.phases["loss"] > whole.phases["backward"]
+    assert (full is None) == (batch * seq <= MIN_TRAINED_HEAD_ROWS)
 
 
 def test_a_short_vocabulary_needs_no_chunk():

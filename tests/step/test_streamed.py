@@ -294,6 +294,52 @@ def test_non_finite_loss_skips_the_update():
         np.testing.assert_array_equal(before, after)
 
 
+def _overflowing(where: str) -> optax.GradientTransformation:
+    """SGD whose update is infinite for the layer slices (`where="layers"`) or for the tensors of
+    vocabulary rows (`"table"`: the LM head and embedding) -- each tensor is updated on its own,
+    so the shapes tell them apart in the tiny model."""
+
+    def update(updates, state, params=None):
+        def bump(u):
+            table = u.ndim == 2 and u.shape[0] == tiny_config().vocab_size
+            return u + jnp.inf if table == (where == "table") else -0.01 * u
+
+        return jax.tree.map(bump, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize(
+    ("method", "mode", "where"),
+    [
+        ("lora", "fused", "layers"),
+        ("lora", "kept", "layers"),
+        ("lora", "two_pass", "layers"),
+        ("full", "fused", "table"),
+        ("full", "kept", "table"),
+    ],
+)
+def test_params_finite_reports_an_update_that_overflowed(method, mode, where):
+    """The layers' finiteness is read per slice as the backward loop writes it (not in another pass
+    over the stacks): an infinite slice of the adapters (LoRA trains nothing else) or of the head
+    makes the metric false; a finite update keeps it true."""
+    config, trainable, frozen, lora = _setup(method, tied=False)
+    clip = {
+        "fused": {},
+        "kept": {"clip_norm": 1e9},
+        "two_pass": {"clip_norm": 1e9, "two_pass": True},
+    }
+    for optimizer, finite in [(optax.sgd(0.01), True), (_overflowing(where), False)]:
+        step = build_streamed_step(
+            config, optimizer, trainable, frozen, lora=lora, donate=False, **clip[mode]
+        )
+        state = init_streamed_opt_state(optimizer, trainable)
+        new, _, metrics = step(trainable, state, frozen, _batch(config), jax.random.PRNGKey(0))
+        assert bool(metrics["updated"])
+        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(new)) == finite
+        assert bool(metrics["params_finite"]) == finite
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 
