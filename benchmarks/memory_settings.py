@@ -11,6 +11,18 @@ alike); the median over rounds of process CPU time (all threads) and of wall tim
 
     nice python benchmarks/memory_settings.py --method lora --rounds 5 \
         --out benchmarks/results/memory_settings_lora_cpu.md
+
+With `--target h100` (any GPU target of `featherweight.memory.targets`; needs jax[cuda12-local]
+and `JAX_PLATFORMS=cpu`) each variant is instead compiled by XLA's GPU compiler for that GPU, with
+no GPU present, in bfloat16 (what a GPU runs; `--dtype`), its defaults chosen on that compiler's
+calibration: bytes only -- the compiled device bytes (`measure_for_target`: arguments placed in
+host memory compiled as device arrays and their exact bytes subtracted, marked "derived") beside
+the plan, the matmul FLOPs from the shapes (`step_flops`, equal to the CPU HLO's by test) and the
+step-time ratio the planner *estimates* at an accelerator's rates (`step_seconds`): no time is
+measured without the GPU.
+
+    JAX_PLATFORMS=cpu python benchmarks/memory_settings.py --method lora --target h100 \
+        --out benchmarks/results/memory_settings_lora_h100.md
 """
 
 from __future__ import annotations
@@ -25,8 +37,20 @@ import jax.numpy as jnp
 from results_file import emit
 
 from featherweight.memory.defaults import with_lean_defaults
-from featherweight.memory.measure import abstract_step_arguments, measurement_of
-from featherweight.memory.step_cost import hlo_dot_flops
+from featherweight.memory.device_plan import plan_one_device
+from featherweight.memory.measure import (
+    abstract_step_arguments,
+    measure_for_target,
+    measurement_of,
+)
+from featherweight.memory.step_cost import (
+    ACCELERATOR_RATES,
+    hlo_dot_flops,
+    step_flops,
+    step_seconds,
+)
+from featherweight.memory.targets import get_target
+from featherweight.memory.working_set import calibration_for
 from featherweight.models.registry import builtin_config
 from featherweight.parallel.memory_kinds import to_device, to_host
 from featherweight.recipe.build import place_embedding
@@ -80,7 +104,9 @@ VARIANTS = {
 }
 
 
-def _config(method: str, memory: dict, quantize_head: bool, batch: int, seq: int):
+def _config(
+    method: str, memory: dict, quantize_head: bool, batch: int, seq: int, dtype: str = "float32"
+):
     memory = dict(memory)
     if memory.get("embed") == "host":
         memory.setdefault("vocab_chunk", 16384)  # a tied table on the host is read in chunks
@@ -88,7 +114,7 @@ def _config(method: str, memory: dict, quantize_head: bool, batch: int, seq: int
         {
             "method": method,
             "batch_size": batch,
-            "model": {"dtype": "float32", "quantize_head": quantize_head},
+            "model": {"dtype": dtype, "quantize_head": quantize_head},
             "data": {"seq_len": seq},
             "optimizer": {"name": "adamw"},
             "lora": {"rank": 8},
@@ -131,6 +157,67 @@ def _shared_with(base, abstract, key):
     return jax.tree.unflatten(treedef, leaves)
 
 
+def _chosen_name(name: str, config) -> str:
+    """The default variant's name with the chunks the lean defaults chose."""
+    memory = config.memory
+    chosen = ", ".join(
+        f"{field} {getattr(memory, field)}"
+        for field in ("loss_chunk", "mlp_chunk", "vocab_chunk")
+        if getattr(memory, field) is not None
+    )
+    return f"{name} ({chosen or 'no chunks'} chosen)"
+
+
+def target_report(args, model) -> list[str]:
+    """Every variant compiled for a GPU target by XLA's GPU compiler (no GPU needed): bytes, with
+    the plan beside them, FLOPs from the shapes and the planner's estimated time ratio."""
+    target = get_target(args.target)
+    rows = []
+    with calibration_for("xla-gpu"):
+        for index, (name, method, memory, quantize_head) in enumerate(VARIANTS[args.method]):
+            if index and args.only not in name:
+                continue
+            config = with_lean_defaults(
+                _config(method, memory, quantize_head, args.batch, args.seq, args.dtype), model
+            )
+            if not memory:
+                name = _chosen_name(name, config)
+            measured = measure_for_target(config, model, target.name)
+            planned = plan_one_device(config, model).device_bytes
+            seconds = step_seconds(config, model, ACCELERATOR_RATES)
+            rows.append((name, measured, planned, step_flops(config, model).total, seconds))
+            print(f"compiled {name}: {measured.device_bytes / MIB:.1f} MiB", flush=True)
+    _, base, _, base_flops, base_seconds = rows[0]
+    lines = [
+        f"# Memory settings vs the default, compiled for {target.name}: SmolLM2-135M shapes, "
+        f"{args.method}",
+        "",
+        f"compiled by XLA's GPU compiler for {target.name} ({target.description}) on "
+        f"{args.machine} without a GPU (jax {jax.__version__}); batch {args.batch} x seq "
+        f"{args.seq}, {args.dtype}, AdamW"
+        f"{'' if args.method == 'full' else ', LoRA r8 on every linear'}; defaults chosen on the "
+        "xla-gpu calibration. Nothing here was run on a GPU.",
+        "",
+        "Compiled MiB: the compiler's device bytes (temp + argument + output - alias); "
+        '"derived": an argument placed in host memory was compiled as a device array and its '
+        "exact bytes subtracted. Planned MiB: the planner's device bytes for the same config. "
+        "GFLOP: matmul FLOPs from the shapes (`step_flops`). Estimated time: the planner's "
+        "`step_seconds` at 400 TFLOP/s and a 25 GB/s host link (matmuls + host transfers), as a "
+        "ratio to the default -- an estimate, not a measurement.",
+        "",
+        "| setting | compiled MiB | saved MiB | planned MiB | GFLOP (ratio) | estimated time ratio | how |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for name, measured, planned, flops, seconds in rows:
+        how = "derived" if measured.derived else "compiled"
+        lines.append(
+            f"| {name} | {measured.device_bytes / MIB:.1f} | "
+            f"{(base.device_bytes - measured.device_bytes) / MIB:+.1f} | {planned / MIB:.1f} | "
+            f"{flops / 1e9:.1f} ({flops / base_flops:.3f}) | {seconds / base_seconds:.3f} | {how} |"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", choices=sorted(VARIANTS), default="lora")
@@ -142,24 +229,25 @@ def main() -> None:
         "--only", default="", help="settings whose name contains this (and the default)"
     )
     parser.add_argument("--out", default=None)
+    parser.add_argument("--target", default="cpu", help="a GPU target compiles only (bytes)")
+    parser.add_argument("--dtype", default=None, help="float32 on cpu, bfloat16 on a GPU target")
     args = parser.parse_args()
     model = builtin_config("SmolLM2-135M")
     key = jax.random.PRNGKey(0)
+    if args.target != "cpu":
+        args.dtype = args.dtype or "bfloat16"
+        emit(target_report(args, model), args.out)
+        return
 
     compiled = []
     variants = [v for i, v in enumerate(VARIANTS[args.method]) if not i or args.only in v[0]]
     for name, method, memory, quantize_head in variants:
         config = with_lean_defaults(
-            _config(method, memory, quantize_head, args.batch, args.seq), model
+            _config(method, memory, quantize_head, args.batch, args.seq, args.dtype or "float32"),
+            model,
         )
         if not memory:  # say what the defaults chose
-            memory = config.memory
-            chosen = ", ".join(
-                f"{field} {getattr(memory, field)}"
-                for field in ("loss_chunk", "mlp_chunk", "vocab_chunk")
-                if getattr(memory, field) is not None
-            )
-            name = f"{name} ({chosen or 'no chunks'} chosen)"
+            name = _chosen_name(name, config)
         step, abstract = abstract_step_arguments(config, model)
         start = time.perf_counter()
         executable = step.lower(*abstract).compile()
