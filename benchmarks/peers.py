@@ -26,6 +26,7 @@ time (all threads; wall time in brackets). The trainable weights flow from one s
 (same layout in both JAX programs); each step keeps its own optimizer state.
 
     nice python benchmarks/peers.py --method all --rounds 6 --out benchmarks/results/peers_cpu.md
+    nice python benchmarks/peers.py --jax-only --rounds 16 --out benchmarks/results/peers_jax_cpu.md
 """
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ from featherweight.step.loss import Batch
 MIB = 2**20
 METHODS = ("lora", "qlora", "full")
 STEPS = ("featherweight", "JAX peer", "torch+peft")
+AGAIN = "featherweight again"  # --jax-only: the same step twice a round, the noise floor
+
+
+def _steps(args) -> tuple[str, ...]:
+    """The steps each round runs: with --jax-only, featherweight twice (an A/A control: the
+    ratio of a program to itself shows how much of a ratio is noise) and the JAX peer."""
+    return ("featherweight", "JAX peer", AGAIN) if args.jax_only else STEPS
 
 
 def _weights(method: str, model, key) -> tuple[dict, dict]:
@@ -100,15 +108,18 @@ def _measure_method(method: str, args, model, key) -> dict:
     )
     peer_step, peer_measured, peer_flops = _compiled(peer_step, peer_arguments)
     print(f"{method}: compiled featherweight and the JAX peer", flush=True)
-    torch_step = build_torch_step(model, method, np.asarray(tokens), np.asarray(tokens))
+    torch_step = None
+    if not args.jax_only:
+        torch_step = build_torch_step(model, method, np.asarray(tokens), np.asarray(tokens))
 
-    cpu = {name: [] for name in STEPS}
-    wall = {name: [] for name in STEPS}
+    steps = _steps(args)
+    cpu = {name: [] for name in steps}
+    wall = {name: [] for name in steps}
     for round_index in range(args.rounds + 1):  # round 0 warms up and is dropped
-        shift = round_index % len(STEPS)  # each step in each place in turn: no order bias
-        for name in STEPS[shift:] + STEPS[:shift]:
+        shift = round_index % len(steps)  # each step in each place in turn: no order bias
+        for name in steps[shift:] + steps[:shift]:
             cpu_start, wall_start = time.process_time(), time.perf_counter()
-            if name == "featherweight":
+            if name in ("featherweight", AGAIN):
                 trainable, fw_opt_state, metrics = fw_step(
                     trainable, fw_opt_state, frozen, batch, step_key
                 )
@@ -144,30 +155,40 @@ def _report(results: dict, args) -> list[str]:
         "# featherweight's default step vs its peers: SmolLM2-135M shapes",
         "",
         f"machine: {args.machine}, {jax.device_count()} JAX device(s) of kind "
-        f"{jax.devices()[0].device_kind!r}; jax {jax.__version__}, torch {_torch_version()}; "
+        f"{jax.devices()[0].device_kind!r}; jax {jax.__version__}"
+        f"{'' if args.jax_only else f', torch {_torch_version()}'}; "
         f"batch {args.batch} x seq {args.seq}, float32, AdamW, LoRA r8 alpha 16 on every linear "
         f"(LoRA, QLoRA); {args.rounds} interleaved rounds (order rotating) after one warm-up round",
         "",
         "MiB: XLA:CPU `memory_analysis()` of the compiled step, temp + argument + output - alias. "
         "GFLOP: matmul FLOPs in the optimized HLO (loops by trip count). Time: median over rounds "
         "of the paired ratio featherweight / peer in the same round, process CPU time (wall time "
-        "in brackets), measured on this machine; below 1 featherweight is faster.",
+        "in brackets), measured on this machine; below 1 featherweight is faster."
+        + (
+            f' `--jax-only`: no torch; "{AGAIN}" is the same compiled step run again in each '
+            "round, so `time / featherweight again` is a ratio of a program to itself: how far "
+            "from 1 noise alone moves a ratio."
+            if args.jax_only
+            else ""
+        ),
         "",
         "| method | featherweight MiB | JAX peer MiB | MiB ratio | featherweight GFLOP | "
-        "JAX peer GFLOP | time / JAX peer | time / torch+peft | median wall s (fw, JAX, torch) |",
+        f"JAX peer GFLOP | time / JAX peer | time / {_steps(args)[2]} | median wall s "
+        f"({', '.join(_steps(args))}) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for method, result in results.items():
         fw, peer = result["measured"]
         fw_flops, peer_flops = result["flops"]
         cpu, wall = result["cpu"], result["wall"]
-        walls = ", ".join(f"{statistics.median(wall[name]):.2f}" for name in STEPS)
+        walls = ", ".join(f"{statistics.median(wall[name]):.2f}" for name in wall)
+        third = _steps(args)[2]
         lines.append(
             f"| {method} (loss_chunk {result['loss_chunk']}) | {fw.total_bytes / MIB:.1f} | "
             f"{peer.total_bytes / MIB:.1f} | {fw.total_bytes / peer.total_bytes:.3f} | "
             f"{fw_flops / 1e9:.1f} | {peer_flops / 1e9:.1f} | {_ratio(cpu, 'JAX peer'):.3f} "
-            f"({_ratio(wall, 'JAX peer'):.3f}) | {_ratio(cpu, 'torch+peft'):.3f} "
-            f"({_ratio(wall, 'torch+peft'):.3f}) | {walls} |"
+            f"({_ratio(wall, 'JAX peer'):.3f}) | {_ratio(cpu, third):.3f} "
+            f"({_ratio(wall, third):.3f}) | {walls} |"
         )
     lines += [
         "",
@@ -205,6 +226,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--machine", default=f"{platform.machine()} CPU")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--jax-only", action="store_true", help="no torch; an A/A control of featherweight instead"
+    )
     args = parser.parse_args()
     model = builtin_config("SmolLM2-135M")
     key = jax.random.PRNGKey(0)
