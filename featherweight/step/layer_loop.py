@@ -10,8 +10,8 @@ backward: a `fori_loop` from the last layer to the first. Layer l's saved input 
   its VJP is rebuilt (remat), and its gradient goes to a `LayerSink`: straight into the
   optimizer on layer l's slice of each tensor's state (`update_sink`: parameters and state
   written back in place on the donated stacks, the fused update, and the new slice checked
-  finite), into slice l of a gradient
-  buffer (`accumulate_sink`: global clipping of adapters, accumulation over micro-batches), or
+  finite), into slice l of a gradient buffer (`accumulate_sink`: global clipping of adapters,
+  accumulation over micro-batches), or
   nowhere but the squared norm (`norm_sink`: the first pass of two-pass clipping). At most one
   layer's gradient is alive at a time; only the buffer sink keeps a trainable-sized gradient.
 """
