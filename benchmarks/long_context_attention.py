@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from results_file import emit
 
+from featherweight.memory.defaults import with_lean_defaults
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.measure import measure_compiled
 from featherweight.models.config import ModelConfig
@@ -69,6 +70,8 @@ def memory(seqs: list[int], out: str | None) -> None:
                 },
                 source="benchmark",
             )
+            # what the trainer runs and `measure_compiled` compiles: unset chunks chosen
+            config = with_lean_defaults(config, model)
             plan = plan_one_device(config, model)
             measured = measure_compiled(config, model)
             planned_temp = plan.measured_groups()["temporaries"]

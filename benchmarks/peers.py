@@ -27,12 +27,19 @@ time (all threads; wall time in brackets). The trainable weights flow from one s
 
     nice python benchmarks/peers.py --method all --rounds 6 --out benchmarks/results/peers_cpu.md
     nice python benchmarks/peers.py --jax-only --rounds 16 --out benchmarks/results/peers_jax_cpu.md
+
+On a shared 2-core machine, two XLA threads make a step's CPU time vary by +-10% from round to
+round; one thread on one core varies by about 1% (the report records the XLA flags and the cores):
+
+    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" taskset -c 1 \
+        python benchmarks/peers.py --jax-only --rounds 8 --out benchmarks/results/peers_jax_1thread_cpu.md
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import platform
 import statistics
 import time
@@ -159,6 +166,9 @@ def _report(results: dict, args) -> list[str]:
         f"{'' if args.jax_only else f', torch {_torch_version()}'}; "
         f"batch {args.batch} x seq {args.seq}, float32, AdamW, LoRA r8 alpha 16 on every linear "
         f"(LoRA, QLoRA); {args.rounds} interleaved rounds (order rotating) after one warm-up round",
+        "",
+        f"threads: XLA_FLAGS={os.environ.get('XLA_FLAGS', '(unset)')!r}; cores this process may use: "
+        f"{sorted(os.sched_getaffinity(0))} of {os.cpu_count()}",
         "",
         "MiB: XLA:CPU `memory_analysis()` of the compiled step, temp + argument + output - alias. "
         "GFLOP: matmul FLOPs in the optimized HLO (loops by trip count). Time: median over rounds "

@@ -466,9 +466,15 @@ def _phase_rows(record: dict[str, Any]) -> dict[str, tuple[np.ndarray, float]]:
     )
 
 
-def fit(records: list[dict[str, Any]], start: dict[str, float] | None = None) -> dict[str, float]:
-    """Counts that minimise the error of planned temporaries, relative to each step's total."""
-    prepared = [_phase_rows(record) for record in records]
+def fit(
+    records: list[dict[str, Any]],
+    start: dict[str, float] | None = None,
+    compiler: str = "xla-cpu",
+) -> dict[str, float]:
+    """Counts that minimise the error of planned temporaries, relative to each step's total;
+    `compiler`: the one the records were compiled by, whose plans they are compared with."""
+    with working_set.calibration_for(compiler):
+        prepared = [_phase_rows(record) for record in records]
     counts = np.array([(start or {}).get(name, 1.0) for name in COUNTS], dtype=np.float64)
     assignment: list[str] | None = None
     for _ in range(20):
@@ -494,13 +500,17 @@ def fit(records: list[dict[str, Any]], start: dict[str, float] | None = None) ->
     return {name: round(float(value), 2) for name, value in zip(COUNTS, counts)}
 
 
-def errors_of(records: list[dict[str, Any]], counts: dict[str, float]) -> list[dict[str, Any]]:
-    """Planned vs measured for each record with `counts`, in percent: temp, total (device + host)
-    and, where the record has them (GPU), the device bytes alone."""
+def errors_of(
+    records: list[dict[str, Any]], counts: dict[str, float], compiler: str = "xla-cpu"
+) -> list[dict[str, Any]]:
+    """Planned (for `compiler`, the one the records were compiled by) vs measured for each record
+    with `counts`, in percent: temp, total (device + host) and, where the record has them (GPU),
+    the device bytes alone."""
     rows = []
     for record in records:
         model, config = case_of(record)
-        plan = plan_one_device(config, model, calibration=counts)
+        with working_set.calibration_for(compiler):
+            plan = plan_one_device(config, model, calibration=counts)
         planned_temp = plan.measured_groups()["temporaries"]
         row = {
             "method": config.method,
@@ -590,8 +600,10 @@ def main(argv: list[str] | None = None) -> int:
         fit_records = measure(fit_cases, fit_real, target.name, progress, not args.fresh)
         print("measuring the held-out grid", file=sys.stderr)
         held_out = measure(held_cases, held_real, target.name, progress, not args.fresh)
-    counts = fit(fit_records)
-    fitted, checked = errors_of(fit_records, counts), errors_of(held_out, counts)
+    compiler = key.split("/")[0]
+    counts = fit(fit_records, compiler=compiler)
+    fitted = errors_of(fit_records, counts, compiler)
+    checked = errors_of(held_out, counts, compiler)
     data["calibrations"][key] = {
         **_provenance(target, args.dtype),
         "fit": "non-negative least squares on the temporaries' error relative to the total, peak "

@@ -16,8 +16,9 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
                            materialized: c_s x B x H x S x S x 4, float32 scores and probabilities;
                            blockwise: its log-sum-exps and row terms (2 B H S x 4) and four float32
                            tiles of B x H x t x t (scores, probabilities, their cotangents; t the
-                           tile edge), counted once; cudnn: the log-sum-exps and cuDNN's float32 dQ
-                           accumulator, B H S (h + 1) x 4
+                           tile edge; on XLA:CPU three for a lone tile, S <= t), counted once;
+                           cudnn: the log-sum-exps and cuDNN's float32 dQ accumulator,
+                           B H S (h + 1) x 4
     loss phase: LM head + cross-entropy over one sequence chunk, with its VJP
       logits_chunk         c_l x B x chunk x V x 4 (V: vocab_chunk when the head is chunked)
       embedding_gradient   as in the backward phase (tied: it is the head's gradient)
@@ -95,6 +96,12 @@ DEFAULT_CALIBRATION = "xla-cpu/float32"
 # float32 tiles of blockwise attention alive at once in its backward on XLA:CPU (compiled: the
 # temp of its forward and backward grows by 4.04 tiles from a 512 to a 1024 tile at S = 2048)
 BLOCKWISE_TILES = 4
+# ... and, by compiler, in a step whose sequence is one lone tile (S <= the block), where no loop
+# is built: XLA:CPU then shares one tile with the rest of the layer's backward (compiled: the
+# grid's toy steps and SmolLM2-135M LoRA b2 x 256 each held 0.75 to 1.0 tile less than with the
+# loops); XLA:GPU does not (H100 bf16 compiles of SmolLM2-135M b2 x 256 and Llama-3.2-1B
+# b2 x 512 LoRA: temp unchanged to the byte)
+LONE_TILE_TILES = {"xla-cpu": 3}
 _TARGET_CALIBRATION: ContextVar[str | None] = ContextVar("target_calibration", default=None)
 
 
@@ -116,15 +123,21 @@ def calibration_for(compiler: str) -> Iterator[None]:
         _TARGET_CALIBRATION.reset(token)
 
 
-def calibration_key(config: TrainConfig) -> str:
-    """The calibration a plan of `config` uses: the target's compiler (`calibration_for`, else
-    the local backend's) and the config's dtype; `DEFAULT_CALIBRATION` when that has no fit."""
+def target_compiler() -> str:
+    """The compiler a plan is for: the target's (`calibration_for`), else the local backend's,
+    e.g. "xla-cpu", "xla-gpu"."""
     compiler = _TARGET_CALIBRATION.get()
     if compiler is None:
         import jax
 
         compiler = f"xla-{jax.default_backend()}"
-    key = f"{compiler}/{config.model.dtype}"
+    return compiler
+
+
+def calibration_key(config: TrainConfig) -> str:
+    """The calibration a plan of `config` uses: the target's compiler (`target_compiler`) and the
+    config's dtype; `DEFAULT_CALIBRATION` when that has no fit."""
+    key = f"{target_compiler()}/{config.model.dtype}"
     return key if key in known_calibrations() else DEFAULT_CALIBRATION
 
 
@@ -158,7 +171,15 @@ def attention_bytes(s: StepShapes) -> tuple[int, int]:
         return 0, 4 * s.B * s.H * s.S * (s.h + 1)
     tile = block_size(s.S)
     padded = -(-s.S // tile) * tile
-    return 0, 4 * s.B * s.H * (2 * padded + BLOCKWISE_TILES * tile * tile)
+    return 0, 4 * s.B * s.H * (2 * padded + blockwise_tiles(s.S) * tile * tile)
+
+
+def blockwise_tiles(seq_len: int, compiler: str | None = None) -> int:
+    """Float32 tiles of blockwise attention alive at once at `seq_len` in a step compiled by
+    `compiler` (default: `target_compiler()`); see BLOCKWISE_TILES and LONE_TILE_TILES."""
+    if seq_len > block_size(seq_len):
+        return BLOCKWISE_TILES
+    return LONE_TILE_TILES.get(compiler or target_compiler(), BLOCKWISE_TILES)
 
 
 class WorkingBuffer(NamedTuple):
@@ -396,8 +417,8 @@ def _attention_buffer(s: StepShapes, t: dict[str, int], c: dict[str, float]) -> 
     else:
         tile = block_size(s.S)
         formula = (
-            f"blockwise: B x H x (2 S + {BLOCKWISE_TILES} t^2) x 4 = {s.B} x {s.H} x (2 x {s.S} + "
-            f"{BLOCKWISE_TILES} x {tile}^2) x 4"
+            f"blockwise: B x H x (2 S + {blockwise_tiles(s.S)} t^2) x 4 = {s.B} x {s.H} x "
+            f"(2 x {s.S} + {blockwise_tiles(s.S)} x {tile}^2) x 4"
         )
     return WorkingBuffer(f"attention_{s.attention}", t["attention_blockwise"], formula)
 

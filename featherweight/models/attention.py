@@ -18,14 +18,17 @@ The queries and keys are cut into blocks of `block` positions. For each query bl
 at or below the diagonal are visited in a loop (the blocks above it are never computed: causal
 attention skips them, it does not mask them), keeping an online softmax: a float32 running max
 `m`, sum `l` and output accumulator per query row (FlashAttention, Dao et al. 2022; the loop order
-of FlashAttention-2). Only one [B, H, block, block] tile of scores exists at a time.
+of FlashAttention-2). Only one [B, H, block, block] tile of scores exists at a time. A sequence no
+longer than one block is a single tile: no loop is built.
 
 The backward pass (a `jax.custom_vjp`) keeps only the output and the log-sum-exp `m + log l`
-([B, H, S] float32) from the forward pass and recomputes each tile's probabilities, in two passes
-over the tiles at or below the diagonal: per query block its dQ, per key block its dK and dV, each
-accumulated in float32 over its tiles and written once in the input dtype. No float32 buffer as
-long as the sequence exists beyond the row statistics ([B, H, S]); the price is the tiles'
-probabilities computed twice. Memory beyond inputs and outputs is O(B x H x (S + block^2)) in
+([B, H, S] float32) from the forward pass and recomputes each tile's probabilities once, in one
+pass over the tiles at or below the diagonal, query block by query block: the tile gives its share
+of dQ (summed in the query block's float32 carry and written once in the input dtype) and of dK
+and dV (summed in place into float32 buffers the size of k and v -- in float32 they are the
+outputs themselves). A two-pass backward (dQ per query block, then dK/dV per key block) would avoid
+those two buffers for 16-bit inputs, at the price of every tile's probabilities, score product and
+dO V^T product computed twice. Memory beyond inputs and outputs is O(B x H x (S + block^2)) in
 both directions, against the B x H x S x S float32 scores (and their cotangent) of the
 materialized path.
 
@@ -116,6 +119,21 @@ def _scores(q_tile: jax.Array, k_tile: jax.Array, scale: float) -> jax.Array:
     return s * scale
 
 
+def _causal_sweep(i, visit, carry):
+    """`visit(j, carry)` over the key blocks 0..i of query block `i` (causal attention never
+    visits the blocks above the diagonal). One loop body, every tile masked: a diagonal tile
+    visited apart from an unmasked loop below it compiled to two bodies whose buffers XLA:CPU
+    does not share (1.5x the tiles' bytes)."""
+    if isinstance(i, int) and i == 0:  # a lone tile (S <= block): no loop at all
+        return visit(0, carry)
+    return jax.lax.fori_loop(0, i + 1, visit, carry)
+
+
+def _over_blocks(count: int, body, init):
+    """`body(i, carry)` for i in 0..count-1: a loop, or one call with i = 0 for a lone tile."""
+    return body(0, init) if count == 1 else jax.lax.fori_loop(0, count, body, init)
+
+
 def _forward(q, k, v, segments, tile):
     """(out [B, Sp, K, G, h] in q's dtype, log-sum-exp [B, K, G, Sp] float32)."""
     batch, padded, kv_heads, groups, head_dim = q.shape
@@ -131,7 +149,11 @@ def _forward(q, k, v, segments, tile):
             s = jnp.where(visible, _scores(q_tile, _slice(k, j, tile), scale), _MASKED)
             new_max = jnp.maximum(row_max, s.max(axis=-1))
             correction = jnp.exp(row_max - new_max)
-            p = jnp.where(visible, jnp.exp(s - new_max[..., None]), 0.0)
+            # a masked score's probability is exp(_MASKED - a real max) = 0 exactly. A row with
+            # no visible key yet (segments) has max _MASKED and sums exp(0) = 1 per masked key;
+            # the diagonal tile, visited last, always shows the row its own key, and the
+            # correction exp(_MASKED - its real max) = 0 then clears that finite sum: no select
+            p = jnp.exp(s - new_max[..., None])
             pv = jnp.einsum(
                 "bkgqs,bskd->bkgqd",
                 p.astype(v.dtype),
@@ -146,8 +168,7 @@ def _forward(q, k, v, segments, tile):
             jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros((*stats_shape, head_dim), jnp.float32),
         )
-        # causal: only the key blocks 0..i, the blocks above the diagonal are never visited
-        row_max, row_sum, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
+        row_max, row_sum, acc = _causal_sweep(i, key_block, init)
         out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
         return jnp.moveaxis(out, 3, 1).astype(q.dtype), row_max + jnp.log(row_sum)
 
@@ -161,7 +182,7 @@ def _forward(q, k, v, segments, tile):
 
     # each query block's result is written in place: no stacked copy of the output
     empty = (jnp.zeros(q.shape, q.dtype), jnp.zeros((batch, kv_heads, groups, padded), jnp.float32))
-    return jax.lax.fori_loop(0, padded // tile, write, empty)
+    return _over_blocks(padded // tile, write, empty)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -175,72 +196,59 @@ def _attention_fwd(q, k, v, segments, tile):
 
 
 def _attention_bwd(tile, residuals, d_out):
+    """One pass over the tiles at or below the diagonal, query block by query block: each tile's
+    probabilities are recomputed once and give its share of dQ (summed in the block's float32
+    carry, written once) and of dK and dV (summed in place into float32 buffers the size of k
+    and v: in float32 they are the outputs themselves)."""
     q, k, v, segments, out, lse = residuals
-    batch, padded, kv_heads, _, head_dim = q.shape
+    batch, padded, head_dim = q.shape[0], q.shape[1], q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim)
-    count = padded // tile
     # D_i = rowsum(dO_i * O_i): the softmax backward's per-row term, [B, K, G, Sp]
     delta = jnp.einsum("bqkgd,bqkgd->bkgq", d_out, out, preferred_element_type=jnp.float32)
 
-    def tile_grads(i, j):
-        """Probabilities p and score cotangents dS (scaled, in q's dtype) of tile (i, j)."""
+    def query_block(i, buffers):
+        d_q_all, d_k_all, d_v_all = buffers
         q_tile, do_tile = _slice(q, i, tile), _slice(d_out, i, tile)
-        lse_tile = jax.lax.dynamic_slice_in_dim(lse, i * tile, tile, axis=3)
-        delta_tile = jax.lax.dynamic_slice_in_dim(delta, i * tile, tile, axis=3)
-        s = _scores(q_tile, _slice(k, j, tile), scale)
-        p = jnp.where(_tile_mask(i, j, tile, segments), jnp.exp(s - lse_tile[..., None]), 0.0)
-        d_p = jnp.einsum(
-            "bqkgd,bskd->bkgqs", do_tile, _slice(v, j, tile), preferred_element_type=jnp.float32
-        )
-        return p, (p * (d_p - delta_tile[..., None]) * scale).astype(q.dtype)
+        lse_tile = jax.lax.dynamic_slice_in_dim(lse, i * tile, tile, axis=3)[..., None]
+        delta_tile = jax.lax.dynamic_slice_in_dim(delta, i * tile, tile, axis=3)[..., None]
 
-    def query_block(i):
-        """dQ of query block i: its key blocks 0..i (causal)."""
-
-        def key_block(j, d_q):
-            _, d_s = tile_grads(i, j)
-            return d_q + jnp.einsum(
-                "bkgqs,bskd->bqkgd", d_s, _slice(k, j, tile), preferred_element_type=jnp.float32
+        def key_block(j, carry):
+            d_q, d_k_all, d_v_all = carry
+            k_tile, v_tile = _slice(k, j, tile), _slice(v, j, tile)
+            visible = _tile_mask(i, j, tile, segments)
+            # a masked score is _MASKED: its probability exp(_MASKED - lse) is exactly 0
+            s = jnp.where(visible, _scores(q_tile, k_tile, scale), _MASKED)
+            p = jnp.exp(s - lse_tile)
+            d_p = jnp.einsum(
+                "bqkgd,bskd->bkgqs", do_tile, v_tile, preferred_element_type=jnp.float32
             )
+            d_s = (p * (d_p - delta_tile) * scale).astype(q.dtype)
+            d_q = d_q + jnp.einsum(
+                "bkgqs,bskd->bqkgd", d_s, k_tile, preferred_element_type=jnp.float32
+            )
+            d_v = jnp.einsum(
+                "bkgqs,bqkgd->bskd", p.astype(v.dtype), do_tile, preferred_element_type=jnp.float32
+            )
+            d_k = jnp.einsum("bkgqs,bqkgd->bskd", d_s, q_tile, preferred_element_type=jnp.float32)
+            return d_q, _add_block(d_k_all, d_k, j, tile), _add_block(d_v_all, d_v, j, tile)
 
         zeros = jnp.zeros((batch, tile, *q.shape[2:]), jnp.float32)
-        return jax.lax.fori_loop(0, i + 1, key_block, zeros).astype(q.dtype)
-
-    def key_block(j):
-        """dK, dV of key block j: its query blocks j..n-1 (causal)."""
-
-        def query_block(i, carry):
-            d_k, d_v = carry
-            p, d_s = tile_grads(i, j)
-            d_v = d_v + jnp.einsum(
-                "bkgqs,bqkgd->bskd",
-                p.astype(v.dtype),
-                _slice(d_out, i, tile),
-                preferred_element_type=jnp.float32,
-            )
-            d_k = d_k + jnp.einsum(
-                "bkgqs,bqkgd->bskd", d_s, _slice(q, i, tile), preferred_element_type=jnp.float32
-            )
-            return d_k, d_v
-
-        zeros = jnp.zeros((batch, tile, kv_heads, head_dim), jnp.float32)
-        d_k, d_v = jax.lax.fori_loop(j, count, query_block, (zeros, zeros))
-        return d_k.astype(k.dtype), d_v.astype(v.dtype)
-
-    # two passes, each output tile accumulated in float32 and written once, in place, in the
-    # input dtype: no S-long float32 accumulator (the tiles' probabilities are computed twice)
-    def write_q(i, d_q):
-        return jax.lax.dynamic_update_slice_in_dim(d_q, query_block(i), i * tile, axis=1)
-
-    def write_kv(j, buffers):
-        return tuple(
-            jax.lax.dynamic_update_slice_in_dim(buffer, block, j * tile, axis=1)
-            for buffer, block in zip(buffers, key_block(j))
+        d_q, d_k_all, d_v_all = _causal_sweep(i, key_block, (zeros, d_k_all, d_v_all))
+        d_q_all = jax.lax.dynamic_update_slice_in_dim(
+            d_q_all, d_q.astype(q.dtype), i * tile, axis=1
         )
+        return d_q_all, d_k_all, d_v_all
 
-    d_q = jax.lax.fori_loop(0, count, write_q, jnp.zeros_like(q))
-    d_k, d_v = jax.lax.fori_loop(0, count, write_kv, (jnp.zeros_like(k), jnp.zeros_like(v)))
-    return d_q, d_k, d_v, None
+    init = (jnp.zeros_like(q), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    d_q, d_k, d_v = _over_blocks(padded // tile, query_block, init)
+    return d_q, d_k.astype(k.dtype), d_v.astype(v.dtype), None
+
+
+def _add_block(buffer: jax.Array, block: jax.Array, index, tile: int) -> jax.Array:
+    """`buffer` with `block` added to its tile `index` along the position axis, in place."""
+    return jax.lax.dynamic_update_slice_in_dim(
+        buffer, _slice(buffer, index, tile) + block, index * tile, axis=1
+    )
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -91,14 +91,14 @@ GPU_DEVICE_GOAL = 10.0
 def test_the_gpu_calibration_says_where_it_comes_from_and_refits():
     assert GPU_ENTRY["target"] == "h100" and "XLA:GPU" in GPU_ENTRY["compiler"]
     assert GPU_ENTRY["fit_measurements"] and GPU_ENTRY["held_out_measurements"]
-    assert calibrate.fit(GPU_ENTRY["fit_measurements"]) == GPU_ENTRY["counts"]
+    assert calibrate.fit(GPU_ENTRY["fit_measurements"], compiler="xla-gpu") == GPU_ENTRY["counts"]
     with working_set.calibration_for("xla-gpu"):
         config = calibrate.case_of(GPU_ENTRY["held_out_measurements"][0])[1]
         assert working_set.calibration_key(config) == GPU_KEY
 
 
 def _gpu_device_errors(counts):
-    rows = calibrate.errors_of(GPU_ENTRY["held_out_measurements"], counts)
+    rows = calibrate.errors_of(GPU_ENTRY["held_out_measurements"], counts, "xla-gpu")
     return [abs(row["device_error"]) for row in rows]
 
 
@@ -146,10 +146,10 @@ GPU_F32_WORST, GPU_F32_MEDIAN = 23.0, 5.0
 @pytest.mark.skipif(GPU_F32 is None, reason=f"no {GPU_F32_KEY} calibration yet")
 def test_the_gpu_float32_calibration_refits_and_holds_on_its_held_out_grid():
     assert GPU_F32["target"] == "h100" and GPU_F32["dtype"] == "float32"
-    assert calibrate.fit(GPU_F32["fit_measurements"]) == GPU_F32["counts"]
+    assert calibrate.fit(GPU_F32["fit_measurements"], compiler="xla-gpu") == GPU_F32["counts"]
 
     def errors(counts):
-        rows = calibrate.errors_of(GPU_F32["held_out_measurements"], counts)
+        rows = calibrate.errors_of(GPU_F32["held_out_measurements"], counts, "xla-gpu")
         return sorted(abs(row["device_error"]) for row in rows)
 
     fitted = errors(GPU_F32["counts"])
