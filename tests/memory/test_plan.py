@@ -55,9 +55,15 @@ def test_persistent_bytes_equal_the_pytrees_the_trainer_builds(method, optimizer
 
 def test_components_sum_to_the_totals_and_offload_moves_the_residual_stream_to_host():
     model = builtin_config("Llama-3.1-8B")
-    on_device = plan_for_config(train_config(batch_size=2, data={"seq_len": 2048}), model)
+    # the same chunks on both sides (the lean defaults choose smaller ones once the residual
+    # stream has left the device): only the placement differs
+    chunks = {"loss_chunk": 512, "mlp_chunk": 512}
+    on_device = plan_for_config(
+        train_config(batch_size=2, data={"seq_len": 2048}, memory=chunks), model
+    )
     offloaded = plan_for_config(
-        train_config(batch_size=2, data={"seq_len": 2048}, memory={"residuals": "host"}), model
+        train_config(batch_size=2, data={"seq_len": 2048}, memory={**chunks, "residuals": "host"}),
+        model,
     )
     residual = 32 * 2 * 2048 * 4096 * 2  # L x B x S x D x bf16
     assert on_device.bytes_of("residual_stream") == residual
