@@ -59,9 +59,9 @@ from featherweight.step.opt_state import place_opt_state
 
 MIB = 2**20
 OLD_DEFAULT = {"loss_chunk": None, "mlp_chunk": None, "vocab_chunk": None}  # whole sequence
+SEQUENCE_CHUNK = {"loss_chunk": 64, "vocab_chunk": None}  # the head's old default for LoRA
 SMALL_LORA = {  # what `plan --budget` reaches with every same-result setting
-    "loss_chunk": 64,
-    "vocab_chunk": 16384,
+    "vocab_chunk": 2048,
     "mlp_chunk": 128,
     "residuals": "host",
     "embed": "host",
@@ -72,6 +72,7 @@ VARIANTS = {
         ("default", "lora", {}, False),
         ("no chunks (old default)", "lora", OLD_DEFAULT, False),
         ("no MLP chunk", "lora", {"mlp_chunk": None}, False),
+        ("loss_chunk 64 instead of a vocabulary chunk", "lora", SEQUENCE_CHUNK, False),
         ("vocab_chunk 16384", "lora", {"vocab_chunk": 16384}, False),
         ("mlp_chunk 128", "lora", {"mlp_chunk": 128}, False),
         ("residuals on host", "lora", {"residuals": "host"}, False),
@@ -83,6 +84,7 @@ VARIANTS = {
         ("default", "qlora", {}, False),
         ("no chunks (old default)", "qlora", OLD_DEFAULT, False),
         ("no MLP chunk", "qlora", {"mlp_chunk": None}, False),
+        ("loss_chunk 64 instead of a vocabulary chunk", "qlora", SEQUENCE_CHUNK, False),
         ("NF4 head", "qlora", {}, True),
         ("NF4 head, no chunks", "qlora", OLD_DEFAULT, True),
         ("NF4 head + vocab_chunk 16384", "qlora", {"vocab_chunk": 16384}, True),
@@ -157,15 +159,20 @@ def _shared_with(base, abstract, key):
     return jax.tree.unflatten(treedef, leaves)
 
 
-def _chosen_name(name: str, config) -> str:
-    """The default variant's name with the chunks the lean defaults chose."""
+def chosen_chunks(config) -> str:
+    """The chunks of a config, e.g. "vocab_chunk 4096, mlp_chunk 128" (or "no chunks")."""
     memory = config.memory
     chosen = ", ".join(
         f"{field} {getattr(memory, field)}"
-        for field in ("loss_chunk", "mlp_chunk", "vocab_chunk")
+        for field in ("loss_chunk", "vocab_chunk", "mlp_chunk")
         if getattr(memory, field) is not None
     )
-    return f"{name} ({chosen or 'no chunks'} chosen)"
+    return chosen or "no chunks"
+
+
+def _chosen_name(name: str, config) -> str:
+    """The default variant's name with the chunks the lean defaults chose."""
+    return f"{name} ({chosen_chunks(config)} chosen)"
 
 
 def target_report(args, model) -> list[str]:
@@ -202,8 +209,9 @@ def target_report(args, model) -> list[str]:
         '"derived": an argument placed in host memory was compiled as a device array and its '
         "exact bytes subtracted. Planned MiB: the planner's device bytes for the same config. "
         "GFLOP: matmul FLOPs from the shapes (`step_flops`). Estimated time: the planner's "
-        "`step_seconds` at 400 TFLOP/s and a 25 GB/s host link (matmuls + host transfers), as a "
-        "ratio to the default -- an estimate, not a measurement.",
+        "`step_seconds` at 400 TFLOP/s, 2.5 TB/s of device memory for the LM head's matmul bytes "
+        "and a 25 GB/s host link (matmuls + head bytes + host transfers), as a ratio to the "
+        "default -- an estimate, not a measurement.",
         "",
         "| setting | compiled MiB | saved MiB | planned MiB | GFLOP (ratio) | estimated time ratio | how |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",

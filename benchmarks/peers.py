@@ -47,7 +47,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from memory_settings import _config
+from memory_settings import _config, chosen_chunks
 from peer_jax import build_peer_step
 from peer_torch import build_torch_step
 from results_file import emit
@@ -145,7 +145,7 @@ def _measure_method(method: str, args, model, key) -> dict:
     return {
         "measured": (fw_measured, peer_measured),
         "flops": (fw_flops, peer_flops),
-        "loss_chunk": with_lean_defaults(config, model).memory.loss_chunk,
+        "chunks": chosen_chunks(with_lean_defaults(config, model)),
         "cpu": cpu,
         "wall": wall,
     }
@@ -194,7 +194,7 @@ def _report(results: dict, args) -> list[str]:
         walls = ", ".join(f"{statistics.median(wall[name]):.2f}" for name in wall)
         third = _steps(args)[2]
         lines.append(
-            f"| {method} (loss_chunk {result['loss_chunk']}) | {fw.total_bytes / MIB:.1f} | "
+            f"| {method} ({result['chunks']}) | {fw.total_bytes / MIB:.1f} | "
             f"{peer.total_bytes / MIB:.1f} | {fw.total_bytes / peer.total_bytes:.3f} | "
             f"{fw_flops / 1e9:.1f} | {peer_flops / 1e9:.1f} | {_ratio(cpu, 'JAX peer'):.3f} "
             f"({_ratio(wall, 'JAX peer'):.3f}) | {_ratio(cpu, third):.3f} "

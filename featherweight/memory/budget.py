@@ -4,16 +4,19 @@ why nothing does.
 `fit_budget` plans the configured step (its unset chunks chosen from the shapes first,
 `memory/defaults.py`) and, while the plan's device bytes exceed the budget, changes one setting at
 a time: of each setting's next candidate that lowers the planned bytes, the one whose estimated
-time per token rises least (`memory/step_cost.py`: matmul FLOPs and host transfers counted from the
-shapes, checked against compiled programs; ties go to the order below). Settings that keep the
+time per token rises least (`memory/step_cost.py`: matmul FLOPs, the LM head's bytes and host
+transfers counted from the shapes, checked against compiled programs; estimates within
+`COST_RESOLUTION` of the step are a tie, which goes to the order below). Settings that keep the
 step's result are searched first, then those that change its numerics, then the base on the host,
 the micro-batch last. Once a plan fits, every change it does not need is undone (the costliest
 first), so a setting that saves nothing is never kept. The settings, each with what it costs:
 
-1. loss chunk: halve the LM-head/cross-entropy chunk (down to 64 tokens) -- same result, no extra
-   FLOPs; helps when the loss phase is the peak (large vocabularies);
-2. vocabulary chunk: the LM head 16384 rows at a time, then halved (down to 2048) -- same result;
-   no extra FLOPs for a frozen head (one sweep), one more LM-head forward for a trained one;
+1. vocabulary chunk: the LM head 16384 rows at a time, then halved (down to 2048) -- same result;
+   for a frozen head no extra FLOPs and no more reads of the head (one sweep), for a trained one
+   one more LM-head forward;
+2. loss chunk: halve the LM-head/cross-entropy chunk (down to 64 tokens) -- same result, no extra
+   FLOPs, but the head streams through its matmuls once more per chunk; helps when the loss
+   phase is the peak (large vocabularies);
 3. saved intermediates: drop them (memory.save = ()) -- the backward pass recomputes them;
 4. MLP chunk: halve the MLP's sequence chunk (down to 256) -- same result; long context;
 5. residual offload: memory.residuals = "host" -- same result, the residual stream crosses the
@@ -187,10 +190,15 @@ def _micro_batches(config: TrainConfig) -> Iterator[TrainConfig]:
         batch //= 2
 
 
-# (name, candidates from the current config and model, most preferred first)
+# estimated step times closer than this fraction of the step are a tie (the estimate counts matmul
+# FLOPs and the bytes of the head and the host link, not everything a step does)
+COST_RESOLUTION = 0.01
+
+# (name, candidates from the current config and model, most preferred first: of the same
+# estimated cost, what keeps everything on the device and streams the LM head fewest times)
 PREFERENCE: tuple[tuple[str, Callable[[TrainConfig, ModelConfig], Iterator[TrainConfig]]], ...] = (
-    ("loss chunk", lambda c, m: _loss_chunks(c)),
     ("vocabulary chunk", lambda c, m: _vocab_chunks(c, m.vocab_size)),
+    ("loss chunk", lambda c, m: _loss_chunks(c)),
     ("saved intermediates", lambda c, m: _no_saved(c)),
     ("MLP chunk", lambda c, m: _mlp_chunks(c)),
     ("residual offload", lambda c, m: _offload(c)),
@@ -205,8 +213,8 @@ PREFERENCE: tuple[tuple[str, Callable[[TrainConfig, ModelConfig], Iterator[Train
 
 # (section, field) of every setting the search may change, as `describe_changes` names them
 SEARCHED_FIELDS = (
-    ("memory", "loss_chunk"),
     ("memory", "vocab_chunk"),
+    ("memory", "loss_chunk"),
     ("memory", "save"),
     ("memory", "mlp_chunk"),
     ("memory", "residuals"),
@@ -266,8 +274,10 @@ def _cheapest_step(
     config: TrainConfig, plan: MemoryPlan, model_config: ModelConfig, rates: DeviceRates
 ) -> tuple[TrainConfig, MemoryPlan] | None:
     """The next change: of each setting's next candidate that lowers the planned bytes, the one
-    whose estimated time per token is least (ties: `PREFERENCE` order), from the first tier that
-    has one; None when no setting lowers the plan."""
+    whose estimated time per token is least, from the first tier that has one; estimates within
+    `COST_RESOLUTION` of the step's time of each other are a tie, taken in `PREFERENCE` order.
+    None when no setting lowers the plan."""
+    step = COST_RESOLUTION * seconds_per_token(config, model_config, rates)
     for tier in TIERS:
         options = []
         for order, (_, candidates) in enumerate(tier):
@@ -278,7 +288,9 @@ def _cheapest_step(
                     options.append((cost, order, candidate, candidate_plan))
                     break
         if options:
-            _, _, chosen, chosen_plan = min(options, key=lambda option: option[:2])
+            least = min(cost for cost, *_ in options)
+            ties = [option for option in options if option[0] <= least + step]
+            _, _, chosen, chosen_plan = min(ties, key=lambda option: option[1])
             return chosen, chosen_plan
     return None
 

@@ -11,9 +11,16 @@ Two counts that must agree:
   search weighs, without compiling. tests/memory/test_step_cost.py checks it against
   `hlo_dot_flops` of compiled steps.
 
+And the bytes the LM head's matmuls read, which the head's chunks change while its FLOPs stay
+the same: `head_matmul_bytes` from the shapes, `hlo_dot_operand_bytes` of a compiled program
+(every dot's two operands, loops by trip count; tests compare the two between settings). A
+sequence chunk streams the whole head through its matmuls once more per chunk; a frozen head's
+vocabulary chunks read each row as often as the whole head does.
+
 `step_seconds` turns the counts into an estimate with a device's throughput: matmul FLOPs at the
-device's rate, and bytes that cross between host and device memory at the link's rate. Memory
-settings are compared by the difference of these estimates (`setting_costs`).
+device's rate, the head's bytes at its memory's rate, and bytes that cross between host and
+device memory at the link's rate. Memory settings are compared by the difference of these
+estimates (`budget.change_costs`).
 """
 
 from __future__ import annotations
@@ -61,46 +68,62 @@ def _shape_and_opcode(rest: str) -> tuple[str, str]:
     return shape, opcode.group(1) if opcode else ""
 
 
-def _dims(shape: str) -> tuple[int, ...] | None:
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s4": 1, "u4": 1, "bf16": 2, "f16": 2, "s16": 2}
+_ITEMSIZE |= {"u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+class _Array(NamedTuple):
+    dims: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.dims) * self.itemsize
+
+
+def _array(shape: str) -> _Array | None:
     match = _SHAPE.match(shape)
     if match is None:
         return None
-    return tuple(int(d) for d in match.group(1).split(",") if d)
+    dims = tuple(int(d) for d in match.group(1).split(",") if d)
+    return _Array(dims, _ITEMSIZE.get(shape.split("[")[0], 4))
 
 
-def _dot_flops(line: str, shapes: dict[str, tuple[int, ...]], output: tuple[int, ...]) -> int:
-    operands = re.search(r"\bdot\(\s*%?([\w.\-]+)", line)
+def _dot_counts(line: str, arrays: dict[str, _Array | None], output: _Array) -> tuple[int, int]:
+    """(FLOPs, operand bytes) of one dot instruction."""
+    operands = re.search(r"\bdot\(\s*%?([\w.\-]+),\s*%?([\w.\-]+)", line)
     contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-    lhs = shapes.get(operands.group(1)) if operands else None
-    if lhs is None or contracting is None:
+    lhs, rhs = (arrays.get(operands.group(i)) for i in (1, 2)) if operands else (None, None)
+    if lhs is None or rhs is None or contracting is None:
         raise ValueError(f"cannot read the operands of a dot in the HLO: {line.strip()[:200]}")
-    contracted = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d)
-    return 2 * math.prod(output) * contracted
+    contracted = math.prod(lhs.dims[int(d)] for d in contracting.group(1).split(",") if d)
+    return 2 * math.prod(output.dims) * contracted, lhs.bytes + rhs.bytes
 
 
-def hlo_dot_flops(compiled) -> int:
-    """Matmul FLOPs of one run of a compiled program (`jax.jit(f).lower(...).compile()`), with
+def _hlo_dot_totals(compiled) -> tuple[int, int]:
+    """(matmul FLOPs, bytes of the matmuls' operands) of one run of a compiled program, with
     loops counted by their trip counts and the larger branch of a conditional."""
-    own: dict[str, int] = {}
+    own: dict[str, tuple[int, int]] = {}
     calls: dict[str, list[tuple[str, int]]] = {}
     branches: dict[str, list[list[str]]] = {}
-    entry, current, shapes = None, None, {}
+    entry, current, arrays = None, None, {}
     for line in compiled.as_text().splitlines():
         header = _COMPUTATION.match(line)
         if header:
             current = header.group(1)
             entry = current if line.startswith("ENTRY") else entry
-            own[current], calls[current], branches[current] = 0, [], []
-            shapes = {name: _dims(shape) for name, shape in _PARAMETER.findall(header.group(2))}
+            own[current], calls[current], branches[current] = (0, 0), [], []
+            arrays = {name: _array(shape) for name, shape in _PARAMETER.findall(header.group(2))}
             continue
         instruction = _INSTRUCTION.match(line) if current else None
         if instruction is None:
             continue
         name, rest = instruction.groups()
         shape, opcode = _shape_and_opcode(rest)
-        shapes[name] = _dims(shape)
+        arrays[name] = _array(shape)
         if opcode == "dot":
-            own[current] += _dot_flops(line, shapes, shapes[name])
+            flops, moved = _dot_counts(line, arrays, arrays[name])
+            own[current] = (own[current][0] + flops, own[current][1] + moved)
         trips = _TRIP_COUNT.search(line)
         repeat = int(trips.group(1)) if opcode == "while" and trips else 1
         for called in _CALLED.findall(line):
@@ -108,13 +131,29 @@ def hlo_dot_flops(compiled) -> int:
         for group in _BRANCHES.findall(line):
             branches[current].append([b.strip().lstrip("%") for b in group.split(",")])
 
-    def total(computation: str) -> int:
-        flops = own.get(computation, 0)
-        flops += sum(count * total(called) for called, count in calls.get(computation, ()))
-        flops += sum(max(total(b) for b in group) for group in branches.get(computation, ()))
-        return flops
+    def total(computation: str) -> tuple[int, int]:
+        flops, moved = own.get(computation, (0, 0))
+        for called, count in calls.get(computation, ()):
+            inner = total(called)
+            flops, moved = flops + count * inner[0], moved + count * inner[1]
+        for group in branches.get(computation, ()):
+            larger = max((total(b) for b in group), key=lambda counts: counts[0])
+            flops, moved = flops + larger[0], moved + larger[1]
+        return flops, moved
 
     return total(entry)
+
+
+def hlo_dot_flops(compiled) -> int:
+    """Matmul FLOPs of one run of a compiled program (`jax.jit(f).lower(...).compile()`), with
+    loops counted by their trip counts and the larger branch of a conditional."""
+    return _hlo_dot_totals(compiled)[0]
+
+
+def hlo_dot_operand_bytes(compiled) -> int:
+    """Bytes the matmuls of one run of a compiled program read: both operands of every dot, loops
+    counted by their trip counts (what a matmul streams through, whatever its cache keeps)."""
+    return _hlo_dot_totals(compiled)[1]
 
 
 class StepFlops(NamedTuple):
@@ -176,7 +215,7 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
         + linear + adapters + trained_linear + adapters  # d_input, d_weight
         + 4 * attention  # forward, remat, and the two operands' gradients of both matmuls
     )  # fmt: skip
-    head_forward = 2 * tokens * m.vocab_size * m.hidden_size
+    head_forward = 2 * tokens * _head_rows_per_sweep(config, m) * m.hidden_size
     head_trained = config.method == "full"
     head = head_forward * (3 if head_trained else 2)
     vocab_chunk = config.memory.vocab_chunk
@@ -185,18 +224,60 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
     return StepFlops(m.num_layers * per_layer, head, recompute)
 
 
+def _head_rows_per_sweep(config: TrainConfig, model_config: ModelConfig) -> int:
+    """Rows of the LM head one sweep over the vocabulary reads: V, or with vocabulary chunks that
+    do not divide it, every chunk whole (the last overlaps the one before, `step.loss`)."""
+    vocab = model_config.vocab_size
+    block = min(config.memory.vocab_chunk or vocab, vocab)
+    return -(-vocab // block) * block
+
+
+def head_matmul_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
+    """Bytes the LM head's matmuls read in one step (what `hlo_dot_operand_bytes` counts of them).
+
+    Per sequence chunk of R = B x chunk rows and vocabulary block of Vc rows (Vc = V unchunked;
+    with a chunk that does not divide V the last block overlaps the one before), in the compute
+    dtype: the logits read the normed rows [R, D] and the block [Vc, D]; d_hidden reads the
+    logits' gradient [R, Vc] and the block again; a trained head's gradient reads [R, D] and
+    [R, Vc]; a trained head's vocabulary blocks are read once more by the first sweep (the
+    log-sum-exp). So the head itself, V x D, streams through twice per sequence chunk (three
+    times trained and vocabulary-chunked): a sequence chunk costs bytes, a frozen head's
+    vocabulary chunk only the normed rows once more per block.
+    """
+    m, memory = model_config, config.memory
+    itemsize = compute_itemsize(config)
+    tokens = config.batch_size * config.data.seq_len
+    seq_chunks = config.data.seq_len // resolve_chunk_size(config.data.seq_len, memory.loss_chunk)
+    rows = _head_rows_per_sweep(config, model_config)
+    blocks = rows // min(memory.vocab_chunk or m.vocab_size, m.vocab_size)
+    trained = config.method == "full"
+    second_sweep = trained and blocks > 1
+    sweeps = 2 if second_sweep else 1  # sweeps making logits
+    moved = sweeps * (blocks * tokens * m.hidden_size + seq_chunks * rows * m.hidden_size)
+    moved += tokens * rows + seq_chunks * rows * m.hidden_size  # d_hidden
+    if trained:
+        moved += blocks * tokens * m.hidden_size + tokens * rows  # d_head
+    return moved * itemsize
+
+
 class DeviceRates(NamedTuple):
-    """How fast a device turns the counts into time: matmul FLOP/s, and bytes/s over the
-    host link (None where host and device memory are one, as on a CPU: placement moves nothing).
-    Round figures: only the ratio of a setting's cost to the step's time is used."""
+    """How fast a device turns the counts into time: matmul FLOP/s, the bytes/s its memory feeds
+    a matmul that streams its operand (the LM head), and bytes/s over the host link (None where
+    host and device memory are one, as on a CPU: placement moves nothing). Round figures: only
+    the ratio of a setting's cost to the step's time is used."""
 
     flops_per_second: float
+    memory_bytes_per_second: float
     link_bytes_per_second: float | None
 
 
-CPU_RATES = DeviceRates(1e11, None)  # 2-16 cores with AVX2/AVX-512 FMA; host memory is the device's
-# an H100-class GPU: ~40% of its 989 dense bf16 TFLOP/s sustained; PCIe 5 x16 at ~25 GB/s per way
-ACCELERATOR_RATES = DeviceRates(4e14, 2.5e10)
+# 2-16 cores with AVX2/AVX-512 FMA; ~20 GB/s of DRAM per core streaming a matmul operand (a
+# sequence chunk of SmolLM2's 113 MB float32 head measured ~1% of a b2 x 256 step on one core,
+# two reads per chunk); host memory is the device's
+CPU_RATES = DeviceRates(1e11, 2e10, None)
+# an H100-class GPU: ~40% of its 989 dense bf16 TFLOP/s sustained, ~2.5 TB/s of its 3.35 TB/s HBM;
+# PCIe 5 x16 at ~25 GB/s per way
+ACCELERATOR_RATES = DeviceRates(4e14, 2.5e12, 2.5e10)
 
 
 def rates_for(platform: str) -> DeviceRates:
@@ -287,9 +368,11 @@ def host_base_estimate(
 
 
 def step_seconds(config: TrainConfig, model_config: ModelConfig, rates: DeviceRates) -> float:
-    """Estimated seconds of one train step: its matmul FLOPs at the device's rate plus its host
-    transfers at the link's rate (not overlapped: an upper bound on what they add)."""
+    """Estimated seconds of one train step: its matmul FLOPs at the device's rate, the bytes the
+    LM head's matmuls stream at its memory's rate, plus its host transfers at the link's rate
+    (not overlapped: an upper bound on what they add)."""
     seconds = step_flops(config, model_config).total / rates.flops_per_second
+    seconds += head_matmul_bytes(config, model_config) / rates.memory_bytes_per_second
     if rates.link_bytes_per_second is not None:
         seconds += host_transfer_bytes(config, model_config) / rates.link_bytes_per_second
     return seconds

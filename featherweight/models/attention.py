@@ -18,14 +18,19 @@ The queries and keys are cut into blocks of `block` positions. For each query bl
 at or below the diagonal are visited in a loop (the blocks above it are never computed: causal
 attention skips them, it does not mask them), keeping an online softmax: a float32 running max
 `m`, sum `l` and output accumulator per query row (FlashAttention, Dao et al. 2022; the loop order
-of FlashAttention-2). Only one [B, H, block, block] tile of scores exists at a time. A sequence no
-longer than one block is a single tile: no loop is built.
+of FlashAttention-2). Only one [B, H, block, block] tile of scores exists at a time.
+
+A sequence no longer than one block is a single tile: no loop is built, and the tile's products
+are taken head-major (q [B, K, G, S, h], k and v [B, K, S, h]: transient copies of O(S H h), so
+that no product transposes the S x S tile; measured on this CPU, SmolLM2-135M's shapes at
+b2 x 256: the tile's forward and backward in 0.75x the time of XLA's materialized attention, where
+the loops' layout took 1.10x). The arrays it keeps for the backward pass are those of the loops.
 
 The backward pass (a `jax.custom_vjp`) keeps only the output and the log-sum-exp `m + log l`
 ([B, H, S] float32) from the forward pass and recomputes each tile's probabilities once, in one
-pass over the tiles at or below the diagonal, query block by query block: the tile gives its share
-of dQ (summed in the query block's float32 carry and written once in the input dtype) and of dK
-and dV (summed in place into float32 buffers the size of k and v -- in float32 they are the
+pass over the tiles at or below the diagonal, query block by query block: the tile gives its
+share of dQ (summed in the query block's float32 carry and written once in the input dtype) and
+of dK and dV (summed in place into float32 buffers the size of k and v -- in float32 they are the
 outputs themselves). A two-pass backward (dQ per query block, then dK/dV per key block) would avoid
 those two buffers for 16-bit inputs, at the price of every tile's probabilities, score product and
 dO V^T product computed twice. Memory beyond inputs and outputs is O(B x H x (S + block^2)) in
@@ -81,6 +86,8 @@ def blockwise_attention(
     tile = block_size(seq, block)
     padded = math.ceil(seq / tile) * tile
     q5 = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # [B, S, K, G, h]
+    if padded == tile == seq:  # a lone tile: no loop, its products head-major
+        return _lone_tile(q5, k, v, segment_ids).reshape(batch, seq, heads, head_dim)
     if padded != seq:
         q5, k, v = (_pad_positions(x, padded) for x in (q5, k, v))
         if segment_ids is not None:
@@ -252,6 +259,67 @@ def _add_block(buffer: jax.Array, block: jax.Array, index, tile: int) -> jax.Arr
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _head_major(q, k, v):
+    """q [B, S, K, G, h] -> [B, K, G, S, h]; k, v [B, S, K, h] -> [B, K, S, h]."""
+    return q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def _lone_tile_forward(q, k, v, segments):
+    """(out [B, S, K, G, h] in q's dtype, the rows' log-sum-exp [B, K, G, S, 1] float32) of a
+    sequence that is one tile."""
+    q, k, v = _head_major(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    visible = _tile_mask(0, 0, q.shape[3], segments)
+    s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(visible, s, _MASKED)
+    row_max = s.max(axis=-1, keepdims=True)
+    p = jnp.exp(s - row_max)  # unnormalized: the output is divided instead, [S, h] not [S, S]
+    row_sum = p.sum(axis=-1, keepdims=True)
+    out = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = (out / row_sum).astype(q.dtype).transpose(0, 3, 1, 2, 4)
+    return out, row_max + jnp.log(row_sum)
+
+
+@jax.custom_vjp
+def _lone_tile(q, k, v, segments):
+    """Attention over a sequence that is one tile: the products taken head-major (batched over
+    B and K), so that none transposes the S x S tile; the arrays in and out, and those kept for
+    the backward pass, in the loops' layout (the copies are transient)."""
+    return _lone_tile_forward(q, k, v, segments)[0]
+
+
+def _lone_tile_fwd(q, k, v, segments):
+    out, lse = _lone_tile_forward(q, k, v, segments)
+    return out, (q, k, v, segments, out, lse)
+
+
+def _lone_tile_bwd(residuals, d_out):
+    """The tile's backward: its probabilities made once again from the kept log-sum-exp."""
+    q_in, k_in, v_in, segments, out, lse = residuals
+    q, k, v = _head_major(q_in, k_in, v_in)
+    d_out, out = (x.transpose(0, 2, 3, 1, 4) for x in (d_out, out))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    f32 = jnp.float32
+    visible = _tile_mask(0, 0, q.shape[3], segments)
+    s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=f32) * scale
+    p = jnp.exp(jnp.where(visible, s, _MASKED) - lse)
+    delta = jnp.einsum("bkgqd,bkgqd->bkgq", d_out, out, preferred_element_type=f32)[..., None]
+    d_p = jnp.einsum("bkgqd,bksd->bkgqs", d_out, v, preferred_element_type=f32)
+    d_s = (p * (d_p - delta) * scale).astype(q.dtype)
+    d_q = jnp.einsum("bkgqs,bksd->bkgqd", d_s, k, preferred_element_type=f32)
+    d_k = jnp.einsum("bkgqs,bkgqd->bksd", d_s, q, preferred_element_type=f32)
+    d_v = jnp.einsum("bkgqs,bkgqd->bksd", p.astype(v.dtype), d_out, preferred_element_type=f32)
+    return (
+        d_q.astype(q.dtype).transpose(0, 3, 1, 2, 4),
+        d_k.astype(k.dtype).transpose(0, 2, 1, 3),
+        d_v.astype(v.dtype).transpose(0, 2, 1, 3),
+        None,
+    )
+
+
+_lone_tile.defvjp(_lone_tile_fwd, _lone_tile_bwd)
 
 
 # --- the implementations behind one call -----------------------------------------------------

@@ -21,7 +21,7 @@ from featherweight.memory.budget import (
 )
 from featherweight.memory.defaults import with_lean_defaults
 from featherweight.memory.plan import plan_for_config
-from featherweight.memory.step_cost import step_flops
+from featherweight.memory.step_cost import CPU_RATES, head_matmul_bytes, step_seconds
 from featherweight.models.registry import builtin_config
 from featherweight.recipe.schema import parse_config
 
@@ -115,17 +115,22 @@ def test_micro_batch_comes_last_and_every_kept_change_is_needed():
 def test_the_search_weighs_time_a_vocabulary_chunk_only_when_needed():
     # SmolLM2-135M b2 x 256 (the shapes). Full fine-tuning trains the head, so a
     # vocabulary chunk costs one more LM-head forward: on this CPU host placements move nothing,
-    # so they come first. A frozen head's chunks take one sweep (no extra FLOPs), so LoRA's
-    # search may keep one -- only where it lowers the plan. With a GPU's host link the link's
-    # cost is weighed.
+    # so they come first. A frozen head's chunks take one sweep (no extra FLOPs, only the normed
+    # rows read once more per block), so LoRA's search may keep one -- only where it lowers the
+    # plan. With a GPU's host link the link's cost is weighed.
     model = builtin_config("SmolLM2-135M")
     head_forward = 2 * 2 * 256 * model.vocab_size * model.hidden_size
     for method, extra in (("full", head_forward), ("lora", 0)):
         config = config_of(method=method, batch_size=2, data={"seq_len": 256})
         chunked = _replace(config, "memory", vocab_chunk=16384)
         costs = change_costs(config, chunked, model, "cpu")
-        total = step_flops(with_lean_defaults(config, model), model).total
-        assert costs["memory.vocab_chunk"] == pytest.approx(extra / total, rel=0.05, abs=1e-12)
+        base = step_seconds(config, model, CPU_RATES)
+        extra_bytes = head_matmul_bytes(chunked, model) - head_matmul_bytes(config, model)
+        expected = (extra / CPU_RATES.flops_per_second) + (
+            extra_bytes / CPU_RATES.memory_bytes_per_second
+        )
+        assert costs["memory.vocab_chunk"] == pytest.approx(expected / base, rel=1e-6)
+        assert (costs["memory.vocab_chunk"] > 0.03) == (method == "full")
         plan = plan_for_config(config, model)
         fitted, _ = fit_budget(config, model, plan.device_bytes - 2**20)
         if method == "full":
@@ -140,6 +145,25 @@ def test_the_search_weighs_time_a_vocabulary_chunk_only_when_needed():
     assert change_costs(config, _replace(config, "memory", residuals="host"), model, "cpu") == {
         "memory.residuals": 0.0
     }
+
+
+def test_a_frozen_heads_sequence_chunk_costs_the_heads_bytes_and_comes_after_its_vocabulary():
+    # a sequence chunk streams the head through its matmuls once more per chunk: the search
+    # (and the plan's cost column) see it; a frozen head's vocabulary chunk of the same saving
+    # costs almost nothing, so it is taken first
+    model = builtin_config("SmolLM2-135M")
+    whole = config_of(
+        method="lora",
+        batch_size=2,
+        data={"seq_len": 256},
+        memory={"loss_chunk": None, "vocab_chunk": None, "mlp_chunk": None},
+    )
+    by_sequence = change_costs(whole, _replace(whole, "memory", loss_chunk=64), model, "cpu")
+    by_vocabulary = change_costs(whole, _replace(whole, "memory", vocab_chunk=4096), model, "cpu")
+    assert by_sequence["memory.loss_chunk"] > 5 * by_vocabulary["memory.vocab_chunk"] > 0
+    plan = plan_for_config(whole, model)
+    fitted, _ = fit_budget(whole, model, plan.device_bytes - 2**20)
+    assert fitted.memory.vocab_chunk is not None and fitted.memory.loss_chunk is None
 
 
 def test_nothing_fits_names_the_largest_component_the_shortfall_and_options():

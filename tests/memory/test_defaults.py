@@ -1,23 +1,26 @@
-"""Lean defaults: the loss, MLP and (frozen NF4 head) vocabulary chunks chosen from the shapes when
-the config leaves them unset, so LoRA and QLoRA steps at typical shapes plan -- and compile --
-within 10% of the planner's lower bound, and the whole-sequence settings (the old defaults, set
-explicitly) do not."""
+"""Lean defaults: the MLP chunk and the head's chunks (a frozen head's vocabulary first, then the
+sequence) chosen from the shapes when the config leaves them unset, so LoRA and QLoRA steps at
+typical shapes plan -- and compile -- within 10% of the planner's lower bound, and the
+whole-sequence settings (the old defaults, set explicitly) do not."""
 
 import dataclasses
 
 import pytest
 
 from featherweight.memory.defaults import (
+    AUTO_VOCAB_CHUNKS,
     MIN_AUTO_LOSS_CHUNK,
     MIN_AUTO_MLP_TOKENS,
-    MIN_TRAINED_HEAD_ROWS,
+    MIN_HEAD_ROWS,
     auto_loss_chunk,
     with_lean_defaults,
 )
 from featherweight.memory.measure import measure_compiled
 from featherweight.memory.plan import plan_for_config
+from featherweight.memory.step_cost import head_matmul_bytes
 from featherweight.models.registry import builtin_config
 from featherweight.recipe.schema import parse_config
+from tests.conftest import tiny_config
 
 SMOLLM2 = builtin_config("SmolLM2-135M")
 
@@ -35,30 +38,62 @@ def _config(method="lora", batch=2, seq=256, quantize_head=False, mesh=None, **m
     )
 
 
-def test_an_unset_loss_chunk_is_chosen_and_a_set_one_is_kept():
-    config = _config(mlp_chunk=None)
+def _memory_with(config, **values):
+    return config.model_copy(update={"memory": config.memory.model_copy(update=values)})
+
+
+def test_a_frozen_heads_chunks_keep_512_rows_and_the_vocabulary_does_the_rest():
+    config = _config(mlp_chunk=None)  # b2 x 256: a 128-token chunk would have 256 rows
     chosen = with_lean_defaults(config, SMOLLM2)
-    assert chosen.memory.loss_chunk == auto_loss_chunk(config, SMOLLM2) == MIN_AUTO_LOSS_CHUNK
-    assert with_lean_defaults(_config(loss_chunk=None), SMOLLM2).memory.loss_chunk is None
-    assert with_lean_defaults(_config(loss_chunk=128), SMOLLM2).memory.loss_chunk == 128
+    assert chosen.memory.loss_chunk is None  # the whole sequence: the head streams through once
+    assert chosen.memory.vocab_chunk in AUTO_VOCAB_CHUNKS
     plan = plan_for_config(chosen, SMOLLM2)
     assert plan.phases["loss"] <= plan.phases["backward"]  # the loss phase is no longer the peak
     assert plan_for_config(config, SMOLLM2) == plan  # the planner plans what the trainer runs
+    # the largest chunk that is enough: twice as many rows would leave the loss phase the peak
+    larger = plan_for_config(
+        _memory_with(chosen, vocab_chunk=2 * chosen.memory.vocab_chunk), SMOLLM2
+    )
+    assert larger.phases["loss"] > larger.phases["backward"]
+    # no larger than 64-token sequence chunks (the old default), with the head read 4x less
+    by_sequence = _memory_with(chosen, vocab_chunk=None, loss_chunk=MIN_AUTO_LOSS_CHUNK)
+    assert plan.device_bytes <= plan_for_config(by_sequence, SMOLLM2).device_bytes
+    assert head_matmul_bytes(chosen, SMOLLM2) < head_matmul_bytes(by_sequence, SMOLLM2) / 3
+    # longer rows: the sequence is chunked first, each chunk keeping 512 rows
+    long = with_lean_defaults(_config(seq=2048), SMOLLM2).memory
+    assert long.loss_chunk is not None and 2 * long.loss_chunk >= MIN_HEAD_ROWS
+    # a set chunk is kept (null included), and the other is chosen around it
+    unchunked = with_lean_defaults(_config(loss_chunk=None, vocab_chunk=None), SMOLLM2).memory
+    assert unchunked.loss_chunk is None and unchunked.vocab_chunk is None
+    set_sequence = with_lean_defaults(_config(loss_chunk=64, mlp_chunk=None), SMOLLM2).memory
+    assert set_sequence.loss_chunk == 64 and set_sequence.vocab_chunk is None  # lean already
+
+
+def test_both_are_chunked_when_the_sequence_alone_is_not_enough():
+    # a toy whose 32k vocabulary dwarfs its 64-wide layers: at b32 x 128 its 64-token chunks (the
+    # smallest) still leave the loss phase the peak, and so does every vocabulary chunk
+    model = tiny_config(vocab_size=32768)
+    chosen = with_lean_defaults(_config(batch=32, seq=128), model).memory
+    assert chosen.vocab_chunk == AUTO_VOCAB_CHUNKS[-1] and chosen.loss_chunk is not None
+    assert with_lean_defaults(_config("full", batch=32, seq=128), model).memory.vocab_chunk is None
 
 
 @pytest.mark.parametrize(("batch", "seq"), [(2, 256), (2, 2048), (8, 1024), (1, 4096)])
-def test_a_trained_heads_loss_chunk_keeps_enough_rows(batch, seq):
-    """Full fine-tuning sums the head's gradient over the loss chunks: a chunk keeps at least
-    `MIN_TRAINED_HEAD_ROWS` rows (none at b2 x 256, where LoRA takes 64-token chunks), while
-    a frozen head's chunks cost nothing and only `MIN_AUTO_LOSS_CHUNK` bounds them."""
-    full = auto_loss_chunk(_config("full", batch, seq), SMOLLM2)
-    lora = auto_loss_chunk(_config("lora", batch, seq), SMOLLM2)
-    assert full is None or batch * full >= MIN_TRAINED_HEAD_ROWS
-    assert lora is not None and (full is None or lora <= full)
-    if full is not None:  # chosen because the loss phase was the peak at the whole sequence
-        whole = plan_for_config(_config("full", batch, seq, loss_chunk=None), SMOLLM2)
-        assert whole.phases["loss"] > whole.phases["backward"]
-    assert (full is None) == (batch * seq <= MIN_TRAINED_HEAD_ROWS)
+def test_a_heads_loss_chunk_keeps_enough_rows(batch, seq):
+    """Each loss chunk streams the head through its matmuls again (and a trained head's adds its
+    gradient): a chunk keeps at least `MIN_HEAD_ROWS` rows, trained or frozen (none at b2 x 256,
+    where a frozen head takes vocabulary chunks instead); on a mesh, where no vocabulary chunk
+    follows, a frozen head's chunk keeps only `MIN_AUTO_LOSS_CHUNK` tokens."""
+    for method in ("full", "lora"):
+        chunk = auto_loss_chunk(_config(method, batch, seq), SMOLLM2)
+        assert chunk is None or batch * chunk >= MIN_HEAD_ROWS
+        if chunk is not None:  # chosen because the loss phase was the peak at the whole sequence
+            whole = _config(method, batch, seq, loss_chunk=None, vocab_chunk=None)
+            whole = plan_for_config(whole, SMOLLM2)
+            assert whole.phases["loss"] > whole.phases["backward"]
+        assert (chunk is None) == (batch * seq <= MIN_HEAD_ROWS)
+    on_mesh = auto_loss_chunk(_config("lora", batch, seq), SMOLLM2, sharded=True)
+    assert on_mesh is not None and on_mesh >= MIN_AUTO_LOSS_CHUNK
 
 
 def test_a_short_vocabulary_needs_no_chunk():
@@ -100,8 +135,9 @@ def test_a_frozen_nf4_head_gets_a_vocabulary_chunk_and_a_trained_head_does_not()
     assert qlora.memory.vocab_chunk is not None  # its dense copy was the peak
     unchunked = plan_for_config(_config("qlora", quantize_head=True, vocab_chunk=None), SMOLLM2)
     assert plan_for_config(qlora, SMOLLM2).device_bytes < unchunked.device_bytes
-    assert with_lean_defaults(_config(), SMOLLM2).memory.vocab_chunk is None  # nothing to save
     assert with_lean_defaults(_config("full"), SMOLLM2).memory.vocab_chunk is None
+    mesh = _config(seq=2048, mesh={"data": 1, "fsdp": 1})  # a chunk may gather the head there
+    assert with_lean_defaults(mesh, SMOLLM2).memory.vocab_chunk is None
 
 
 @pytest.mark.slow  # four SmolLM2-135M steps compiled on abstract shapes: about two minutes

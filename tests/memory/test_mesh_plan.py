@@ -107,7 +107,9 @@ def test_cli_plans_per_device_for_a_mesh(tmp_path):
     single = json.loads(CliRunner().invoke(app, [*arguments[:-3], "--no-measure", "--json"]).output)
     assert report["planned"]["batch"] * 8 == single["planned"]["batch"]
     difference = percent_difference(report["planned_total_bytes"], report["measured_total_bytes"])
-    assert abs(difference) <= 10.0
+    # a toy (per device b1 x 32, D 64): its lone attention tile, computed head-major, no longer
+    # shares a buffer on XLA:CPU (-11.7%); the toys' bound of tests/memory/test_measure.py
+    assert abs(difference) <= 12.5
 
 
 def test_cli_refuses_a_mesh_it_cannot_read_or_fill(tmp_path):

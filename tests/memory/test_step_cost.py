@@ -10,7 +10,9 @@ from featherweight.memory.state_bytes import host_base_bytes
 from featherweight.memory.step_cost import (
     ACCELERATOR_RATES,
     CPU_RATES,
+    head_matmul_bytes,
     hlo_dot_flops,
+    hlo_dot_operand_bytes,
     host_base_estimate,
     host_transfer_bytes,
     step_flops,
@@ -37,13 +39,52 @@ def _config(method: str, **memory):
         ("qlora", {}),
         ("lora", {"loss_chunk": 8, "vocab_chunk": 128}),
         ("lora", {"mlp_chunk": 16}),
+        ("full", {"vocab_chunk": 200}),
     ],
-    ids=["lora", "full", "qlora", "lora-vocab-chunk", "lora-mlp-chunk"],
+    ids=["lora", "full", "qlora", "lora-vocab-chunk", "lora-mlp-chunk", "full-overlapping-chunk"],
 )
 def test_step_flops_from_the_shapes_equal_the_compiled_programs(method, memory):
     config = _config(method, **memory)
     step, arguments = abstract_step_arguments(config, MODEL)
     assert step_flops(config, MODEL).total == hlo_dot_flops(step.lower(*arguments).compile())
+
+
+# the head's settings, against the whole head and sequence; float32: XLA:CPU computes a bfloat16
+# matmul on float32 copies of its operands, which its HLO shows
+HEAD_SETTINGS = [
+    {"loss_chunk": 8},
+    {"vocab_chunk": 128},
+    {"loss_chunk": 16, "vocab_chunk": 128},
+    {"vocab_chunk": 200},  # does not divide 512: the last chunk overlaps the one before
+]
+
+
+def _compiled_operand_bytes(config) -> int:
+    step, arguments = abstract_step_arguments(config, MODEL)
+    return hlo_dot_operand_bytes(step.lower(*arguments).compile())
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_the_heads_matmul_bytes_change_with_its_chunks_as_in_the_compiled_program(method):
+    # the layers' matmuls are the same in every setting: the differences are the head's
+    def config(**memory):
+        values = {"method": method, "batch_size": BATCH, "model": {"dtype": "float32"}}
+        memory = {"loss_chunk": None, "vocab_chunk": None, "mlp_chunk": None, **memory}
+        return parse_config({**values, "data": {"seq_len": SEQ}, "memory": memory})
+
+    whole = config()
+    whole_compiled, whole_planned = _compiled_operand_bytes(whole), head_matmul_bytes(whole, MODEL)
+    for memory in HEAD_SETTINGS:
+        chunked = config(**memory)
+        compiled = _compiled_operand_bytes(chunked) - whole_compiled
+        assert head_matmul_bytes(chunked, MODEL) - whole_planned == compiled, memory
+    # a sequence chunk streams the head once more per chunk; a frozen head's vocabulary chunks
+    # only read the normed rows once more per block
+    head = MODEL.vocab_size * MODEL.hidden_size * 4
+    by_sequence = head_matmul_bytes(config(loss_chunk=8), MODEL) - whole_planned
+    by_vocabulary = head_matmul_bytes(config(vocab_chunk=128), MODEL) - whole_planned
+    assert by_sequence >= 2 * 3 * head  # 4 chunks: 3 more sweeps of logits and d_hidden
+    assert by_vocabulary < head if method == "lora" else by_vocabulary > head
 
 
 def test_the_hlo_counter_counts_loops_by_their_trip_counts():
@@ -55,6 +96,7 @@ def test_the_hlo_counter_counts_loops_by_their_trip_counts():
     w = jax.ShapeDtypeStruct((16, 16), "float32")
     compiled = jax.jit(looped).lower(x, w).compile()
     assert hlo_dot_flops(compiled) == 5 * 2 * 8 * 16 * 16
+    assert hlo_dot_operand_bytes(compiled) == 5 * (8 * 16 + 16 * 16) * 4
 
 
 def test_host_transfers_follow_the_placements_and_cost_time_only_over_a_link():

@@ -133,19 +133,53 @@ def _tile_ops(jaxpr, tile: int) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_the_backward_recomputes_a_tiles_probabilities_once(packed):
-    # a lone tile (S <= block): the forward makes its scores and probabilities once, the backward
-    # its scores, probabilities and dP once (one pass: dQ, dK, dV from the same tile); a two-pass
-    # backward makes each twice (5 products, 3 exps)
-    q, k, v, segments, weights = _inputs(1, 32, 4, 2, 8, packed)
+def _tile_op_counts(seq, block, packed):
+    q, k, v, segments, weights = _inputs(1, seq, 4, 2, 8, packed)
 
     def vjp(q, k, v, weights):
-        out, pull = jax.vjp(lambda q, k, v: blockwise_attention(q, k, v, segments, 32), q, k, v)
+        out, pull = jax.vjp(lambda q, k, v: blockwise_attention(q, k, v, segments, block), q, k, v)
         return pull(weights.astype(out.dtype))
 
-    counts = _tile_ops(jax.make_jaxpr(vjp)(q, k, v, weights).jaxpr, 32)
-    assert counts == {"exp": 2, "dot_general": 3}
+    return _tile_ops(jax.make_jaxpr(vjp)(q, k, v, weights).jaxpr, block)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_backward_recomputes_a_tiles_probabilities_once(packed):
+    # tiles in loops (S > block; each loop body is counted once): the forward makes a tile's
+    # scores and probabilities once, the backward its scores, probabilities and dP once (one
+    # pass: dQ, dK, dV from the same tile); a two-pass backward makes each twice (5, 3)
+    assert _tile_op_counts(64, 32, packed) == {"exp": 2, "dot_general": 3}
+
+
+def _tile_transposes(jaxpr, tile: int) -> int:
+    """How many transpose equations of `jaxpr` (nested ones included) move a whole tile."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "transpose" and eqn.outvars[0].aval.shape.count(tile) == 2:
+            count += 1
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            count += _tile_transposes(sub, tile)
+    return count
+
+
+def _vjp_jaxpr(seq, block, packed):
+    q, k, v, segments, weights = _inputs(2, seq, 6, 2, 8, packed)
+
+    def vjp(q, k, v, weights):
+        out, pull = jax.vjp(lambda q, k, v: blockwise_attention(q, k, v, segments, block), q, k, v)
+        return pull(weights.astype(out.dtype))
+
+    return jax.make_jaxpr(vjp)(q, k, v, weights).jaxpr
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_lone_tile_computes_head_major_without_moving_the_tile(packed):
+    # a lone tile (S <= block) is the whole score matrix: its products are batched over (B, K)
+    # with the tile's axes last, so neither direction transposes it; the same count as the loops
+    assert _tile_transposes(_vjp_jaxpr(32, 32, packed), 32) == 0
+    assert _tile_op_counts(32, 32, packed) == {"exp": 2, "dot_general": 3}
+    # negative control: the loops' layout moves tiles
+    assert _tile_transposes(_vjp_jaxpr(64, 32, packed), 32) > 0
 
 
 def _temp_bytes(attention, seq, batch=1, heads=4, kv_heads=2, head_dim=32):
