@@ -1,6 +1,6 @@
-"""Lean defaults: the MLP chunk and the head's chunks (a frozen head's vocabulary first, then the
-sequence) chosen from the shapes when the config leaves them unset, so LoRA and QLoRA steps at
-typical shapes plan -- and compile -- within 10% of the planner's lower bound, and the
+"""Lean defaults: the MLP chunk and the head's chunks (the sequence down to 512 rows, then a frozen
+head's vocabulary) chosen from the shapes when the config leaves them unset, so LoRA and QLoRA
+steps at typical shapes plan -- and compile -- within 10% of the planner's lower bound, and the
 whole-sequence settings (the old defaults, set explicitly) do not."""
 
 import dataclasses
