@@ -9,9 +9,10 @@ here costs matmul FLOPs (step/loss.py makes each logits chunk once -- a frozen h
 chunks in one sweep -- and the MLP is recomputed in the backward pass either way), but each
 sequence chunk of the loss streams the whole LM head through its matmuls again
 (`memory/step_cost.py`, `head_matmul_bytes`): SmolLM2-135M LoRA at b2 x 256 on this CPU took
-~2% longer in 64-token chunks (128 rows each) than with 4096-row vocabulary chunks of the same
-planned bytes, while a frozen head's vocabulary chunks read the head no more often than the
-whole head does. So, for a setting the config leaves unset:
+2-5% longer in 64-token chunks (128 rows each) than with 4096-row vocabulary chunks of about the
+same planned bytes (benchmarks/results/memory_settings_lora_cpu.md: 1.053, its A/A row 1.024),
+while a frozen head's vocabulary chunks read the head no more often than the whole head does.
+So, for a setting the config leaves unset:
 
 - mlp_chunk: halve the sequence while each halving lowers the planned step by at least
   `MIN_GAIN` of it and a chunk keeps at least `MIN_AUTO_MLP_TOKENS` rows (B x chunk) per matmul
@@ -80,7 +81,7 @@ def auto_loss_chunk(
     trained head, adds its [D, V] float32 gradient into an accumulator: 12 x V x D bytes for
     the chunk's 2 x rows x V x D FLOPs of that gradient. Below `MIN_HEAD_ROWS` rows (batch x
     chunk) that traffic is a visible share of the step (SmolLM2-135M, b2 x 256, on a CPU: 4
-    chunks of 128 rows cost 2.5-3% with a trained head, ~2% with a frozen one).
+    chunks of 128 rows cost 2.5-3% with a trained head, 2-5% with a frozen one).
     """
     seq = config.data.seq_len
     rows = micro_batch_config(config).batch_size
@@ -99,8 +100,8 @@ def auto_vocab_chunk(
 ) -> int | None:
     """The LM head's vocabulary chunk (None: the whole vocabulary) of a frozen head on one device,
     at `config`'s loss chunk: the largest of `AUTO_VOCAB_CHUNKS` whose loss phase is no larger
-    than the backward phase, else the smallest. None for a
-    trained head (one more head forward) and on a mesh (`sharded`: it may gather the head)."""
+    than the backward phase, else the smallest. None for a trained head (one more head forward)
+    and on a mesh (`sharded`: it may gather the head)."""
     if config.method == "full" or sharded:
         return None
     if _loss_is_lean(_with_memory(config, vocab_chunk=None), model_config):

@@ -271,9 +271,11 @@ class DeviceRates(NamedTuple):
     link_bytes_per_second: float | None
 
 
-# 2-16 cores with AVX2/AVX-512 FMA; ~20 GB/s of DRAM per core streaming a matmul operand (a
-# sequence chunk of SmolLM2's 113 MB float32 head measured ~1% of a b2 x 256 step on one core,
-# two reads per chunk); host memory is the device's
+# 2-16 cores with AVX2/AVX-512 FMA; ~20 GB/s of DRAM per core streaming a matmul operand, a round
+# figure; host memory is the device's. It under-weighs sequence chunks on a CPU: SmolLM2-135M
+# LoRA at b2 x 256 in 64-token chunks measured 1.053x the step with vocabulary chunks
+# (benchmarks/results/memory_settings_lora_cpu.md, its A/A row 1.024) where this rate estimates
+# +0.7% (the per-call packing of the head's operand is not counted)
 CPU_RATES = DeviceRates(1e11, 2e10, None)
 # an H100-class GPU: ~40% of its 989 dense bf16 TFLOP/s sustained, ~2.5 TB/s of its 3.35 TB/s HBM;
 # PCIe 5 x16 at ~25 GB/s per way

@@ -24,8 +24,8 @@ A sequence no longer than one block is a single tile: no loop is built, and the 
 are taken head-major (q [B, K, G, S, h], k and v [B, K, S, h]: transient copies of O(S H h), so
 that no product transposes the S x S tile; measured on this CPU, one XLA thread, SmolLM2-135M's
 attention at b2 x 256, forward then forward and backward: 0.79x the time of XLA's materialized
-attention, where the loops' layout took 1.08-1.09x). The arrays it keeps for the backward pass
-are those of the loops.
+attention, where the loops' layout took 1.10x; `benchmarks/attention_speed.py`). The arrays it
+keeps for the backward pass are those of the loops.
 
 The backward pass (a `jax.custom_vjp`) keeps only the output and the log-sum-exp `m + log l`
 ([B, H, S] float32) from the forward pass and recomputes each tile's probabilities once, in one
@@ -87,7 +87,7 @@ def blockwise_attention(
     tile = block_size(seq, block)
     padded = math.ceil(seq / tile) * tile
     q5 = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # [B, S, K, G, h]
-    if padded == tile == seq:  # a lone tile: no loop, its products head-major
+    if tile == seq:  # a lone tile: no loop, its products head-major
         return _lone_tile(q5, k, v, segment_ids).reshape(batch, seq, heads, head_dim)
     if padded != seq:
         q5, k, v = (_pad_positions(x, padded) for x in (q5, k, v))
@@ -267,14 +267,18 @@ def _head_major(q, k, v):
     return q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
+def _head_major_scores(q, k, segments) -> jax.Array:
+    """Masked float32 scores [B, K, G, S, S] of head-major q [B, K, G, S, h], k [B, K, S, h]."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
+    return jnp.where(_tile_mask(0, 0, q.shape[3], segments), s, _MASKED)
+
+
 def _lone_tile_forward(q, k, v, segments):
     """(out [B, S, K, G, h] in q's dtype, the rows' log-sum-exp [B, K, G, S, 1] float32) of a
     sequence that is one tile."""
     q, k, v = _head_major(q, k, v)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    visible = _tile_mask(0, 0, q.shape[3], segments)
-    s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(visible, s, _MASKED)
+    s = _head_major_scores(q, k, segments)
     row_max = s.max(axis=-1, keepdims=True)
     p = jnp.exp(s - row_max)  # unnormalized: the output is divided instead, [S, h] not [S, S]
     row_sum = p.sum(axis=-1, keepdims=True)
@@ -303,9 +307,7 @@ def _lone_tile_bwd(residuals, d_out):
     d_out, out = (x.transpose(0, 2, 3, 1, 4) for x in (d_out, out))
     scale = 1.0 / math.sqrt(q.shape[-1])
     f32 = jnp.float32
-    visible = _tile_mask(0, 0, q.shape[3], segments)
-    s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=f32) * scale
-    p = jnp.exp(jnp.where(visible, s, _MASKED) - lse)
+    p = jnp.exp(_head_major_scores(q, k, segments) - lse)
     delta = jnp.einsum("bkgqd,bkgqd->bkgq", d_out, out, preferred_element_type=f32)[..., None]
     d_p = jnp.einsum("bkgqd,bksd->bkgqs", d_out, v, preferred_element_type=f32)
     d_s = (p * (d_p - delta) * scale).astype(q.dtype)
