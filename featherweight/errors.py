@@ -31,6 +31,11 @@ class CheckpointNotFoundError(FeatherweightError, FileNotFoundError):
     """A model path that does not exist, or a directory without the files a checkpoint needs."""
 
 
+class HubModelError(FeatherweightError):
+    """A model named on the Hugging Face Hub (`org/name`) that cannot be had: gated, missing,
+    refused, or not in the local Hub cache while offline."""
+
+
 class UnsafeCheckpointError(FeatherweightError):
     """A pickle-based checkpoint (.bin/.pt/.pth/.ckpt): featherweight never unpickles."""
 

@@ -164,7 +164,7 @@ def _rows(source: str | Path) -> Iterator[RawRecord]:
                 f"{describe_formats()} (told apart by the suffix)"
             )
         rows = _file_rows(path, builder)
-    elif _looks_like_name(str(source)):
+    elif looks_like_dataset_name(str(source)):
         rows = _cached_rows(str(source))
     else:
         raise DataError(f"dataset {path} does not exist; pass {describe_formats()}")
@@ -172,7 +172,7 @@ def _rows(source: str | Path) -> Iterator[RawRecord]:
         yield RawRecord(row, f"{path} record {number}")
 
 
-def _looks_like_name(source: str) -> bool:
+def looks_like_dataset_name(source: str) -> bool:
     """`name` or `org/name` (no file suffix, at most one slash, not a path) reads as a Hugging
     Face dataset name."""
     return (
@@ -257,4 +257,4 @@ def is_jsonl(source: str | Path) -> bool:
 
 def is_dataset_name(source: str) -> bool:
     """Whether `source` names a Hugging Face dataset (no file or directory of that name exists)."""
-    return not Path(source).expanduser().exists() and _looks_like_name(source)
+    return not Path(source).expanduser().exists() and looks_like_dataset_name(source)

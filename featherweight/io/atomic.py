@@ -106,12 +106,16 @@ def probe_writable(location: Path, what: str = "output directory") -> None:
 
 def check_output_dir(out: Path, overwrite: bool) -> Path:
     """Refuse an existing output without `overwrite`, or a location that cannot be written.
-    (With `overwrite`, what may be replaced is `refuse_foreign_output`'s to say: callers check it
-    after their more specific checks, and `atomic_directory` before it writes.)"""
+    Without `overwrite`, --overwrite is offered only where it would be allowed (a file, or a
+    directory of the user's, is named instead). With `overwrite`, what may be replaced is
+    `refuse_foreign_output`'s to say: callers check it after their more specific checks, and
+    `atomic_directory` before it writes."""
     out = resolved(out)
     if out.exists() and not overwrite:
+        refuse_foreign_output(out)
         raise OutputExistsError(
-            f"output directory {out} already exists; choose another path or pass --overwrite"
+            f"output directory {out} already exists; choose another path or pass --overwrite to "
+            "replace it"
         )
     probe_writable(out.parent)
     return out
@@ -125,8 +129,8 @@ def refuse_foreign_output(out: Path) -> None:
         return
     if not out.is_dir():
         raise OutputExistsError(
-            f"{out} is a file, not an output featherweight wrote; --overwrite replaces only "
-            "featherweight's own output directories -- choose another path"
+            f"{out} is a file, not an output directory featherweight wrote; featherweight never "
+            "replaces a file -- choose another path for the output directory"
         )
     if (out / OUTPUT_MARKER).is_file():
         return
@@ -134,8 +138,8 @@ def refuse_foreign_output(out: Path) -> None:
     if entries:
         raise OutputExistsError(
             f"{out} holds {entries[0]!r}, which featherweight did not write (no {OUTPUT_MARKER} "
-            "marker); --overwrite replaces only featherweight's own outputs -- choose a new or "
-            "empty directory, or remove it yourself"
+            "marker); featherweight replaces only its own outputs -- choose a new or empty "
+            "directory, or remove it yourself"
         )
 
 

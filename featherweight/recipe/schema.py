@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_serializer,
     field_validator,
     model_validator,
@@ -30,15 +31,34 @@ from featherweight.data.sources import COLUMN_KEYS
 from featherweight.errors import ConfigError, check_input_file, read_input_text
 from featherweight.parallel.sharding import MeshSettings
 from featherweight.peft.lora import LoraConfig
+from featherweight.recipe.paths import from_config_folder
 from featherweight.step.policy import MemoryPolicy
 
 Method = Literal["full", "lora", "qlora"]
 MAX_SEED = 2**32 - 1  # seeds are 32-bit: what jax.random.PRNGKey and numpy's generators take
 
 
+def _is_number(annotation: Any) -> bool:
+    """Whether a field's type takes numbers and not yes/no (`int`, `float | None`, ...)."""
+    members = typing.get_args(annotation) or (annotation,)
+    return bool not in members and any(member in (int, float) for member in members)
+
+
+def refuse_yes_no_number(value: Any, annotation: Any) -> Any:
+    """YAML's true/false where a number is meant (`steps: true` would be 1): refused."""
+    if isinstance(value, bool) and _is_number(annotation):
+        raise ValueError(f"{str(value).lower()} is a yes/no value, not a number; write a number")
+    return value
+
+
 class _Section(BaseModel):
     # a NaN or infinite number is never a valid setting (`learning_rate: .inf`)
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_yes_no(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_yes_no_number(value, cls.model_fields[info.field_name].annotation)
 
 
 class ModelSettings(_Section):
@@ -243,6 +263,18 @@ class TrainConfig(_Section):
     def _auto_mesh(cls, mesh: Any) -> Any:
         return {} if mesh == "auto" else mesh
 
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_numbers_are_not_yes_no(cls, lora: Any) -> Any:
+        if isinstance(lora, dict):
+            fields = typing.get_type_hints(LoraConfig)  # Annotated[int, Field(...)] -> int
+            for name, value in lora.items():
+                try:
+                    refuse_yes_no_number(value, fields.get(name))
+                except ValueError as error:
+                    raise ValueError(f"lora.{name}: {error}") from None
+        return lora
+
 
 MAX_ERRORS = 5  # problems named in one message
 # keys other trainers spell differently: (their name) -> ours, suggested for an unknown key
@@ -271,22 +303,32 @@ def _allowed_keys(model: type[BaseModel], location: tuple) -> list[str]:
     return list(current.model_fields)
 
 
-def _key_lines(text: str) -> dict[str, int]:
-    """1-based line of every (dotted) key of a YAML mapping, for error messages.
+def _key_lines(text: str) -> dict[str, str]:
+    """Where every (dotted) key of a YAML mapping is written ("line 4"), for error messages.
 
     Each node is walked once: an aliased node (`*name`) is not entered again, so a document of
-    nested aliases ("billion laughs") costs time linear in its size, not in its expansion.
+    nested aliases ("billion laughs") costs time linear in its size, not in its expansion. A key
+    written twice in one mapping is refused (YAML would keep the last one without a word).
     """
-    lines: dict[str, int] = {}
+    lines: dict[str, str] = {}
     seen: set[int] = set()
 
     def walk(node, prefix: str) -> None:
         if id(node) in seen or not isinstance(node, yaml.MappingNode):
             return
         seen.add(id(node))
+        first: dict[str, int] = {}
         for key_node, value_node in node.value:
+            line = key_node.start_mark.line + 1
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value != "<<":
+                if key_node.value in first:
+                    raise ConfigError(
+                        f"key {prefix + key_node.value!r} is written twice (lines "
+                        f"{first[key_node.value]} and {line}); keep one of them"
+                    )
+                first[key_node.value] = line
             dotted = f"{prefix}{key_node.value}"
-            lines.setdefault(dotted, key_node.start_mark.line + 1)
+            lines.setdefault(dotted, f"line {line}")
             walk(value_node, dotted + ".")
 
     with contextlib.suppress(yaml.YAMLError):
@@ -294,14 +336,14 @@ def _key_lines(text: str) -> dict[str, int]:
     return lines
 
 
-def _format_errors(error: ValidationError, source: str, key_lines: dict[str, int]) -> str:
+def _format_errors(error: ValidationError, source: str, key_lines: dict[str, str]) -> str:
     lines = []
     for item in error.errors():
         location = tuple(item["loc"])
         dotted = ".".join(str(part) for part in location)
         where = next(
             (
-                f" (line {key_lines[key]})"
+                f" ({key_lines[key]})"
                 for key in (dotted, dotted.rsplit(".", 1)[0])
                 if key in key_lines
             ),
@@ -322,7 +364,7 @@ def _format_errors(error: ValidationError, source: str, key_lines: dict[str, int
 
 
 def parse_config(
-    values: dict[str, Any], source: str = "config", key_lines: dict[str, int] | None = None
+    values: dict[str, Any], source: str = "config", key_lines: dict[str, str] | None = None
 ) -> TrainConfig:
     """Validate a dict into a `TrainConfig`, or raise `ConfigError` naming every bad field."""
     try:
@@ -354,38 +396,52 @@ def _set_dotted(values: dict[str, Any], dotted: str, raw: str) -> None:
         ) from None
 
 
+def _split_override(override: str) -> tuple[str, str]:
+    if "=" not in override:
+        raise ConfigError(f"--set {override!r} must look like key.sub=value, e.g. --set steps=200")
+    dotted, raw = override.split("=", 1)
+    return dotted.strip(), raw.strip()
+
+
 def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `key.sub=value` overrides (values parsed as YAML scalars/lists)."""
     for override in overrides:
-        if "=" not in override:
-            raise ConfigError(
-                f"--set {override!r} must look like key.sub=value, e.g. --set steps=200"
-            )
-        dotted, raw = override.split("=", 1)
-        _set_dotted(values, dotted.strip(), raw.strip())
+        _set_dotted(values, *_split_override(override))
     return values
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
-    """Read a YAML config (None: all defaults), apply overrides, validate."""
+    """Read a YAML config (None: all defaults), apply overrides, validate.
+
+    Relative paths in the file are read from its folder, those of overrides from the working
+    directory (`recipe/paths.py`); an error names the file's line, or the override, it is in."""
     values: dict[str, Any] = {}
     source, key_lines = "config", {}
+    overrides = overrides or []
+    overridden = {_split_override(override)[0]: override for override in overrides}
     if path is not None:
         path = Path(path)
         source = str(path)
-        check_input_file(path, "config file", "pass a YAML file (see examples/)", ConfigError)
+        check_input_file(
+            path, "config file", "pass a YAML file (README.md, 'A training config', shows one)",
+            ConfigError,
+        )  # fmt: skip
         text = read_input_text(path, "config file")
-        key_lines = _key_lines(text)
         try:
+            key_lines = _key_lines(text)
             loaded = yaml.safe_load(text) or {}
         except yaml.YAMLError as error:
             raise ConfigError(f"{path} is not valid YAML: {error}") from None
+        except ConfigError as error:
+            raise ConfigError(f"{path}: {error}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(
                 f"{path} must hold a mapping of settings, found {type(loaded).__name__}"
             )
-        values = loaded
-    return parse_config(apply_overrides(values, overrides or []), source, key_lines)
+        line_of = lambda key: f" ({key_lines[key]})" if key in key_lines else ""
+        values = from_config_folder(loaded, path, set(overridden), line_of)
+    key_lines.update({key: f"--set {override}" for key, override in overridden.items()})
+    return parse_config(apply_overrides(values, overrides), source, key_lines)
 
 
 def _flatten(values: Any, prefix: str = "") -> dict[str, Any]:

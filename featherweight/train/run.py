@@ -27,7 +27,6 @@ import yaml
 from featherweight.data.demo_task import invented_world, write_training_data
 from featherweight.data.iterator import DataIterator
 from featherweight.data.records import Dataset
-from featherweight.data.sources import is_dataset_name
 from featherweight.errors import BudgetError, ModelChangedError, ModelConfigError, OutputExistsError
 from featherweight.io.atomic import atomic_write_text, probe_writable
 from featherweight.io.embedded_model import cache_dir, require_demo_model
@@ -55,6 +54,7 @@ from featherweight.recipe.build import (
     split_params,
 )
 from featherweight.recipe.optimizer import make_optimizer
+from featherweight.recipe.paths import absolute_paths
 from featherweight.recipe.schema import TrainConfig, changed_settings
 from featherweight.step.loss import resolve_chunk_size
 from featherweight.train import run_dir
@@ -87,9 +87,11 @@ class Run:
 
 
 def _comparable(config: TrainConfig) -> dict[str, Any]:
-    """The settings that define a run; `steps` may grow when resuming."""
+    """The settings that define a run; `steps` may grow when resuming, and `output_dir` is where
+    the run is, however it was spelled (a run saved with a relative one still resumes)."""
     values = config.model_dump(mode="json")
     values.pop("steps")
+    values.pop("output_dir")
     return values
 
 
@@ -102,27 +104,6 @@ def _with_saved_choices(config: TrainConfig, saved: TrainConfig) -> TrainConfig:
         if field not in config.memory.model_fields_set
     }
     return config.model_copy(update={"memory": config.memory.model_copy(update=unset)})
-
-
-def absolute_paths(config: TrainConfig) -> TrainConfig:
-    """`config` with its file paths resolved: a run records where its inputs are, so an export
-    or a resume from another working directory reads the same files."""
-
-    def absolute(path: str | None) -> str | None:
-        if path is None or path == "demo" or is_dataset_name(path):
-            return path
-        return str(resolved(path))
-
-    data = config.data
-    return config.model_copy(
-        update={
-            "model": config.model.model_copy(update={"path": absolute(config.model.path)}),
-            "data": data.model_copy(
-                update={"train": absolute(data.train), "eval": absolute(data.eval)}
-            ),
-            "output_dir": absolute(config.output_dir),
-        }
-    )
 
 
 def check_run_dir(config: TrainConfig, overwrite: bool) -> tuple[Path, bool]:
@@ -139,25 +120,42 @@ def check_run_dir(config: TrainConfig, overwrite: bool) -> tuple[Path, bool]:
     if out.is_dir() and is_primary():
         run_dir.acquire(out)
     resuming = False
-    if out.exists() and not overwrite:
+    if out.is_dir() and not overwrite and any(out.iterdir()):
+        if not run_dir.is_owned(out):
+            first = sorted(entry.name for entry in out.iterdir())[0]
+            raise OutputExistsError(
+                f"output_dir {out} holds {first!r} and is not a featherweight run (no "
+                f"{run_dir.MARKER} marker); featherweight never writes over files it did not "
+                "write -- choose a new or empty output_dir"
+            )
         saved = out / CONFIG_FILE
         saved_config = _saved_config(saved) if saved.is_file() else None
         if saved_config is not None:
             config = _with_saved_choices(config, saved_config)
-        if saved_config is not None and _comparable(saved_config) == _comparable(config):
-            resuming = True
-        elif any(out.iterdir()):
+            resuming = _comparable(saved_config) == _comparable(config)
+        if not resuming:
             what = (
                 f"another run (its config differs: {changed_settings(_comparable(saved_config), _comparable(config))})"
-                if saved.is_file()
-                else "files that are not a featherweight run"
+                if saved_config is not None
+                else f"a run that never started (no {CONFIG_FILE})"
             )
             raise OutputExistsError(
-                f"output_dir {out} holds {what}; pass --overwrite to replace it, or choose a new "
-                "output_dir (an identical config resumes automatically)"
+                f"output_dir {out} holds {what}; {_replace_advice(out)} (an identical config "
+                "resumes automatically)"
             )
     probe_writable(out, "output_dir")
     return out, resuming
+
+
+def _replace_advice(out: Path) -> str:
+    """How to get past another run in `out`: --overwrite only where it would be allowed."""
+    foreign = run_dir.foreign_entries(out)
+    if not foreign:
+        return "pass --overwrite to replace it, or choose a new output_dir"
+    return (
+        f"choose a new output_dir (--overwrite would refuse: {foreign[0]!r} in it is not a run's "
+        "file, and featherweight removes only its own)"
+    )
 
 
 def model_fingerprint(model_path: Path) -> dict[str, Any]:

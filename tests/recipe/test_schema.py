@@ -54,3 +54,46 @@ def test_bad_files_and_overrides(tmp_path):
         load_config(listing)
     with pytest.raises(ConfigError, match=r"key\.sub=value"):
         load_config(None, ["steps"])
+
+
+def test_a_key_written_twice_is_refused_naming_both_lines(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text(
+        "steps: 10\noptimizer:\n  learning_rate: 0.1\n  learning_rate: 0.2\nsteps: 20\n"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"twice.yaml: key 'optimizer.learning_rate' is written twice \(lines 3 and 4\)",
+    ):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("values", "key"),
+    [
+        ({"steps": True}, "steps"),
+        ({"optimizer": {"learning_rate": True}}, "optimizer.learning_rate"),
+        ({"memory": {"loss_chunk": False}}, "memory.loss_chunk"),
+        ({"lora": {"rank": True}}, "lora.rank"),
+    ],
+)
+def test_yes_or_no_is_not_a_number(values, key):
+    with pytest.raises(ConfigError, match=rf"{key}.*yes/no value, not a number"):
+        parse_config(values)
+    assert parse_config({"data": {"pack": False}, "lora": {"rslora": True}}).lora.rslora
+
+
+def test_a_bad_override_is_named_as_the_override_not_as_a_yaml_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("method: lora\nsteps: 10\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path, ["steps=ten"])
+    assert "steps (--set steps=ten)" in str(error.value)
+    assert "line 2" not in str(error.value)
+
+
+def test_a_missing_config_points_at_an_example_that_exists(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path / "missing.yaml")
+    assert "examples/" not in str(error.value)
+    assert "README.md" in str(error.value)

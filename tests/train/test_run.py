@@ -13,9 +13,11 @@ import yaml
 from featherweight.errors import OutputExistsError
 from featherweight.memory.budget import plan_within_budget
 from featherweight.memory.components import DEVICE
+from featherweight.recipe.paths import absolute_paths
 from featherweight.recipe.schema import changed_settings, parse_config
 from featherweight.train.loop import train
 from featherweight.train.run import check_run_dir, prepare_run
+from featherweight.train.run_dir import MARKER
 from tests.conftest import run_settings
 
 PERSISTENT = ("frozen_base", "trainable_weights", "optimizer_state")
@@ -72,9 +74,16 @@ def test_resume_holds_one_copy_and_reads_host_state_into_host_memory(
     run.checkpointer.close()
 
 
+def _saved_run(directory, config) -> None:
+    """`directory` as a run of `config` that featherweight created (marker, config.yaml)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MARKER).write_text("{}")
+    (directory / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
+
+
 def test_a_refused_resume_names_the_changed_keys_with_old_and_new_values(tmp_path):
     first = parse_config({"output_dir": str(tmp_path), "optimizer": {"learning_rate": 2e-4}})
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(first.model_dump(mode="json")))
+    _saved_run(tmp_path, first)
     changed = parse_config(
         {"output_dir": str(tmp_path), "optimizer": {"learning_rate": 1e-3}, "lora": {"rank": 4}}
     )
@@ -91,3 +100,42 @@ def test_changed_settings_are_bounded():
     old = {f"key{n}": n for n in range(9)}
     new = {f"key{n}": n + 1 for n in range(9)}
     assert changed_settings(old, new).endswith("key4: 4 -> 5; and 4 more")
+
+
+def test_a_run_with_a_relative_output_dir_resumes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    settings = {"output_dir": "runs/my-run", "steps": 4}
+    first = absolute_paths(parse_config(settings))  # before the directory exists
+    _saved_run(tmp_path / "runs" / "my-run", first)
+    again = absolute_paths(parse_config(settings))  # now it exists
+    assert check_run_dir(again, overwrite=False) == (tmp_path / "runs" / "my-run", True)
+
+
+def test_a_run_saved_with_a_relative_output_dir_still_resumes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _saved_run(tmp_path / "runs" / "old", parse_config({"output_dir": "runs/old"}))
+    config = absolute_paths(parse_config({"output_dir": "runs/old"}))
+    assert check_run_dir(config, overwrite=False)[1]
+
+
+def test_a_directory_of_your_files_is_never_offered_to_overwrite(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "config.yaml").write_text("steps: 3\n")  # your own config, not a run's
+    with pytest.raises(OutputExistsError) as error:
+        check_run_dir(parse_config({"output_dir": str(tmp_path)}), overwrite=False)
+    message = str(error.value)
+    assert "'config.yaml' and is not a featherweight run" in message
+    assert "another run" not in message and "--overwrite" not in message
+    assert "choose a new or empty output_dir" in message
+
+
+def test_overwrite_is_offered_only_where_it_would_be_allowed(tmp_path):
+    _saved_run(tmp_path, parse_config({"output_dir": str(tmp_path), "seed": 1}))
+    changed = parse_config({"output_dir": str(tmp_path), "seed": 2})
+    with pytest.raises(OutputExistsError, match="pass --overwrite to replace it"):
+        check_run_dir(changed, overwrite=False)
+    (tmp_path / "notes.txt").write_text("mine")  # now --overwrite would refuse
+    with pytest.raises(OutputExistsError) as error:
+        check_run_dir(changed, overwrite=False)
+    assert "pass --overwrite" not in str(error.value)
+    assert "'notes.txt' in it is not a run's file" in str(error.value)
