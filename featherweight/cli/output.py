@@ -10,12 +10,15 @@ Every command runs inside `friendly_errors`:
   code 1; `featherweight --debug ...` shows the traceback instead.
 User text (paths, values) is printed as it is, never read as rich markup: a file named
 `data[v2].jsonl` stays `data[v2].jsonl`, and `[/b]` in a path cannot break the printer.
+Off a terminal (a log file, a pipe, CI) lines are not wrapped at rich's 80 columns: a path or the
+plan's table stays whole, so a log can be read and searched line by line.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -27,8 +30,18 @@ from rich.text import Text
 
 from featherweight.errors import FeatherweightError
 
-console = Console()
-error_console = Console(stderr=True)
+LOG_WIDTH = 240  # columns of the output off a terminal (COLUMNS, when set, wins)
+
+
+def _console(stderr: bool = False) -> Console:
+    """A console for stdout (or stderr): a terminal's width on a terminal, else wide and unwrapped."""
+    stream = sys.stderr if stderr else sys.stdout
+    wide = not stream.isatty() and "COLUMNS" not in os.environ
+    return Console(stderr=stderr, width=LOG_WIDTH if wide else None, soft_wrap=wide)
+
+
+console = _console()
+error_console = _console(stderr=True)
 REPORT_URL = "the featherweight issue tracker"
 _debug = False
 

@@ -10,6 +10,22 @@ import typer
 from featherweight.cli.output import console, friendly_errors, path_text
 
 
+def outcome_line(result) -> str:
+    """The run's last word: the step reached and its losses, or that there was nothing to train."""
+    steps = result.run.config.steps
+    if result.step <= result.run.start_step:
+        return (
+            f"nothing to train: {result.output_dir} is already at step {result.step} of {steps}; "
+            "raise steps to train on"
+        )
+    line = f"done: step {result.step} of {steps}"
+    if result.loss is not None:
+        line += f", loss {result.loss:.4f}"
+    if result.eval_loss is not None:
+        line += f", eval loss {result.eval_loss:.4f}"
+    return line
+
+
 @friendly_errors
 def train(
     config: Annotated[Path | None, typer.Argument(help="YAML config (omit: all defaults)")] = None,
@@ -40,7 +56,7 @@ def train(
     if not is_primary():
         return
     out = result.output_dir
-    console.print(f"done: step {result.step}, loss {result.loss}, eval loss {result.eval_loss}")
+    console.print(outcome_line(result), highlight=False)
     console.print(f"metrics: {out / 'metrics.jsonl'}  loss curve: {out / 'loss.png'}")
     if "tensorboard" in settings.report_to:
         console.print(f"tensorboard: tensorboard --logdir {out / 'tensorboard'}")

@@ -96,7 +96,9 @@ def record_shape(fields: Any) -> str:
     raise ValueError(f"record has keys {sorted(fields)}; expected {_SHAPES}")
 
 
-def _describe(error: ValueError) -> str:
+def _describe(error: Exception) -> str:
+    if isinstance(error, RecursionError):
+        return "nests deeper than Python's recursion limit allows (a record is a flat object)"
     if isinstance(error, json.JSONDecodeError):
         return f"not valid JSON ({error.msg}: column {error.colno})"
     if isinstance(error, UnicodeDecodeError):
@@ -131,6 +133,8 @@ class Skipped:
 
 def _reason(error: Exception, location: str) -> str:
     """A skip reason without its location, so equal problems count together."""
+    if isinstance(error, RecursionError):
+        return "nested too deeply"
     if isinstance(error, json.JSONDecodeError):
         return "not valid JSON"
     if isinstance(error, UnicodeDecodeError):
@@ -159,7 +163,9 @@ def read_records(
             fields = map_columns(value, columns)
             _check_text(fields)
             yield Record(fields, record_shape(fields), raw.location)
-        except ValueError as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        # JSONDecodeError and UnicodeDecodeError are ValueErrors; a line nested thousands deep
+        # exhausts the parser's recursion
+        except (ValueError, RecursionError) as error:
             if not skip_bad:
                 raise DataError(
                     f"{raw.location}: {_describe(error)}; fix the record, or pass --skip-bad to "

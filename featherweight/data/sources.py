@@ -60,12 +60,14 @@ def describe_formats() -> str:
 
 
 def _datasets():
-    """The `datasets` module, quiet (no progress bars) and offline: there is no network to ask."""
+    """The `datasets` module, quiet and offline: there is no network to ask. Its own log lines
+    are silenced, errors too: a reader's failure reaches the user once, as featherweight's one
+    line naming the file (`_guarded`), not also as the library's log."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     return datasets
 
 

@@ -153,6 +153,23 @@ def _uncached_token(params, padded_ids, length, key, temperature, config, greedy
     return _choose(next_logits, key, temperature, greedy)
 
 
+def check_positions(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
+    """Refuse a generation that would run past the model's last position: RoPE beyond
+    max_position_embeddings is untrained (plan and train refuse such lengths too)."""
+    if prompt_tokens >= limit:
+        raise ConfigError(
+            f"the prompt is {prompt_tokens} tokens but the model reads at most {limit} "
+            "(max_position_embeddings), with room for the reply; shorten the prompt"
+        )
+    if prompt_tokens + max_new_tokens > limit:
+        raise ConfigError(
+            f"the prompt ({prompt_tokens} tokens) and max_new_tokens={max_new_tokens} make "
+            f"{prompt_tokens + max_new_tokens} positions, beyond the model's {limit} "
+            f"(max_position_embeddings); lower max_new_tokens to {limit - prompt_tokens} or "
+            "shorten the prompt"
+        )
+
+
 def generate_ids(
     model: Model,
     prompt_ids: Sequence[int] | np.ndarray,
@@ -174,6 +191,7 @@ def generate_ids(
     prompt = validate_token_ids(prompt_ids, model.config.vocab_size)[:1]
     config, params = model.config, model.params
     total = prompt.shape[1] + max_new_tokens
+    check_positions(prompt.shape[1], max_new_tokens, config.max_position_embeddings)
     choice = dict(
         temperature=jnp.float32(temperature),
         config=config,

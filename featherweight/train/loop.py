@@ -222,6 +222,8 @@ class Reporter:
                 logger.log(record)
         if show and records and "loss" in records[-1]:
             self.progress.update(records[-1]["step"], records[-1])
+        elif show and records and records[-1].get("eval_loss") is not None:
+            self.progress.evaluated(records[-1]["step"], records[-1]["eval_loss"])
 
     def close(self, output_dir: Path) -> None:
         for logger in self.loggers:
@@ -303,7 +305,7 @@ def _train(config, overwrite, console, plan_fn, on_step, stop: StopRequest) -> T
                     peak_shown = True
             if eval_now:
                 eval_loss = evaluate(run, trainable)
-                reporter.write([{"step": step, "eval_loss": eval_loss}], show=False)
+                reporter.write([{"step": step, "eval_loss": eval_loss}])
             if save_now:
                 save(run, step, trainable, opt_state)
             if stopping:

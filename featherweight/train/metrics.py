@@ -88,15 +88,16 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path:
-    """Train loss per step (raw, and smoothed), eval loss where measured, resume marks, and the
-    learning rate on a second axis, as a PNG written atomically."""
+def loss_figure(records: list[dict[str, Any]]):
+    """The loss plot of `records` (metrics.jsonl): train loss per step (raw, and smoothed), eval
+    loss where measured, resume marks, and the learning rate on a second axis. Steps are whole
+    numbers, so the step axis has whole-number ticks only (a 3-step run has no step 1.5)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    records = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
     evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
     rates = [(r["step"], r["learning_rate"]) for r in records if "learning_rate" in r]
@@ -111,6 +112,7 @@ def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path:
     for number, step in enumerate(resumes):
         axes.axvline(step, color="gray", linestyle="--", label="resumed" if number == 0 else None)
     axes.set_xlabel("step")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_ylabel("cross-entropy")
     axes.grid(alpha=0.3)
     handles, labels = axes.get_legend_handles_labels()
@@ -123,6 +125,14 @@ def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path:
     if handles:
         axes.legend(handles, labels, loc="upper right")
     figure.tight_layout()
+    return figure
+
+
+def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path:
+    """`loss_figure` of the run's metrics, as a PNG written atomically."""
+    import matplotlib.pyplot as plt
+
+    figure = loss_figure(read_metrics(metrics_path))
     temporary = out_path.with_name(f".{out_path.name}.tmp.png")
     try:
         figure.savefig(temporary, dpi=110)

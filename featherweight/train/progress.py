@@ -5,7 +5,8 @@ terminal), so off a TTY the trainer prints one line per `log_every` steps instea
 
     step 20/100 | loss 2.3141 | lr 1.96e-04 | 5,210 tok/s | 0.41 GiB | ETA 0:01:12
 
-Both are fed at the loop's host syncs (every `log_every` steps), never per step.
+and a line of its own after each evaluation (`step 20/100 | eval loss 2.2907`; on the bar, the
+last eval loss stays in the status). Both are fed at the loop's host syncs (every `log_every` steps), never per step.
 """
 
 from __future__ import annotations
@@ -35,8 +36,14 @@ def eta_text(seconds: float | None) -> str:
     return f"ETA {datetime.timedelta(seconds=round(seconds))}"
 
 
+def eval_text(step: int, total: int, eval_loss: float) -> str:
+    return f"step {step}/{total} | eval loss {eval_loss:.4f}"
+
+
 class TrainingProgress(Protocol):
     def update(self, step: int, record: dict[str, Any]) -> None: ...
+
+    def evaluated(self, step: int, eval_loss: float) -> None: ...
 
     def __enter__(self) -> TrainingProgress: ...
 
@@ -74,6 +81,9 @@ class PlainProgress:
         line = f"step {step}/{self.total} | {status_text(record)} | "
         self.console.print(line + eta_text(self.clock.remaining(step)), highlight=False)
 
+    def evaluated(self, step: int, eval_loss: float) -> None:
+        self.console.print(eval_text(step, self.total, eval_loss), highlight=False)
+
 
 class BarProgress:
     """rich's live bar (a TTY): step count, status and time remaining."""
@@ -84,6 +94,7 @@ class BarProgress:
             TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console,
         )  # fmt: skip
         self.task = self.progress.add_task("train", total=total, completed=start_step, status="")
+        self.total, self.eval_status = total, ""
 
     def __enter__(self) -> BarProgress:
         self.progress.__enter__()
@@ -93,7 +104,12 @@ class BarProgress:
         self.progress.__exit__(*exc)
 
     def update(self, step: int, record: dict[str, Any]) -> None:
-        self.progress.update(self.task, completed=step, status=status_text(record))
+        status = status_text(record) + self.eval_status
+        self.progress.update(self.task, completed=step, status=status)
+
+    def evaluated(self, step: int, eval_loss: float) -> None:
+        self.eval_status = f" | eval loss {eval_loss:.4f} (step {step})"
+        self.progress.console.print(eval_text(step, self.total, eval_loss), highlight=False)
 
 
 def training_progress(console: Console, total: int, start_step: int) -> TrainingProgress:

@@ -27,7 +27,13 @@ import yaml
 from featherweight.data.demo_task import invented_world, write_training_data
 from featherweight.data.iterator import DataIterator
 from featherweight.data.records import Dataset
-from featherweight.errors import BudgetError, ModelChangedError, ModelConfigError, OutputExistsError
+from featherweight.errors import (
+    BudgetError,
+    ConfigError,
+    ModelChangedError,
+    ModelConfigError,
+    OutputExistsError,
+)
 from featherweight.io.atomic import atomic_write_text, probe_writable
 from featherweight.io.embedded_model import cache_dir, require_demo_model
 from featherweight.io.loader import load_model, open_checkpoint
@@ -156,6 +162,21 @@ def _replace_advice(out: Path) -> str:
         f"choose a new output_dir (--overwrite would refuse: {foreign[0]!r} in it is not a run's "
         "file, and featherweight removes only its own)"
     )
+
+
+def check_steps_ahead(config: TrainConfig, output_dir: Path) -> None:
+    """Refuse to resume a run whose checkpoint is already past `steps`: it would train nothing
+    and report the old run as done (checked before any weight is read)."""
+    checkpoints = output_dir / CHECKPOINT_DIR
+    if not checkpoints.is_dir():
+        return
+    latest = Checkpointer(checkpoints, keep=1_000_000, read_only=True).latest_step()
+    if latest is not None and latest > config.steps:
+        raise ConfigError(
+            f"steps: {config.steps} is below step {latest}, where run {output_dir} already is "
+            f"(its latest checkpoint); set steps to {latest} or more to resume it, or choose a "
+            "new output_dir for a shorter run"
+        )
 
 
 def model_fingerprint(model_path: Path) -> dict[str, Any]:
@@ -383,6 +404,8 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
         jax.process_count(),
     )
     config = steps_from_epochs(config, data.steps_per_epoch)
+    if resuming:
+        check_steps_ahead(config, output_dir)
 
     with loading_device(mesh):
         model = load_weights(config, model_path)

@@ -11,10 +11,12 @@ from transformers import PreTrainedTokenizerFast
 
 from featherweight.data.records import (
     Record,
+    Skipped,
     instruction_messages,
     load_jsonl,
     plain_instruction_prompt,
     prepare_dataset,
+    read_records,
     split,
     tokenize_example,
     tokenize_records,
@@ -256,3 +258,16 @@ def test_a_huge_text_record_is_cut_before_tokenizing_and_keeps_the_same_tokens(s
     assert skipped == 0 and len(cut.ids) < len(whole.ids) // 100
     assert np.array_equal(cut.ids[:65], whole.ids[:65])
     assert np.array_equal(cut.target_mask[:65], whole.target_mask[:65])
+
+
+def test_a_line_nested_too_deeply_is_a_bad_record_not_a_crash(tmp_path):
+    depth = 200_000
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": ' + "[" * depth + "]" * depth + "}\n")
+    with pytest.raises(DataError, match=r"deep\.jsonl:2: nests deeper than Python's recursion"):
+        list(read_records(path))
+    skipped = Skipped()
+    assert [record.location for record in read_records(path, True, skipped=skipped)] == [
+        f"{path}:1"
+    ]
+    assert dict(skipped.reasons) == {"nested too deeply": 1}

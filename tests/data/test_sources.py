@@ -240,3 +240,11 @@ def test_a_dataset_name_in_the_local_cache_reads_offline(tmp_path, smol, monkeyp
     cache_like_a_hub_download(ROWS, "someone/tiny-set", hf_home)
     expected = fingerprint(write_jsonl(tmp_path / "data.jsonl", ROWS), smol)
     assert fingerprint("someone/tiny-set", smol) == expected
+
+
+def test_a_file_the_reader_cannot_parse_is_reported_once(tmp_path, caplog):
+    path = tmp_path / "bad.json"
+    path.write_text('{"text": "a"\n[broken')
+    with pytest.raises(DataError, match=r"bad\.json cannot be read as \.json"):
+        list(read_raw_records(path))
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("datasets")] == []

@@ -186,3 +186,15 @@ def test_lora_model_generates_as_its_merged_weights():
         > 1e-2
     )
     assert generate_ids(with_adapters, tokens[0], 6) == generate_ids(merged, tokens[0], 6)
+
+
+def test_generation_past_the_models_last_position_is_refused():
+    config = tiny_config(max_position_embeddings=16)
+    model = Model(config, init_params(jax.random.PRNGKey(0), config), None, Path("tiny"))
+    with pytest.raises(
+        ConfigError, match=r"the prompt is 16 tokens but the model reads at most 16"
+    ):
+        generate_ids(model, list(range(16)), max_new_tokens=1)
+    with pytest.raises(ConfigError, match=r"lower max_new_tokens to 6 or shorten the prompt"):
+        generate_ids(model, PROMPT, max_new_tokens=7)
+    assert len(generate_ids(model, PROMPT, max_new_tokens=6)) == 6

@@ -16,7 +16,7 @@ from featherweight.recipe.schema import parse_config
 from featherweight.train.dataset import steps_from_epochs
 from featherweight.train.loggers import check_loggers, scalars
 from featherweight.train.loop import train
-from featherweight.train.metrics import read_metrics, smoothed, strict
+from featherweight.train.metrics import loss_figure, read_metrics, smoothed, strict
 from featherweight.train.progress import PlainProgress
 from tests.conftest import run_settings
 
@@ -105,3 +105,21 @@ def test_a_run_reports_its_data_progress_metrics_and_tensorboard_events(
     assert [e.value for e in events.Scalars("train/learning_rate")] == pytest.approx([1e-2] * steps)
     assert (run / "loss.png").stat().st_size > 0
     assert read_metrics(run / "metrics.jsonl")[-1]["eval_loss"] == pytest.approx(result.eval_loss)
+
+
+def test_evaluations_get_a_progress_line_of_their_own(tiny_model_dir, demo_data, tmp_path):
+    settings = run_settings(tiny_model_dir, demo_data, tmp_path / "run", eval_every=2)
+    out = io.StringIO()
+    result = train(parse_config(settings), console=Console(file=out, width=200))
+    evals = [line for line in out.getvalue().splitlines() if "eval loss" in line]
+    records = [r for r in read_metrics(result.output_dir / "metrics.jsonl") if "eval_loss" in r]
+    assert evals == [f"step {r['step']}/4 | eval loss {r['eval_loss']:.4f}" for r in records]
+    assert len(evals) == 2
+
+
+def test_the_loss_plot_has_whole_steps_only():
+    records = [{"step": step, "loss": 3.0 - step, "learning_rate": 1e-4} for step in (1, 2, 3)]
+    figure = loss_figure(records)
+    figure.canvas.draw()
+    ticks = figure.axes[0].get_xticks()
+    assert len(ticks) > 1 and all(float(tick).is_integer() for tick in ticks)

@@ -10,11 +10,12 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 
-from featherweight.errors import OutputExistsError
+from featherweight.errors import ConfigError, OutputExistsError
 from featherweight.memory.budget import plan_within_budget
 from featherweight.memory.components import DEVICE
 from featherweight.recipe.paths import absolute_paths
 from featherweight.recipe.schema import changed_settings, parse_config
+from featherweight.train import run as run_module
 from featherweight.train.loop import train
 from featherweight.train.run import check_run_dir, prepare_run
 from featherweight.train.run_dir import MARKER
@@ -139,3 +140,13 @@ def test_overwrite_is_offered_only_where_it_would_be_allowed(tmp_path):
         check_run_dir(changed, overwrite=False)
     assert "pass --overwrite" not in str(error.value)
     assert "'notes.txt' in it is not a run's file" in str(error.value)
+
+
+def test_resuming_with_steps_below_the_checkpoint_is_refused_before_weights_are_read(
+    tiny_model_dir, demo_data, tmp_path, monkeypatch
+):
+    settings = run_settings(tiny_model_dir, demo_data, tmp_path / "run")  # 4 steps
+    train(parse_config(settings))
+    monkeypatch.setattr(run_module, "load_weights", lambda *_: pytest.fail("weights read"))
+    with pytest.raises(ConfigError, match=r"steps: 2 is below step 4, where run \S+ already is"):
+        prepare_run(parse_config({**settings, "steps": 2}))
