@@ -29,7 +29,9 @@ def _user_messages() -> Iterator[str]:
 def chat(
     model: Annotated[
         str | None,
-        typer.Argument(help="a training run's directory, HF directory or .gguf; default: demo"),
+        typer.Argument(
+            help="a training run's directory, HF directory, .gguf or Hub name; default: demo"
+        ),
     ] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,

@@ -10,7 +10,14 @@ from typing import Annotated
 
 import typer
 
-from featherweight.cli.output import console, finite, friendly_errors, new_file, positive
+from featherweight.cli.output import (
+    console,
+    finite,
+    friendly_errors,
+    new_file,
+    positive,
+    stops_on_signal,
+)
 from featherweight.models.registry import builtin_names
 
 DEFAULT_PROMPT = "Write one sentence about why the sky is blue."
@@ -36,13 +43,18 @@ def setup() -> None:
 def generate(
     model: Annotated[
         str | None,
-        typer.Argument(help="HF directory, .gguf, or a training run's directory; default: demo"),
+        typer.Argument(
+            help="HF directory, .gguf, Hub name (org/name), or a training run's directory; "
+            "default: demo"
+        ),
     ] = None,
     prompt: Annotated[str, typer.Option(help="Text to continue or answer.")] = DEFAULT_PROMPT,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
     temperature: Annotated[float, typer.Option(min=0.0, callback=finite, help="0 = greedy.")] = 0.0,
     seed: Annotated[int, typer.Option(min=0, max=2**32 - 1)] = 0,
-    dtype: Annotated[str | None, typer.Option(help="float32 or bfloat16")] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="float32 or bfloat16 (default: the model's, or the run's)")
+    ] = None,
     chat: Annotated[
         bool | None, typer.Option(help="Use the chat template (default: if any)")
     ] = None,
@@ -55,10 +67,13 @@ def generate(
     from featherweight.train.run_model import is_run_dir, load_run_model
 
     if model is not None and is_run_dir(model):
-        loaded, _ = load_run_model(model)
+        loaded, _ = load_run_model(model, dtype=dtype)
     else:
         loaded = load_model(_model_path(model), dtype=dtype)
-    console.print(f"[dim]model: {loaded.source} ({loaded.config.num_layers} layers)[/]")
+    console.print(
+        f"[dim]model: {loaded.source} ({loaded.config.num_layers} layers, {loaded.dtype.name})[/]",
+        highlight=False,
+    )
     console.print(f"[bold]prompt:[/] {prompt}")
     start = time.perf_counter()
     reply = generate_text(loaded, prompt, max_new_tokens, temperature, seed, chat)
@@ -79,7 +94,7 @@ def shard_gib(value: float | None) -> float | None:
 
 @friendly_errors
 def convert(
-    source: Annotated[str, typer.Argument(help="GGUF file or HF directory")],
+    source: Annotated[str, typer.Argument(help="GGUF file, HF directory or Hub name (org/name)")],
     out: Annotated[Path, typer.Option(help="Output directory")],
     dtype: Annotated[str | None, typer.Option(help="cast tensors, e.g. bfloat16")] = None,
     overwrite: bool = False,
@@ -92,18 +107,20 @@ def convert(
     ] = "f16",
 ) -> None:
     """Convert a checkpoint into a Hugging Face directory that transformers loads, or (--to gguf)
-    a GGUF file llama.cpp runs with an Ollama Modelfile beside it."""
+    a GGUF file llama.cpp runs with an Ollama Modelfile beside it. SIGINT/SIGTERM stop it (exit
+    130/143); the previous --out is never replaced by a partial conversion."""
     from featherweight.io.convert import convert as convert_checkpoint
 
-    written = convert_checkpoint(
-        source,
-        out,
-        dtype=dtype,
-        overwrite=overwrite,
-        max_shard_bytes=int(max_shard_gib * 1024**3),
-        to=to,
-        quant=quant,
-    )
+    with stops_on_signal(out, "conversion"):
+        written = convert_checkpoint(
+            source,
+            out,
+            dtype=dtype,
+            overwrite=overwrite,
+            max_shard_bytes=int(max_shard_gib * 1024**3),
+            to=to,
+            quant=quant,
+        )
     console.print(f"wrote {written}")
 
 
@@ -112,7 +129,8 @@ def plan(
     model: Annotated[
         str,
         typer.Argument(
-            help=f"dir with config.json, .gguf, or a built-in name: {builtin_names()}",
+            help=f"dir with config.json, .gguf, a Hub name (org/name) or a built-in name: "
+            f"{builtin_names()}",
             show_default=False,
         ),
     ],

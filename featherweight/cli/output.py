@@ -16,6 +16,7 @@ plan's table stays whole, so a log can be read and searched line by line.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -97,6 +98,39 @@ def friendly_errors(command):
             raise typer.Exit(code=1) from None
 
     return wrapper
+
+
+# --- signals while an output is written ------------------------------------------------------
+
+
+def stopped(stop, what: str) -> None:
+    """One line for a command a signal stopped, then the shell's exit code for that signal."""
+    import signal
+
+    by = "an interrupt" if stop.signal_number is None else signal.Signals(stop.signal_number).name
+    error_console.print(f"stopped by {by}: {what}", highlight=False)
+    raise typer.Exit(code=stop.exit_code)
+
+
+@contextlib.contextmanager
+def stops_on_signal(out: Path, what: str):
+    """SIGINT/SIGTERM while the block writes `out` (an export, a conversion) stop it wherever
+    they land (`io/interrupts.py`): one line saying what was kept, exit code 130/143."""
+    from featherweight.io.interrupts import StopOnSignal
+
+    target = out.expanduser().absolute()
+    before = (
+        f"the previous {target} is intact"
+        if target.exists()
+        else f"nothing was written to {target}"
+    )
+    with StopOnSignal() as stop:
+        try:
+            yield stop
+        except KeyboardInterrupt:
+            stopped(stop, f"the {what} stopped before it was complete; {before}")
+        if stop.signal_number is not None:  # it came during the final renames, held back
+            stopped(stop, f"the {what} had just finished: {target} is complete")
 
 
 # --- option checks (typer callbacks: they run while the options are parsed, before the command) --

@@ -7,7 +7,13 @@ from typing import Annotated
 
 import typer
 
-from featherweight.cli.output import console, friendly_errors, path_text
+from featherweight.cli.output import (
+    console,
+    friendly_errors,
+    path_text,
+    stopped,
+    stops_on_signal,
+)
 
 
 def outcome_line(result) -> str:
@@ -42,9 +48,9 @@ def train(
     On several hosts, run it on each with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
     JAX_PROCESS_ID set (or under srun / mpirun): the processes join one run.
     """
+    from featherweight.io.interrupts import EXIT_CODES
     from featherweight.parallel.distributed import initialize_from_env, is_primary
     from featherweight.recipe.schema import load_config
-    from featherweight.train.loop import EXIT_CODES
     from featherweight.train.loop import train as run_training
 
     initialize_from_env()
@@ -95,7 +101,13 @@ def export(
         ),
     ],
     out: Annotated[Path, typer.Option(help="output directory")],
-    dtype: Annotated[str, typer.Option(help="merged weights dtype")] = "bfloat16",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="merged weights dtype: float32 keeps the model as trained; bfloat16 halves the "
+            "files and may change answers (checked)"
+        ),
+    ] = "float32",
     overwrite: bool = False,
     base_model: Annotated[
         str | None,
@@ -109,18 +121,27 @@ def export(
     ] = "f16",
 ) -> None:
     """Export a run's checkpoint: merged Hugging Face weights, a PEFT LoRA adapter, or GGUF (the
-    merged model, or the adapter for llama-server --lora) with an Ollama Modelfile."""
+    merged model, or the adapter for llama-server --lora) with an Ollama Modelfile.
+
+    SIGINT/SIGTERM stop it (exit 130/143) with one line saying what was kept: the previous --out
+    is never replaced by a partial export."""
+    from featherweight.io.interrupts import StopOnSignal
     from featherweight.train.export_check import merged_output_check, qlora_note
     from featherweight.train.export_run import export_run, locate, read_run_config
 
-    written = export_run(
-        run, format_, out, dtype=dtype, overwrite=overwrite, base_model=base_model, quant=quant
-    )
+    with stops_on_signal(out, "export"):
+        written = export_run(
+            run, format_, out, dtype=dtype, overwrite=overwrite, base_model=base_model, quant=quant
+        )
     console.print(f"wrote {written}")
     notes = []
-    if format_ == "peft" and read_run_config(locate(run)[0]).method == "qlora":
-        notes.append(qlora_note(written))
-    if format_ == "merged" and check:
-        notes.append(merged_output_check(run, written, dtype))
+    with StopOnSignal() as stop:
+        try:
+            if format_ == "peft" and read_run_config(locate(run)[0]).method == "qlora":
+                notes.append(qlora_note(written))
+            if format_ == "merged" and check:
+                notes.append(merged_output_check(run, written, dtype))
+        except KeyboardInterrupt:
+            stopped(stop, f"the check of the export stopped; {written} itself is complete")
     for note in filter(None, notes):
         console.print(f"[yellow]warning:[/] {note}", highlight=False)

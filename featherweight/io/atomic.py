@@ -3,7 +3,8 @@
 A directory is written into a hidden temporary sibling (same filesystem), fsynced, and renamed into
 place; a crash leaves only the temporary, which the next write removes. A replaced directory is
 moved aside first and deleted only after the new one is in place (a crash between the two renames
-is undone by the next write, which puts the previous directory back).
+is undone by the next write, which puts the previous directory back; SIGINT and SIGTERM under
+`io/interrupts.py`'s handler are held back until both are done).
 
 A write that fails for lack of space or permission becomes a typed error that says what was being
 written and what is intact (`write_failure`); the partial temporary is removed first, so the space
@@ -32,6 +33,7 @@ from featherweight.errors import (
     OutputExistsError,
     OutputNotWritableError,
 )
+from featherweight.io.interrupts import deferred
 from featherweight.io.output_paths import resolved
 
 TEMP_PREFIX = ".fw-tmp-"
@@ -186,13 +188,16 @@ def atomic_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
         )
         follow_umask(temporary)
         _fsync_tree(temporary)
-        if out.exists():
-            aside = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{out.name}-old-", dir=out.parent))
-            os.replace(out, aside / "old")
-            os.replace(temporary, out)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.replace(temporary, out)
+        with deferred():  # a signal now is recorded, not raised: the output is whole or absent
+            if out.exists():
+                aside = Path(
+                    tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{out.name}-old-", dir=out.parent)
+                )
+                os.replace(out, aside / "old")
+                os.replace(temporary, out)
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(temporary, out)
     except BaseException as error:
         shutil.rmtree(temporary, ignore_errors=True)
         kept = "the partial copy was removed; " + (

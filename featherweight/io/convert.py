@@ -10,6 +10,7 @@ from featherweight.errors import ConfigError
 from featherweight.io.atomic import atomic_directory, check_output_dir, refuse_foreign_output
 from featherweight.io.gguf_writer import check_quant
 from featherweight.io.hf_writer import DEFAULT_SHARD_BYTES, save_hf_checkpoint
+from featherweight.io.hub import model_location
 from featherweight.io.loader import open_checkpoint
 from featherweight.io.names import expected_shapes, hf_name
 from featherweight.io.ollama import write_gguf_directory
@@ -43,6 +44,7 @@ def convert(
             f"{', '.join(CONVERT_DTYPES)} (or omit --dtype to keep the stored dtype)"
         )
     check_output_dir(Path(out), overwrite)
+    source_path = model_location(source_path)  # a Hub name: its snapshot in the Hub cache
     refuse_overlap(Path(out), {"source checkpoint": source_path}, "convert --out")
     refuse_foreign_output(Path(out))
     source = open_checkpoint(source_path)

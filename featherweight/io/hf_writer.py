@@ -17,6 +17,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from featherweight.io.atomic import atomic_directory
+from featherweight.io.interrupts import raise_if_interrupted
 from featherweight.io.names import hf_name
 from featherweight.io.output_paths import resolved
 from featherweight.io.tokenizer import Tokenizer
@@ -42,12 +43,15 @@ def _dense(value, layer: int | None) -> np.ndarray:
 def iter_hf_tensors(
     params: Params, config: ModelConfig, transform: TensorTransform | None = None
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """(Hugging Face name, tensor) for every tensor of the model, one at a time."""
+    """(Hugging Face name, tensor) for every tensor of the model, one at a time (a signal that a
+    callback swallowed stops the writing at the next one: `io/interrupts.py`)."""
     for name in top_level_shapes(config):
+        raise_if_interrupted()
         tensor = _dense(params[name], None)
         yield hf_name((name, None)), tensor if transform is None else transform(name, None, tensor)
     for layer in range(config.num_layers):
         for name in layer_shapes(config):
+            raise_if_interrupted()
             tensor = _dense(params["layers"][name], layer)
             if transform is not None:
                 tensor = transform(name, layer, tensor)

@@ -111,8 +111,9 @@ def hub_snapshot(
         why = "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached"
         fix = "unset HF_HUB_OFFLINE" if offline else "connect to the network"
         raise HubModelError(
-            f"model {name} is not in {where} and {why}; {fix} to download it (or set HF_HOME / "
-            "HF_HUB_CACHE to the cache that holds it), or give a local directory"
+            f"model {name} is neither a path on this machine nor in {where}, and {why}; {fix} "
+            "to download it (or set HF_HOME / HF_HUB_CACHE to the cache that holds it), or give "
+            "a local directory"
         ) from None
     except errors.HfHubHTTPError as error:
         status = getattr(error.response, "status_code", None)

@@ -25,6 +25,8 @@ from featherweight.errors import (
     input_file_problem,
 )
 from featherweight.io.gguf_reader import GGUFSource
+from featherweight.io.hub import model_location
+from featherweight.io.interrupts import raise_if_interrupted
 from featherweight.io.safetensors_reader import PICKLE_SUFFIXES, SafetensorsSource, refuse_pickle
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LINEAR_NAMES, Params
@@ -40,12 +42,14 @@ _HOST_ALIGNMENT = 64  # bytes; what XLA's CPU client needs to alias a host array
 
 
 def open_checkpoint(path: str | Path) -> SafetensorsSource | GGUFSource:
-    """Open a Hugging Face directory or a GGUF file; validates names and shapes from headers."""
-    path = Path(path).expanduser()
+    """Open a Hugging Face directory, a GGUF file or a Hub name's snapshot (`io/hub.py`);
+    validates names and shapes from headers."""
+    path = model_location(path)
     problem = input_file_problem(path)
     if problem is not None and problem != "is a directory":
         raise (CheckpointNotFoundError if problem.startswith("does not exist") else InputFileError)(
-            f"model path {path} {problem}; give a Hugging Face model directory or a .gguf file"
+            f"model path {path} {problem}; give a Hugging Face model directory or a .gguf file "
+            "(or a Hub name, org/name)"
         )
     if path.is_file():
         if path.suffix == ".gguf":
@@ -103,6 +107,7 @@ def _stack_layers(
     if quantize:
         parts, stack = [], None
         for layer in range(config.num_layers):
+            raise_if_interrupted()  # a signal a callback swallowed stops the read here
             values = source.read((name, layer)).astype(np.float32, copy=False)
             check_finite(values, f"layer {layer} {name}", source.path)
             part = quantize_nf4(values, name=f"layer {layer} {name}")
@@ -120,6 +125,7 @@ def _stack_layers(
         return jax.tree.map(lambda *leaves: jnp.stack(leaves), *parts)
     stack = host_buffer((config.num_layers, *shape), dtype)
     for layer in range(config.num_layers):
+        raise_if_interrupted()
         source.read_into((name, layer), stack[layer])
         check_finite(stack[layer], f"layer {layer} {name}", source.path)
     return jax.device_put(stack, host_sharding() if on_host else None)

@@ -1,10 +1,11 @@
 """What an export changes, said at export time: a merged export's dtype against float32, and how
 to load a QLoRA adapter's NF4 base.
 
-A bfloat16 merged export rounds every merged weight; on a small model or a long generation that
-can change greedy outputs against the run itself. `merged_output_check` generates greedily from
-the run's checkpoint in float32 and from the export, and names the first token where they part,
-with the fix (`--dtype float32`).
+A merged export is float32 by default (`io/peft_export.py` says why). One asked for in bfloat16
+rounds every merged weight; on a small model or a long generation that can change greedy outputs
+against the run itself. `merged_output_check` generates greedily from the run's checkpoint in
+float32 and from the export, and names the first token where they part, with the fix
+(`--dtype float32`).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def merged_output_check(
     return (
         f"the {dtype} export generates differently from the run in float32 (greedy, from token "
         f"{first + 1} of {new_tokens} on a test prompt): its rounding changes the model's "
-        "outputs; export again with --dtype float32 to keep them"
+        "outputs; export again with --dtype float32 (the default) to keep them"
     )
 
 

@@ -20,8 +20,17 @@ from featherweight.io.convert import convert
 from featherweight.io.gguf_export import export_adapter_gguf, export_merged_gguf
 from featherweight.io.gguf_writer import check_quant
 from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint
+from featherweight.io.hub import is_hub_name
+from featherweight.io.model_source import model_config_from
+from featherweight.io.names import expected_shapes, hf_name
 from featherweight.io.output_paths import refuse_inside, refuse_overlap, resolved
-from featherweight.io.peft_export import check_merged_dtype, export_merged, export_peft
+from featherweight.io.peft_export import (
+    MERGED_DEFAULT_DTYPE,
+    check_merged_dtype,
+    export_merged,
+    export_peft,
+)
+from featherweight.models.config import ModelConfig
 from featherweight.recipe.build import (
     abstract_split,
     lora_config_of,
@@ -78,11 +87,26 @@ def read_run_config(run_dir: Path) -> TrainConfig:
         ) from None
 
 
+def check_base_model(base_model: str, model_config: ModelConfig) -> None:
+    """Refuse a `--base-model` that is not there (a Hub name is resolved: gated, missing, not in
+    the cache offline) or has other shapes than the run's base: the adapter would not load on it."""
+    base_config = model_config_from(base_model)
+    theirs, ours = expected_shapes(base_config), expected_shapes(model_config)
+    if theirs != ours:
+        key = next(key for key in [*ours, *theirs] if theirs.get(key) != ours.get(key))
+        shape = lambda shapes: "absent" if key not in shapes else f"of shape {shapes[key]}"
+        raise ExportError(
+            f"--base-model {base_model} is not the model this run was trained on (its "
+            f"{hf_name(key)} is {shape(theirs)}, the run's {shape(ours)}); name the run's base "
+            "model, or leave --base-model out to record the run's own"
+        )
+
+
 def export_run(
     run_or_checkpoint: str | Path,
     export_format: str,
     out: str | Path,
-    dtype: str | None = "bfloat16",
+    dtype: str | None = MERGED_DEFAULT_DTYPE,
     overwrite: bool = False,
     base_model: str | None = None,
     quant: str = "f16",
@@ -111,17 +135,22 @@ def export_run(
         )
     out = check_output_dir(Path(out), overwrite)
     refuse_inside(out, run_dir / CHECKPOINT_DIR, "export --out", "holds the run's checkpoints")
-    model_path = resolve_model_path(config)
-    if not model_path.is_absolute() and config.model.path != "demo":
+    recorded = config.model.path
+    if not (
+        Path(recorded).expanduser().is_absolute() or recorded == "demo" or is_hub_name(recorded)
+    ):
         raise ExportError(
             f"run {run_dir} records its base model as the relative path {config.model.path!r}, "
             "which depends on the directory training ran from; edit model.path in "
             f"{run_dir / CONFIG_FILE} to the model's absolute path, then export again"
         )
+    model_path = resolve_model_path(config, run_dir)
     check_same_model(run_dir, model_path)
     refuse_overlap(out, {"run": run_dir, "base model": model_path}, "export --out")
     refuse_foreign_output(out)
     model_config, tokenizer = read_header(model_path)
+    if base_model is not None:
+        check_base_model(base_model, model_config)
 
     abstract_trainable, _ = abstract_split(config, model_config)
     optimizer = make_optimizer(config.optimizer, config.steps)
@@ -133,7 +162,13 @@ def export_run(
         write_base = None
         if base_model is None and not model_path.is_dir():
             write_base = lambda directory: convert(model_path, directory, config.model.dtype)
-        base = base_model or (str(model_path) if model_path.is_dir() else None)
+        base = base_model or (
+            config.model.path  # a Hub name: what peft loads, not this machine's cache
+            if is_hub_name(config.model.path)
+            else str(model_path)
+            if model_path.is_dir()
+            else None
+        )
         return export_peft(
             trainable, model_config, lora, out, base, overwrite, write_base,
             quantized_base=config.method == "qlora",

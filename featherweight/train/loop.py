@@ -48,8 +48,6 @@ from featherweight.train.run import Run, prepare_run
 from featherweight.train.run_dir import LOSS_PLOT, METRICS_FILE
 from featherweight.train.signals import StopRequest
 
-EXIT_CODES = {2: 130, 15: 143}  # SIGINT, SIGTERM: the shell's 128 + signal
-
 
 @dataclasses.dataclass
 class TrainResult:

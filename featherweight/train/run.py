@@ -36,6 +36,7 @@ from featherweight.errors import (
 )
 from featherweight.io.atomic import atomic_write_text, probe_writable
 from featherweight.io.embedded_model import cache_dir, require_demo_model
+from featherweight.io.hub import model_location, snapshot_revision
 from featherweight.io.loader import load_model, open_checkpoint
 from featherweight.io.output_paths import refuse_escape, refuse_overlap, resolved
 from featherweight.io.tokenizer import Tokenizer
@@ -195,13 +196,7 @@ def model_fingerprint(model_path: Path) -> dict[str, Any]:
 
 def check_same_model(output_dir: Path, model_path: Path) -> None:
     """Refuse to resume (or export) a run whose base model at its recorded path changed."""
-    run_file = output_dir / RUN_FILE
-    if not run_file.is_file():
-        return
-    try:
-        recorded = json.loads(run_file.read_text()).get("model_fingerprint")
-    except (OSError, ValueError, AttributeError):
-        return
+    recorded = _recorded(output_dir).get("model_fingerprint")
     if recorded and recorded != model_fingerprint(model_path):
         raise ModelChangedError(
             f"the base model at {model_path} is not the one run {output_dir} was trained on "
@@ -222,12 +217,22 @@ def _saved_config(saved: Path) -> TrainConfig:
         ) from None
 
 
-def resolve_model_path(config: TrainConfig) -> Path:
-    return (
-        require_demo_model()
-        if config.model.path == "demo"
-        else Path(config.model.path).expanduser()
-    )
+def resolve_model_path(config: TrainConfig, run: Path | None = None) -> Path:
+    """Where the run's base model is on this disk: the demo's cached GGUF, a path, or a Hub
+    name's snapshot -- for an existing `run`, the snapshot of the commit it recorded."""
+    if config.model.path == "demo":
+        return require_demo_model()
+    revision = None if run is None else _recorded(run).get("model_revision")
+    return model_location(config.model.path, revision=revision)
+
+
+def _recorded(run: Path) -> dict[str, Any]:
+    """The run's run.json (empty when it has none, or one that cannot be read)."""
+    try:
+        recorded = json.loads((run / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
 
 
 def resolve_data_path(config: TrainConfig) -> Path:
@@ -327,6 +332,7 @@ def write_run_files(
     )
     run = {
         "model_path": str(model_path.resolve()),
+        "model_revision": snapshot_revision(model_path),  # a Hub name's commit, else None
         "model_fingerprint": model_fingerprint(model_path),
         "method": config.method,
         "attention": attention_implementation(config, model_config),  # auto resolved here
@@ -367,7 +373,7 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     """
     config = absolute_paths(config)
     output_dir, resuming = check_run_dir(config, overwrite)
-    model_path = resolve_model_path(config)
+    model_path = resolve_model_path(config, output_dir if resuming else None)
     if resuming:
         check_same_model(output_dir, model_path)
     inputs = {

@@ -68,7 +68,7 @@ def load_run_model(run_or_checkpoint: str | Path, dtype: str | None = None) -> t
     it (an NF4 base stays NF4) and the trained arrays are cast to it."""
     run_dir, step = locate(run_or_checkpoint)
     config = read_run_config(run_dir)
-    model_path = resolve_model_path(config)
+    model_path = resolve_model_path(config, run_dir)
     check_same_model(run_dir, model_path)
     model_config, _ = read_header(model_path)
     trainable = restore_trainable(run_dir, step, config, model_config)

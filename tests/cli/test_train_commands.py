@@ -1,10 +1,24 @@
 """What `featherweight train` says at the end: the step reached of the steps asked for, losses to
-four places (no `None`), or that a finished run had nothing to train."""
+four places (no `None`), or that a finished run had nothing to train. What `featherweight export`
+does on SIGINT, wherever it lands (a gc callback included): it stops, the previous export is
+intact, exit 130, one line saying what was kept."""
 
+import gc
+import os
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+from typer.testing import CliRunner
+
+from featherweight.cli.main import app
 from featherweight.cli.train_commands import outcome_line
+from featherweight.io import atomic, hf_writer, loader
+from featherweight.recipe.schema import parse_config
+from featherweight.train import export_check
+from featherweight.train.loop import train
+from tests.conftest import run_settings
 
 
 def _result(step, start_step, loss, eval_loss, steps=4):
@@ -27,3 +41,110 @@ def test_the_last_line_rounds_losses_and_leaves_out_what_was_not_measured():
 def test_a_finished_run_run_again_says_there_was_nothing_to_train():
     line = outcome_line(_result(4, 4, None, None))
     assert line == "nothing to train: /runs/a is already at step 4 of 4; raise steps to train on"
+
+
+# --- SIGINT during export ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_model_dir, demo_data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("export_interrupts") / "run"
+    train(parse_config(run_settings(tiny_model_dir, demo_data, out)))  # checkpoints 2 and 4
+    return out
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def _signal_once(monkeypatch, owner, name, when=lambda *args, **kwargs: True, in_gc=False):
+    """SIGINT to this process the first time `owner.name` is called (and `when` holds) -- or,
+    with `in_gc`, from inside a garbage-collector callback, where Python's KeyboardInterrupt is
+    printed as "Exception ignored" and lost (as in JAX's `_xla_gc_callback`)."""
+    original, fired = getattr(owner, name), []
+
+    def in_callback(phase, _info):
+        if phase == "start" and not fired:
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(1000))  # bytecodes: the handler runs here, inside the callback
+
+    def wrapper(*args, **kwargs):
+        if not fired and when(*args, **kwargs):
+            if in_gc:
+                gc.callbacks.append(in_callback)
+                try:
+                    gc.collect()
+                finally:
+                    gc.callbacks.remove(in_callback)
+            else:
+                fired.append(True)
+                os.kill(os.getpid(), signal.SIGINT)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+
+
+BEFORE_COMPLETE = {
+    "reading the base": (loader, "check_finite", {}),
+    "writing a tensor": (hf_writer, "_cast", {}),
+    "in a gc callback while writing": (hf_writer, "_cast", {"in_gc": True}),
+    "before the final renames": (atomic, "_fsync_tree", {}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", BEFORE_COMPLETE)
+def test_sigint_during_an_export_stops_it_and_keeps_the_previous_export(
+    lora_run, tmp_path, monkeypatch, point
+):
+    out = tmp_path / "merged"
+    previous = ["export", str(lora_run / "checkpoints" / "2"), "--format", "merged"]
+    assert CliRunner().invoke(app, [*previous, "--out", str(out)]).exit_code == 0
+    kept = _snapshot(out)
+    owner, name, options = BEFORE_COMPLETE[point]
+    _signal_once(monkeypatch, owner, name, **options)
+    args = ["export", str(lora_run), "--format", "merged", "--out", str(out), "--overwrite"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 130, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines == [
+        f"stopped by SIGINT: the export stopped before it was complete; the previous {out} is "
+        "intact"
+    ]
+    assert _snapshot(out) == kept
+    assert [p.name for p in tmp_path.iterdir()] == ["merged"]  # no temporaries left
+
+
+@pytest.mark.slow
+def test_sigint_during_the_final_renames_completes_them_and_says_so(
+    lora_run, tmp_path, monkeypatch
+):
+    out = tmp_path / "merged"
+    previous = ["export", str(lora_run / "checkpoints" / "2"), "--format", "merged"]
+    assert CliRunner().invoke(app, [*previous, "--out", str(out)]).exit_code == 0
+    kept = _snapshot(out)
+    aside = lambda *args, prefix="", **kwargs: "-old-" in prefix  # the previous export moved aside
+    _signal_once(monkeypatch, atomic.tempfile, "mkdtemp", when=aside)
+    args = ["export", str(lora_run), "--format", "merged", "--out", str(out), "--overwrite"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 130, result.output
+    assert (
+        result.output.strip()
+        == f"stopped by SIGINT: the export had just finished: {out} is complete"
+    )
+    assert _snapshot(out) != kept and (out / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["merged"]
+
+
+@pytest.mark.slow
+def test_sigint_during_the_check_keeps_the_finished_export(lora_run, tmp_path, monkeypatch):
+    out = tmp_path / "merged"
+    _signal_once(monkeypatch, export_check, "_greedy")
+    args = ["export", str(lora_run), "--format", "merged", "--out", str(out), "--dtype", "bfloat16"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 130, result.output
+    assert result.output.splitlines()[-1] == (
+        f"stopped by SIGINT: the check of the export stopped; {out} itself is complete"
+    )
+    assert (out / "model.safetensors").is_file()

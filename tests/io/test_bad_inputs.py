@@ -280,7 +280,7 @@ def test_cli_generate_reports_the_same_way(tmp_path):
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
         f"error: CheckpointNotFoundError: model path {tmp_path / 'nothing-here'} does not "
-        "exist; give a Hugging Face model directory or a .gguf file"
+        "exist; give a Hugging Face model directory or a .gguf file (or a Hub name, org/name)"
     ]
 
 

@@ -85,7 +85,14 @@ def test_merged_bf16_export_is_sharded_and_rounds_the_float32_merge_once(
 ):
     hf_model, _, model, adapters = trained
     out = export_merged(
-        model.params, adapters, model.config, LORA, None, tmp_path / "m", max_shard_bytes=40_000
+        model.params,
+        adapters,
+        model.config,
+        LORA,
+        None,
+        tmp_path / "m",
+        "bfloat16",
+        max_shard_bytes=40_000,
     )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -112,6 +119,20 @@ def test_merged_bf16_export_is_sharded_and_rounds_the_float32_merge_once(
         f"bf16 merged export: max abs diff {diff:.2e}; bf16 rounding of the base alone {floor:.2e}"
     )
     assert diff <= 2 * floor, f"bf16 export diff {diff:.2e} vs bf16 noise floor {floor:.2e}"
+
+
+def test_the_default_merged_export_is_the_model_as_trained(trained, tmp_path):
+    """float32 by default: the merged sum W + scale B A exactly as featherweight computes it,
+    not rounded to bfloat16's 8 significant bits."""
+    _, _, model, adapters = trained
+    out = export_merged(model.params, adapters, model.config, LORA, None, tmp_path / "m")
+    gate = load_file(str(out / "model.safetensors"))["model.layers.1.mlp.gate_proj.weight"]
+    pair = jax.device_get(adapters["layers"]["lora"]["gate"])
+    base = np.asarray(model.params["layers"]["gate"][1])
+    assert gate.dtype == np.float32
+    np.testing.assert_array_equal(
+        gate, merge_lora_weight(base, pair["a"][1], pair["b"][1], LORA.scale)
+    )
 
 
 def test_qlora_merged_export_dequantizes_and_merges(trained, tmp_path):
@@ -184,9 +205,10 @@ def test_existing_output_needs_overwrite_and_overwrite_replaces_only_our_own(tra
     out = tmp_path / "p"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(OutputExistsError, match="--overwrite"):
+    # without overwrite: named as the user's (--overwrite, which would refuse, is not offered)
+    with pytest.raises(OutputExistsError, match=r"'keep\.txt', which featherweight did not write"):
         export_peft(adapters, model.config, LORA, out)
-    with pytest.raises(OutputExistsError, match="--overwrite"):
+    with pytest.raises(OutputExistsError, match=r"'keep\.txt', which featherweight did not write"):
         export_merged(model.params, adapters, model.config, LORA, None, out)
     # a directory of the user's is never replaced, not even with overwrite
     for export in (

@@ -17,25 +17,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import huggingface_hub
 import jax
 import numpy as np
 import pytest
 import yaml
 from gguf import GGUFReader
+from huggingface_hub import errors as hub_errors
 from safetensors.numpy import load_file, save_file
 
-from featherweight.inference.generate import logits
+from featherweight.inference.generate import generate_ids, logits
 from featherweight.io.convert import convert
 from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint
 from featherweight.io.loader import load_model
 from featherweight.memory.budget import plan_within_budget
 from featherweight.models.config import read_hf_config
 from featherweight.models.init import init_params
+from featherweight.models.model import Model
 from featherweight.quant.nf4 import quantize_nf4
 from featherweight.recipe.schema import apply_overrides, load_config, parse_config
+from featherweight.train import run as run_module
 from featherweight.train.export_run import export_run
 from featherweight.train.loop import train
 from tests.conftest import tiny_config
+from tests.hub_cache import hub_refusal
 from tests.reliability.conftest import short_run
 
 Action = Callable[[], object]
@@ -208,6 +213,38 @@ def malformed_override(env: Env) -> Action:
     return lambda: apply_overrides({}, ["steps"])
 
 
+@case(
+    "key written twice",
+    r"config\.yaml: key 'steps' is written twice \(lines 1 and 3\)",
+    r"keep one of them",
+)
+def key_twice(env: Env) -> Action:
+    path = env.config_file("steps: 10\nmethod: lora\nsteps: 20\n")
+    return lambda: load_config(path)
+
+
+@case(
+    "yes/no where a number is meant", r"steps \(line 1\)", r"true is a yes/no value, not a number"
+)
+def yes_no_number(env: Env) -> Action:
+    path = env.config_file("steps: true\n")
+    return lambda: load_config(path)
+
+
+@case(
+    "relative path not beside the config",
+    r"run\.yaml \(line 1\): data\.train 'qa\.jsonl' is not at \S+/configs/qa\.jsonl",
+    r"read from the config's folder \S+/configs, not the working directory \(it is in the "
+    r"working directory: write \.\./qa\.jsonl\)",
+)
+def path_not_beside_the_config(env: Env) -> Action:
+    (env.tmp / "configs").mkdir()
+    (env.tmp / "configs" / "run.yaml").write_text("data: {train: qa.jsonl}\n")
+    (env.tmp / "qa.jsonl").write_text('{"text": "hi"}\n')
+    env.monkeypatch.chdir(env.tmp)
+    return lambda: load_config(env.tmp / "configs" / "run.yaml")
+
+
 @case("unknown LoRA target", r"\['qq'\]", r"valid: \['q', 'k', 'v', 'o', 'gate', 'up', 'down'\]")
 def unknown_target(env: Env) -> Action:
     return lambda: parse_config({"lora": {"targets": ["q", "qq"]}})
@@ -291,9 +328,8 @@ def missing_model(env: Env) -> Action:
 
 @case(
     "output_dir holding other files",
-    r"run holds files that are not a featherweight run",
-    r"pass --overwrite",
-    r"or choose a new output_dir",
+    r"run holds 'notes\.txt' and is not a featherweight run",
+    r"never writes over files it did not write -- choose a new or empty output_dir$",
 )
 def output_dir_taken(env: Env) -> Action:
     (env.tmp / "run").mkdir()
@@ -450,14 +486,53 @@ def convert_int8(env: Env) -> Action:
 
 @case(
     "run with a relative model path",
-    r"records its base model as the relative path 'models/base'",
+    r"records its base model as the relative path 'models/llama/base'",
     r"edit model\.path in \S+config\.yaml to the model's absolute path",
 )
 def export_relative_model(env: Env) -> Action:
     config = yaml.safe_load((env.run / "config.yaml").read_text())
-    config["model"]["path"] = "models/base"
+    config["model"]["path"] = "models/llama/base"  # (org/name would be a Hub name)
     copy = env.run_copy(config_text=yaml.safe_dump(config, sort_keys=False))
     return env.export(run=copy)
+
+
+@case(
+    "resume with fewer steps than the checkpoint",
+    r"steps: 2 is below step 4, where run \S+/run already is",
+    r"set steps to 4 or more to resume it, or choose a new output_dir",
+)
+def fewer_steps(env: Env) -> Action:
+    copy = env.run_copy()
+    config = yaml.safe_load((copy / "config.yaml").read_text())
+    env.monkeypatch.setattr(run_module, "load_weights", lambda *_: pytest.fail("weights read"))
+    return lambda: train(parse_config({**config, "steps": 2}))
+
+
+@case(
+    "Hub model not in the cache while offline",
+    r"model org/missing is neither a path on this machine nor in the local Hub cache \S+, and "
+    r"HF_HUB_OFFLINE is set",
+    r"unset HF_HUB_OFFLINE to download it",
+    r"or give a local directory",
+)
+def hub_offline(env: Env) -> Action:
+    env.monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    env.monkeypatch.setenv("HF_HUB_CACHE", str(env.tmp / "hub"))
+    return env.train(**{"model.path": "org/missing"})
+
+
+@case(
+    "gated Hub model",
+    r"model meta-llama/Llama-3\.1-8B is gated on the Hugging Face Hub",
+    r"accept its license at https://huggingface\.co/meta-llama/Llama-3\.1-8B, log in",
+)
+def hub_gated(env: Env) -> Action:
+    def refuse(*_args, **_kwargs):
+        raise hub_refusal(hub_errors.GatedRepoError, 403, "meta-llama/Llama-3.1-8B")
+
+    env.monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    env.monkeypatch.setenv("HF_HUB_CACHE", str(env.tmp / "hub"))
+    return env.train(**{"model.path": "meta-llama/Llama-3.1-8B"})
 
 
 @case(
@@ -737,6 +812,16 @@ def not_json(env: Env) -> Action:
 
 
 @case(
+    "line nested too deeply",
+    r"bad\.jsonl:2: nests deeper than Python's recursion limit allows",
+    r"pass --skip-bad",
+)
+def nested_too_deeply(env: Env) -> Action:
+    depth = 200_000
+    return env.train_data('{"text": "fine"}\n{"text": ' + "[" * depth + "]" * depth + "}\n")
+
+
+@case(
     "record of no known shape",
     r"bad\.jsonl:1: record has keys \['completion', 'prompt'\]",
     r'expected \{"text": \.\.\.\}',
@@ -909,7 +994,7 @@ def peft_of_full(env: Env) -> Action:
 @case(
     "merged export to an integer dtype",
     r"merged export dtype 'int8' is not supported",
-    r"use 'bfloat16' \(default\)",
+    r"use 'float32' \(default\)",
 )
 def integer_dtype(env: Env) -> Action:
     return env.export(dtype="int8")
@@ -936,6 +1021,17 @@ def disk_full_export(env: Env) -> Action:
 def token_out_of_range(env: Env) -> Action:
     model = load_model(env.model)
     return lambda: logits(model, [[1, 49152]])
+
+
+@case(
+    "prompt longer than the model reads",
+    r"the prompt is 16 tokens but the model reads at most 16 \(max_position_embeddings\)",
+    r"shorten the prompt",
+)
+def prompt_too_long(env: Env) -> Action:
+    config = tiny_config(max_position_embeddings=16)
+    model = Model(config, init_params(jax.random.PRNGKey(0), config), None, env.tmp / "model")
+    return lambda: generate_ids(model, list(range(16)), max_new_tokens=1)
 
 
 @case(

@@ -53,6 +53,9 @@ config | config that is not a mapping | a YAML list instead of settings | Config
 config | YAML of nested aliases | 1 KB of aliases that expand to 9^25 values | ConfigError | names the first few bad values, shortened, and how many more: answered at once, never expanded
 config | infinite learning rate | `optimizer: {learning_rate: .inf}` | ConfigError | names `optimizer.learning_rate`: a finite number is needed
 config | malformed override | `--set steps` | ConfigError | overrides look like `key.sub=value`
+config | key written twice | `steps: 10` ... `steps: 20` in one file | ConfigError | names the key and both lines: keep one of them
+config | yes/no where a number is meant | `steps: true` | ConfigError | names `steps`: true is a yes/no value, write a number
+config | relative path not beside the config | `data.train: qa.jsonl` in configs/run.yaml, qa.jsonl in the working directory | DataError | names where it looked: paths in a config file are read from its folder; write the path from there, or an absolute one
 config | unknown LoRA target | `lora: {targets: [q, qq]}` | ConfigError | names `qq` and lists the valid targets
 config | LoRA rank larger than a target weight | `lora: {rank: 128}` on a model 64 wide | AdapterConfigError | names the target and its shape: a smaller rank, or drop the target
 config | quantized head without QLoRA | `method: lora` with `model.quantize_head: true` | ConfigError | needs `method: qlora`
@@ -63,7 +66,7 @@ config | host placement on a mesh | `memory.optimizer_state: host` with `mesh: {
 config | frozen base on the host without a frozen base | `memory.base: host` with `method: full` | ConfigError | says full fine-tuning has no frozen base: method lora or qlora, or `memory.base: device`
 config | unknown saved intermediate | `memory: {save: [attn]}` | StepConfigError | names `attn` and the known names
 paths | missing model path | `model.path: /no/such/model` | CheckpointNotFoundError | give a Hugging Face model directory or a .gguf file
-paths | output_dir holding other files | an output_dir with someone's notes in it | OutputExistsError | pass --overwrite or choose a new output_dir
+paths | output_dir holding other files | an output_dir with someone's notes in it | OutputExistsError | names a file in it: featherweight never writes over files it did not write; choose a new or empty output_dir
 paths | overwrite of a directory featherweight did not create | `--overwrite` on an output_dir holding someone's notes | OutputExistsError | names a file in it: featherweight replaces only its own runs; choose a new or empty output_dir
 paths | overwrite of a run holding other files | `--overwrite` on a run whose directory also holds the training YAML | OutputExistsError | names the YAML: move it out, or choose a new output_dir
 paths | output_dir in use | a second trainer on the output_dir of a running one | OutputExistsError | wait for the other process, or choose another output_dir
@@ -107,6 +110,7 @@ data | record of no known shape | `{"prompt": ...}` | DataError | names file:lin
 data | conversation without an assistant turn | messages with only a user turn | DataError | names file:line: nothing to learn
 data | invalid UTF-8 | a line with byte 0xff | DataError | names file:line and the byte: fix it or pass --skip-bad
 data | half a surrogate pair | `{"text": "\ud800"}` | DataError | names file:line and the escape: fix it or pass --skip-bad
+data | line nested too deeply | a JSONL line 200,000 brackets deep | DataError | names file:line: it nests deeper than Python's recursion limit; fix it or pass --skip-bad
 data | every line bad with --skip-bad | two bad lines and --skip-bad | DataError | all lines were skipped
 data | eval split larger than the data | one example and `eval_fraction: 0.5` | DataError | add examples or set eval_fraction to 0
 data | example longer than a row | `overflow: error` with `seq_len: 8` | DataError | names file:line and the lengths: raise seq_len, shorten, or truncate
@@ -117,14 +121,17 @@ meshes | mesh that does not fill the devices | `mesh: {data: 3, fsdp: 3}` on 8 d
 meshes | batch that does not split over the mesh | `batch_size: 3` on a 2 x 4 mesh | ShardingError | use a batch_size whose global batch is a multiple of 8
 meshes | mesh axis of size 0 | `mesh: {data: 0}` | ConfigError | a mesh axis is a positive integer or 'auto'
 exports | convert to an integer dtype | `convert MODEL --dtype int8` | ConfigError | weights are floating point: use float32, float16 or bfloat16
-exports | run with a relative model path | a run whose config.yaml names its model as `models/base` | ExportError | set model.path in the run's config.yaml to the absolute path
+exports | run with a relative model path | a run whose config.yaml names its model as `models/llama/base` | ExportError | set model.path in the run's config.yaml to the absolute path
 checkpoints | base model changed since the run | the model at the run's model.path replaced by another | ModelChangedError | the checkpoints are intact: put the original model back, or start a new run
 exports | unknown export format | `--format onnx` | ExportError | use merged, peft, gguf or gguf-adapter
 exports | GGUF type featherweight does not write | `export --format gguf --quant q4_k_m` | ConfigError | lists the types written (f32 ... q4_0); K-quants via llama.cpp's llama-quantize
+checkpoints | resume with fewer steps than the checkpoint | `steps: 2` for a run whose latest checkpoint is step 4 | ConfigError | names both steps (before any weight is read): set steps to 4 or more, or choose a new output_dir
+checkpoints | Hub model not in the cache while offline | `model.path: org/missing` with HF_HUB_OFFLINE=1 | HubModelError | names the model and the cache: unset HF_HUB_OFFLINE to download it, or give a local directory
+checkpoints | gated Hub model | `model.path: meta-llama/Llama-3.1-8B` without access | HubModelError | accept its license on the model's page and log in (hf auth login or HF_TOKEN)
 checkpoints | GGUF tensor type that cannot be dequantized | a weight stored as I32 | UnsupportedModelError | names the tensor, its type and the types supported: upgrade gguf or use another file
 checkpoints | GGUF of an unsupported architecture | `general.architecture: gemma3` | UnsupportedModelError | names the architecture and the supported ones (llama, qwen2)
 exports | PEFT export of a full fine-tune | `--format peft` on a `method: full` run | ExportError | use --format merged
-exports | merged export to an integer dtype | `--dtype int8` | ExportError | use bfloat16, float16 or float32
+exports | merged export to an integer dtype | `--dtype int8` | ExportError | use float32 (the default), bfloat16 or float16
 exports | disk full while exporting | the disk fills while shards are written | DiskFullError | the partial copy is removed, nothing is written: free space and rerun
 files | config file without read permission | `train train.yaml` on a file of mode 000 | InputFileError | names the file and the OS's reason: make it readable
 files | config file that is not UTF-8 | a Latin-1 `é` in a comment | InputFileError | names the file and the byte: save it as UTF-8
@@ -166,6 +173,7 @@ options | override with an empty key part | `--set data..seq_len=8` | ConfigErro
 options | seed out of range | `seed: 18446744073709551616` | ConfigError | names `seed` and its bound (32-bit)
 faults | disk full while writing the loss plot | the disk fills while the finished run writes loss.png | DiskFullError | the run's checkpoints and metrics.jsonl are intact; only the plot is missing
 inputs | token id outside the vocabulary | `logits(model, [[1, 49152]])` | TokenIdError | names the id and the vocabulary range
+inputs | prompt longer than the model reads | 16 prompt tokens on a model of 16 positions | ConfigError | names both lengths (max_position_embeddings): shorten the prompt
 inputs | tensor that cannot be NF4-quantized | 100 values (blocks are 64) | QuantizationError | keep the tensor in bf16 or pad the model
 """
 )

@@ -235,7 +235,7 @@ def test_errors_before_any_work(tiny_model_dir, demo_data, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    with pytest.raises(OutputExistsError, match="--overwrite"):
+    with pytest.raises(OutputExistsError, match=r"'notes\.txt' and is not a featherweight run"):
         train(parse_config(run_settings(tiny_model_dir, demo_data, other)))
     assert (other / "notes.txt").read_text() == "mine"
     for name in ("a", "b", "c"):

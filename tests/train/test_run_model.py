@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 from featherweight.cli.main import app
 from featherweight.errors import CheckpointNotFoundError
 from featherweight.inference.generate import generate_ids
+from featherweight.io.convert import convert
 from featherweight.io.loader import load_model
 from featherweight.recipe.schema import parse_config
 from featherweight.train.export_run import export_run
@@ -70,3 +71,26 @@ def test_a_run_without_checkpoints_is_refused_clearly(tmp_path, tiny_model_dir, 
     with pytest.raises(CheckpointNotFoundError, match="has no checkpoint yet; train at least"):
         load_run_model(run)
     shutil.rmtree(run)
+
+
+def _reply(output: str) -> str:
+    return next(line for line in output.splitlines() if line.startswith("reply:"))
+
+
+@pytest.mark.slow
+def test_generate_run_dtype_float32_is_the_float32_merged_export(
+    tiny_model_dir, demo_data, tmp_path
+):
+    base = convert(tiny_model_dir, tmp_path / "bf16-base", dtype="bfloat16")  # as Hub models are
+    run = tmp_path / "run"
+    settings = run_settings(base, demo_data, run, steps=2, **{"model.dtype": "bfloat16"})
+    train(parse_config(settings))
+    merged = export_run(run, "merged", tmp_path / "merged")  # float32, the default
+    options = ["--prompt", PROMPT, "--max-new-tokens", "16"]
+    from_run = CliRunner().invoke(app, ["generate", str(run), "--dtype", "float32", *options])
+    from_export = CliRunner().invoke(app, ["generate", str(merged), *options])
+    assert from_run.exit_code == 0 and from_export.exit_code == 0, from_run.output
+    assert "2 layers, float32)" in from_run.output
+    assert _reply(from_run.output) == _reply(from_export.output)
+    in_bf16 = CliRunner().invoke(app, ["generate", str(run), *options])
+    assert "2 layers, bfloat16)" in in_bf16.output  # the run's own dtype by default
