@@ -16,7 +16,7 @@ from featherweight.cli.main import app
 from featherweight.cli.train_commands import outcome_line
 from featherweight.io import atomic, hf_writer, loader
 from featherweight.recipe.schema import parse_config
-from featherweight.train import export_check
+from featherweight.train import export_check, loop
 from featherweight.train.loop import train
 from tests.conftest import run_settings
 
@@ -148,3 +148,38 @@ def test_sigint_during_the_check_keeps_the_finished_export(lora_run, tmp_path, m
         f"stopped by SIGINT: the check of the export stopped; {out} itself is complete"
     )
     assert (out / "model.safetensors").is_file()
+
+
+# --- the README's config, relative output_dir: interrupted and resumed through the CLI ----------
+
+
+def readme_config() -> str:
+    """The training config README.md shows, as it stands."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return text.split("A training config", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_the_readme_config_trains_is_interrupted_and_resumes(demo_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.yaml").write_text(readme_config())  # output_dir: runs/my-run (relative)
+    (tmp_path / "data.jsonl").write_bytes(demo_data.read_bytes())
+    small = ["steps=3", "data.seq_len=64", "batch_size=1", "checkpoint.every_steps=1"]
+    args = ["train", "config.yaml", *(f"--set={value}" for value in small)]
+    args += ["--set=memory.loss_chunk=64", "--set=log_every=1"]  # (512 does not divide 64)
+    save = loop.save
+
+    def save_then_interrupt(run, step, *rest):
+        save(run, step, *rest)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while step 1's checkpoint is written
+
+    monkeypatch.setattr(loop, "save", save_then_interrupt)
+    interrupted = CliRunner().invoke(app, args)
+    assert interrupted.exit_code == 130, interrupted.output
+    assert "stopped by signal 2 after step 2; checkpoint saved" in interrupted.output
+    monkeypatch.setattr(loop, "save", save)
+    resumed = CliRunner().invoke(app, args)  # the same command again
+    assert resumed.exit_code == 0, resumed.output
+    run = tmp_path / "runs" / "my-run"
+    assert f"resuming {run} at step 2" in resumed.output
+    assert "done: step 3 of 3, loss " in resumed.output
