@@ -1,0 +1,28 @@
+"""What the command line prints off a terminal (a log, a pipe, CI): lines are not wrapped at 80
+columns, so a path or the plan's table stays whole."""
+
+import io
+
+from typer.testing import CliRunner
+
+from featherweight.cli import output
+from featherweight.cli.main import app
+
+
+def test_off_a_terminal_long_lines_stay_whole(monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    console = output._console()
+    line = "metrics: " + "/very/long/path" * 12 + "/metrics.jsonl"
+    console.print(line, highlight=False)
+    assert console.file.getvalue().splitlines() == [line]
+
+
+def test_the_plan_table_is_not_wrapped_in_a_log():
+    result = CliRunner().invoke(app, ["plan", "SmolLM2-135M", "--no-measure"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert any(
+        line.startswith("settings: method=qlora") and "calibration=" in line for line in lines
+    )
+    assert any("linear weights NF4 (~0.52 B/value), the rest x 2 B" in line for line in lines)
