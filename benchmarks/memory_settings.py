@@ -52,10 +52,9 @@ from featherweight.memory.step_cost import (
 from featherweight.memory.targets import get_target
 from featherweight.memory.working_set import calibration_for
 from featherweight.models.registry import builtin_config
-from featherweight.parallel.memory_kinds import to_device, to_host
-from featherweight.recipe.build import place_embedding
+from featherweight.parallel.memory_kinds import to_device
+from featherweight.recipe.placement import place
 from featherweight.recipe.schema import parse_config
-from featherweight.step.opt_state import place_opt_state
 
 MIB = 2**20
 OLD_DEFAULT = {"loss_chunk": None, "mlp_chunk": None, "vocab_chunk": None}  # whole sequence
@@ -278,21 +277,19 @@ def main() -> None:
         input_ids=tokens, target_ids=tokens, loss_mask=jnp.ones_like(batch.loss_mask, jnp.float32)
     )
     frozen_by_variant = {}
-    for name, config, _, abstract, _, _ in compiled:
+    for name, _, _, abstract, _, _ in compiled:
         frozen = _shared_with(base_frozen, abstract[2], key)
-        frozen = to_device(frozen)
-        if "embed" in frozen:  # a frozen embedding (LoRA, QLoRA)
-            frozen = place_embedding(config, {}, frozen, to_host)[1]
-        frozen_by_variant[name] = frozen
+        frozen_by_variant[name] = to_device(frozen)
 
     cpu = {name: [] for name, *_ in compiled}
     wall = {name: [] for name, *_ in compiled}
     for round_index in range(args.rounds + 1):  # round 0 warms up and is dropped
         for name, config, step, _, _, _ in compiled:
-            trainable = to_device(trainable)
-            if "embed" in trainable:  # a trained embedding (full fine-tuning)
-                trainable = place_embedding(config, trainable, {}, to_host)[0]
-            opt_state = place_opt_state(to_device(opt_state), config.memory.optimizer_state)
+            # each variant's arguments where its settings put them (the trainer's `place`)
+            trainable, opt_state, frozen = place(
+                config, to_device(trainable), to_device(opt_state), frozen_by_variant[name]
+            )
+            frozen_by_variant[name] = frozen
             jax.block_until_ready((trainable, opt_state))
             if not round_index:
                 print(f"warming up {name}", flush=True)

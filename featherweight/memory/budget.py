@@ -52,7 +52,7 @@ from featherweight.memory.plan import MemoryPlan, plan_for_config
 from featherweight.memory.step_cost import DeviceRates, rates_for, seconds_per_token
 from featherweight.models.config import ModelConfig
 from featherweight.parallel.sharding import planning_mesh
-from featherweight.recipe.optimizer import ROW_CHUNKED_OPTIMIZERS
+from featherweight.recipe.placement import check_placements
 from featherweight.recipe.schema import TrainConfig
 
 GIB = 2**30
@@ -132,31 +132,22 @@ def _mlp_chunks(config: TrainConfig) -> Iterator[TrainConfig]:
         yield _replace(config, "memory", mlp_chunk=chunk)
 
 
-def _host_placement_possible(config: TrainConfig) -> bool:
-    return config.mesh is None and config.memory.step == "streamed"
-
-
 def _embedding_on_host(config: TrainConfig, tied: bool) -> Iterator[TrainConfig]:
-    if config.memory.embed == "host" or not _host_placement_possible(config):
-        return
-    if config.method == "full" and (tied or config.optimizer.name not in ROW_CHUNKED_OPTIMIZERS):
-        return
-    if tied and config.model.quantize_head:
+    if config.memory.embed == "host":
         return
     changed = _replace(config, "memory", embed="host")
-    if tied and changed.memory.vocab_chunk is None:
+    if tied and changed.memory.vocab_chunk is None:  # the tied head then reads it in chunks
         changed = _replace(changed, "memory", vocab_chunk=MAX_VOCAB_CHUNK)
     yield changed
 
 
 def _optimizer_state_on_host(config: TrainConfig) -> Iterator[TrainConfig]:
-    if config.memory.optimizer_state != "host" and _host_placement_possible(config):
+    if config.memory.optimizer_state != "host":
         yield _replace(config, "memory", optimizer_state="host")
 
 
 def _base_on_host(config: TrainConfig) -> Iterator[TrainConfig]:
-    movable = config.method != "full" and config.memory.base != "host"
-    if movable and _host_placement_possible(config):
+    if config.memory.base != "host":
         yield _replace(config, "memory", base="host")
 
 
@@ -257,6 +248,7 @@ def _plan_if_valid(config: TrainConfig, model_config: ModelConfig) -> MemoryPlan
     configuration the trainer would then refuse."""
     try:
         TrainConfig.model_validate(config.model_dump(mode="json"))
+        check_placements(config, model_config)  # host placements the trainer would refuse
         return plan_for_config(config, model_config)
     except (ConfigError, ValueError):
         return None

@@ -42,6 +42,7 @@ from featherweight.memory.state_bytes import (
 )
 from featherweight.memory.targets import (
     DEVICELESS_COMPILER_OPTIONS,
+    compile_as_run,
     get_target,
     require_gpu_compiler,
     target_mesh,
@@ -49,20 +50,15 @@ from featherweight.memory.targets import (
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
 from featherweight.parallel.backend import native_stderr_silenced
-from featherweight.parallel.memory_kinds import abstract_on_host, host_resident_bytes
+from featherweight.parallel.memory_kinds import host_resident_bytes
+from featherweight.parallel.offload_rules import lower_for_gpu
 from featherweight.parallel.sharding import per_device_bytes
-from featherweight.recipe.build import (
-    abstract_split,
-    build_train_step,
-    place_base,
-    place_embedding,
-    split_params,
-)
+from featherweight.recipe.build import abstract_split, build_train_step, split_params
 from featherweight.recipe.optimizer import make_optimizer
+from featherweight.recipe.placement import arguments_on_host, place_abstract
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.loss import Batch
 
-HOST_ARGUMENTS = ("optimizer_state", "embed", "base")  # settings placing step arguments on host
 MEASURED_COMPONENTS = (
     "frozen_base",
     "trainable_weights",
@@ -139,10 +135,7 @@ def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig, mesh
         config, model_config, trainable, frozen, optimizer, mesh
     )
     opt_state = jax.eval_shape(init_opt_state, trainable)
-    if config.memory.optimizer_state == "host":
-        opt_state = abstract_on_host(opt_state)
-    trainable, frozen = place_embedding(config, trainable, frozen, abstract_on_host)
-    frozen = place_base(config, frozen, abstract_on_host)
+    trainable, opt_state, frozen = place_abstract(config, trainable, opt_state, frozen)
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     batch = abstract_batch(config.batch_size, config.data.seq_len)
     return step, (trainable, opt_state, frozen, batch, key)
@@ -164,20 +157,45 @@ def measure_compiled(
 
 
 def measurement_of(
-    compiled, trainable, opt_state, frozen, compile_seconds: float, platform: str | None = None
+    compiled,
+    trainable,
+    opt_state,
+    frozen,
+    compile_seconds: float,
+    platform: str | None = None,
+    shardings=None,
 ) -> MemoryMeasurement:
-    """The components of a compiled train step's `memory_analysis()` (the trainer's own, or
-    one compiled on abstract shapes; `platform`: the compiler's, default the local backend)."""
+    """The components of a compiled train step's memory analysis (the trainer's own, one
+    compiled on abstract shapes, or a deviceless executable from `targets.compile_as_run`;
+    `platform`: the compiler's, default the local backend; `shardings`: the (trainable,
+    opt_state, frozen) shardings, default the compiled step's input shardings).
+
+    Host bytes XLA reports apart (arguments in pinned host memory, host temporaries, host
+    outputs) are folded back in: arguments count whole in `argument_bytes` with their host part
+    in `host_argument_bytes`; unaliased host outputs count as host temporaries."""
     platform = platform or jax.default_backend()
-    analysis = compiled.memory_analysis()
+    if hasattr(compiled, "memory_analysis"):
+        analysis = compiled.memory_analysis()
+    else:
+        analysis = compiled.get_compiled_memory_stats()
     if analysis is None:
         raise ConfigError(
             f"the {platform} backend reports no memory analysis; measure on CPU or GPU"
         )
-    temp, argument = analysis.temp_size_in_bytes, analysis.argument_size_in_bytes
-    output, alias = analysis.output_size_in_bytes, analysis.alias_size_in_bytes
-    # per device: on a mesh each argument counts with its shard (featherweight/sharding.py)
-    trainable_s, state_s, frozen_s = compiled.input_shardings[0][:3]
+
+    def reported(field: str) -> int:
+        return getattr(analysis, field, 0) or 0
+
+    host_argument = reported("host_argument_size_in_bytes")
+    temp = analysis.temp_size_in_bytes
+    argument = analysis.argument_size_in_bytes + host_argument
+    output = analysis.output_size_in_bytes + reported("host_output_size_in_bytes")
+    alias = analysis.alias_size_in_bytes + reported("host_alias_size_in_bytes")
+    host_temp = reported("host_temp_size_in_bytes") + max(
+        reported("host_output_size_in_bytes") - reported("host_alias_size_in_bytes"), 0
+    )
+    # per device: on a mesh each argument counts with its shard (parallel/sharding.py)
+    trainable_s, state_s, frozen_s = shardings or compiled.input_shardings[0][:3]
     persistent = {
         "frozen_base": per_device_bytes(frozen, frozen_s),
         "trainable_weights": per_device_bytes(trainable, trainable_s),
@@ -191,11 +209,9 @@ def measurement_of(
         "temporaries": temp,
         "unaliased_outputs": output - alias,
     }
-    host_arguments = host_resident_bytes(
+    host_arguments = host_argument or host_resident_bytes(
         (trainable, opt_state, frozen), (trainable_s, state_s, frozen_s)
     )
-    if getattr(analysis, "host_argument_size_in_bytes", 0):
-        host_arguments = 0  # the backend already leaves host arguments out of argument_size
     return MemoryMeasurement(
         components,
         temp,
@@ -205,8 +221,14 @@ def measurement_of(
         platform,
         compile_seconds,
         host_arguments,
-        getattr(analysis, "host_temp_size_in_bytes", 0),
+        host_temp,
     )
+
+
+def _argument_shardings(tree):
+    """Each leaf's sharding, the default device's for a leaf without one."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda leaf: getattr(leaf, "sharding", None) or device, tree)
 
 
 def measure_for_target(
@@ -216,20 +238,28 @@ def measure_for_target(
     XLA:CPU) on abstract shapes, on any machine: a GPU target is compiled by XLA's GPU compiler
     against the target's description (`memory.targets`), with no GPU present.
 
-    The deviceless GPU compiler refuses host memory kinds for arguments: a step with its
-    optimizer state, embedding table or frozen base on the host is compiled with those arrays
-    given as device arrays, and their exact bytes (`jax.eval_shape` of the real initialisers) are
-    then counted as host bytes (`MemoryMeasurement.derived` says so; the base's two layers in
-    flight are then not in the compiled temp). Residuals offloaded inside the step compile
-    as they run: XLA reports them as host temporaries.
+    Host placements compile as they run: a step with its optimizer state, embedding table or
+    frozen base in pinned host memory is lowered for CUDA with those arguments in host memory
+    and compiled for the target (`targets.compile_as_run`), whose host-offload pass checks the
+    placement and reports the host bytes itself. Only where this jax cannot do that are the host
+    arguments compiled as device arrays and their exact bytes (`jax.eval_shape` of the real
+    initialisers) counted as host bytes: then `MemoryMeasurement.derived` says "not compiled as
+    run". Residuals offloaded inside the step always compile as they run (host temporaries).
     """
     resolved = get_target(target)
     if resolved.platform == "cpu":
         return dataclasses.replace(measure_compiled(config, model_config), target=resolved.name)
     require_gpu_compiler(resolved)
-    on_host = [name for name in HOST_ARGUMENTS if getattr(config.memory, name) == "host"]
+    placed = arguments_on_host(config)
+    if placed:
+        try:
+            return _measure_as_run(config, model_config, resolved.name)
+        except NotCompiledAsRun as reason:
+            derived_reason = str(reason)
+    else:
+        derived_reason = ""
     as_device = config.model_copy(
-        update={"memory": config.memory.model_copy(update=dict.fromkeys(on_host, "device"))}
+        update={"memory": config.memory.model_copy(update=dict.fromkeys(placed, "device"))}
     )
     step, arguments = abstract_step_arguments(as_device, model_config, target_mesh(resolved.name))
     trainable, opt_state, frozen, _, _ = arguments
@@ -240,22 +270,45 @@ def measure_for_target(
     measured = measurement_of(
         compiled, trainable, opt_state, frozen, time.perf_counter() - start, "gpu"
     )
+    if not placed:
+        return dataclasses.replace(measured, target=resolved.name)
     host_bytes = {
         "optimizer_state": optimizer_state_bytes(config, model_config),
         "embed": host_embedding_bytes(config, model_config),
         "base": host_base_bytes(config, model_config),
     }
     derived = tuple(
-        f"memory.{name}: host compiled as a device array; its {host_bytes[name]:,} B "
-        "(exact, from eval_shape) counted as host bytes"
-        for name in on_host
+        f"memory.{name}: host not compiled as run ({derived_reason}): compiled as a device array, "
+        f"its {host_bytes[name]:,} B (exact, from eval_shape) counted as host bytes"
+        for name in placed
     )
     return dataclasses.replace(
         measured,
-        host_argument_bytes=sum(host_bytes[name] for name in on_host),
+        host_argument_bytes=sum(host_bytes[name] for name in placed),
         target=resolved.name,
         derived=derived,
     )
+
+
+class NotCompiledAsRun(Exception):
+    """This jax cannot compile host-resident arguments for a GPU target without the GPU."""
+
+
+def _measure_as_run(config: TrainConfig, model_config: ModelConfig, target: str):
+    """The step with its host-resident arguments, lowered for CUDA here and compiled for
+    `target` by XLA's GPU compiler: the program a GPU runs, host-offload pass included."""
+    step, arguments = abstract_step_arguments(config, model_config)
+    trainable, opt_state, frozen, _, _ = arguments
+    start = time.perf_counter()
+    try:
+        compiled = compile_as_run(lower_for_gpu(step, *arguments), target)
+    except ConfigError as error:
+        raise NotCompiledAsRun(str(error)) from None
+    shardings = _argument_shardings((trainable, opt_state, frozen))
+    measured = measurement_of(
+        compiled, trainable, opt_state, frozen, time.perf_counter() - start, "gpu", shardings
+    )
+    return dataclasses.replace(measured, target=target)
 
 
 class DevicePeak(NamedTuple):

@@ -14,9 +14,13 @@ What a GPU can hold is less than its memory: JAX preallocates `XLA_PYTHON_CLIENT
 analysis shows, take part of that pool (`LIBRARY_ALLOWANCE_BYTES`). `usable_bytes` is what the
 plan's device bytes must fit.
 
-Deviceless limits (jax 0.10.2): no autotuning (GEMM tiles and cuBLAS workspace at defaults); host
-memory kinds are refused, so host-resident arguments are measured as device arrays and their
-exact bytes subtracted (`measure.measure_for_target`); sorts need CUB's deviceless mode off.
+Deviceless limits (jax 0.10.2): no autotuning (GEMM tiles and cuBLAS workspace at defaults); sorts
+need CUB's deviceless mode off. A topology's devices have no host memory for JAX, so a step with
+host-resident arguments is lowered for CUDA against this machine's device (where the arguments
+keep their `pinned_host` layouts) and that module is compiled by the target's compile-only client
+(`compile_as_run`): XLA's GPU compiler then runs its host-offload pass on the program as it runs
+(an illegal host placement fails here with error E1200, as on the GPU) and reports the host
+bytes itself.
 """
 
 from __future__ import annotations
@@ -218,3 +222,34 @@ def target_mesh(name: str):
         BATCH_AXES,
         axis_types=(AxisType.Auto, AxisType.Auto),
     )
+
+
+def compile_as_run(lowered, name: str):
+    """Compile a step lowered for CUDA on this machine (`offload_rules.lower_for_gpu`: host
+    arguments and results keep their `pinned_host` layouts) with XLA's GPU compiler for target
+    `name`, deviceless -> an executable with `get_compiled_memory_stats()` (host bytes apart).
+
+    Raises `ConfigError` naming the reason when this jax cannot compile a lowered module for a
+    topology (it goes through jax's compile options, which are not public API)."""
+    try:
+        from jax._src import compiler
+        from jax._src.lib import xla_client
+    except ImportError as error:  # pragma: no cover - depends on the jax release
+        raise ConfigError(
+            f"this jax cannot compile host-resident arguments for a GPU target ({error}); "
+            "the plan marks them as not compiled as run"
+        ) from None
+    device = target_devices(name)[0]
+    options = compiler.get_compile_options(
+        num_replicas=1, num_partitions=1, device_assignment=[device]
+    )
+    options.env_option_overrides = [
+        *options.env_option_overrides,
+        *DEVICELESS_COMPILER_OPTIONS.items(),
+    ]
+    with native_stderr_silenced():  # deviceless warnings: "compile with a GPU present"
+        return device.client.compile(
+            lowered.compiler_ir("stablehlo"),
+            executable_devices=xla_client.DeviceList((device,)),
+            compile_options=options,
+        )

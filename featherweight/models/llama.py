@@ -29,7 +29,7 @@ import numpy as np
 from featherweight.errors import StepConfigError
 from featherweight.models.attention import IMPLEMENTATIONS, attend
 from featherweight.models.config import ModelConfig
-from featherweight.parallel.memory_kinds import host_rows, on_host, scan_layers
+from featherweight.parallel.memory_kinds import host_table_rows, on_host, scan_layers
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, take_rows_nf4
 
 Params = dict[str, Any]
@@ -279,13 +279,14 @@ def embed(params: Params, token_ids: jax.Array) -> jax.Array:
     """Token embeddings [B, S, D] in the compute dtype (the final norm's dtype).
 
     An NF4 table (a quantized, tied head) is dequantized only for the looked-up rows; a table in
-    host memory sends only the looked-up rows to the device.
+    host memory streams over in row chunks, each giving the rows whose ids fall in it (XLA cannot
+    gather from host memory), so the device never holds the table.
     """
     table = params["embed"]
     if isinstance(table, NF4Tensor):
         return take_rows_nf4(table, token_ids, params["final_norm"].dtype)
-    if on_host(table):  # a frozen table kept in host memory: only these rows come over
-        return host_rows(table, token_ids)
+    if on_host(table):
+        return host_table_rows(table, token_ids)
     return jnp.take(table, token_ids, axis=0)
 
 

@@ -2,27 +2,31 @@
 
 Four things may live on the host (the device holds only what the current layer needs):
 - the residual stream (saved layer inputs), fetched back one layer ahead in the backward pass;
-- the optimizer state: each layer's slice comes in, is updated, and goes back;
+- the optimizer state: each layer's slice comes in, is updated, and its new slice goes back;
 - the frozen layer stack (`memory.base: host`): layer l+1's slice is brought over while layer l
   computes (`scan_layers`, and the backward loop's own prefetch), so the device holds two layers
   of the base and never the stack;
-- the token-embedding table (when frozen): only the rows a batch uses, or the vocabulary chunk the
-  LM head is at, come to the device.
+- the token-embedding table: it streams over in row chunks (`host_table_rows`), and a tied
+  table's LM head reads it one vocabulary chunk at a time.
 
-Slicing and gathering host arrays run on the host (`compute_on("device_host")`), so the device
-never holds a whole host-resident stack. On a GPU XLA turns the `device_put`s into asynchronous
-copies; on CPU host and device are the same RAM, and the placement shows only in the program
-(memory kinds in the jaxpr), which is what CPU tests check.
+Every function here keeps to the host-offload rules of XLA's GPU compiler
+(`parallel/offload_rules.py` checks them): a host value is only ever sliced and then moved to the
+device, or written whole from a value moved to the host into a fresh host buffer; nothing computes
+on it in host memory. (Gathers, adds and compares on host arrays, even inside
+`compute_on("device_host")`, fail to compile on a GPU: XLA error E1200.) On a GPU XLA turns the
+moves into asynchronous copies; on CPU host and device are the same RAM, and the placement shows
+only in the program (memory kinds in the jaxpr and the StableHLO), which is what CPU tests check.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.compute_on import compute_on
+import numpy as np
 
 HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device
+HOST_TABLE_CHUNK = 8192  # rows of a host-resident [V, D] table brought over at a time
 
 
 def on_host(x) -> bool:
@@ -41,16 +45,27 @@ def to_device(tree):
 
 
 def host_slice(tree, index):
-    """Slice `index` of every host-resident stack, taken on the host, brought to the device."""
+    """Slice `index` (of the leading axis) of every stack, on the device: a host-resident stack's
+    slice is cut out of host memory and copied over, the only way XLA reads a host array."""
 
     def one(leaf):
-        if not on_host(leaf):
-            return jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False)
-        with compute_on("device_host"):
-            part = jax.lax.dynamic_index_in_dim(leaf, jax.device_put(index, HOST), keepdims=False)
-        return jax.device_put(part, DEVICE)
+        part = jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False)
+        return jax.device_put(part, DEVICE) if on_host(leaf) else part
 
     return jax.tree.map(one, tree)
+
+
+def placed_like(tree, reference):
+    """`tree` with each leaf in the memory of the matching leaf of `reference` (a step's new
+    parameters and state where the old ones were): a host leaf's output must be declared in
+    host memory, or XLA refuses the program (error E1200)."""
+    return jax.tree.map(
+        lambda leaf, old: (
+            jax.device_put(leaf, HOST) if on_host(old) and not on_host(leaf) else leaf
+        ),
+        tree,
+        reference,
+    )
 
 
 def has_host_leaves(tree) -> bool:
@@ -94,42 +109,69 @@ def scan_layers(body, init, layers, xs, length: int):
     return carry, ys
 
 
-def host_write(tree, values, index):
-    """Write `values` (on the device) into slice `index` of every stack, in its own memory."""
+def fresh_like(leaf):
+    """A zero buffer shaped like `leaf` in `leaf`'s memory, to be filled chunk by chunk with
+    `write_rows`: the legal way to build a new host array inside a step (XLA allocates it in host
+    memory; an in-place write into the old host array would be host compute)."""
+    zeros = jnp.zeros(leaf.shape, leaf.dtype)
+    return jax.device_put(zeros, HOST) if on_host(leaf) else zeros
 
-    def one(leaf, value):
-        if not on_host(leaf):
-            return jax.lax.dynamic_update_index_in_dim(leaf, value, index, 0)
+
+def write_rows(buffer, value, start, host: bool):
+    """`value` (on the device) written into `buffer` from row `start`; with `host`, moved to the
+    host first, so the write is a copy into host memory (`buffer` from `fresh_like`)."""
+    if host:
         value = jax.device_put(value, HOST)
-        with compute_on("device_host"):
-            return jax.lax.dynamic_update_index_in_dim(leaf, value, jax.device_put(index, HOST), 0)
-
-    return jax.tree.map(one, tree, values)
-
-
-def host_rows(table: jax.Array, row_ids: jax.Array) -> jax.Array:
-    """Rows `row_ids` of a host-resident [V, D] table, gathered on the host, on the device.
-
-    The ids must be in range (token ids are validated before the step; vocabulary chunks clamp).
-    """
-    ids = jax.device_put(row_ids, HOST)
-    with compute_on("device_host"):
-        rows = table.at[ids].get(mode="promise_in_bounds")
-    return jax.device_put(rows, DEVICE)
+    return jax.lax.dynamic_update_slice_in_dim(buffer, value, start, 0)
 
 
 def host_row_slice(leaf, start, size: int):
-    """Rows [start, start + size) of a host-resident array, taken on the host, on the device."""
-    with compute_on("device_host"):
-        part = jax.lax.dynamic_slice_in_dim(leaf, jax.device_put(start, HOST), size, 0)
-    return jax.device_put(part, DEVICE)
+    """Rows [start, start + size) of a host-resident array, cut out on the host, on the device."""
+    return jax.device_put(jax.lax.dynamic_slice_in_dim(leaf, start, size, 0), DEVICE)
 
 
-def host_row_write(leaf, value, start):
-    """`value` (on the device) written into a host-resident array from row `start`, on the host."""
-    value = jax.device_put(value, HOST)
-    with compute_on("device_host"):
-        return jax.lax.dynamic_update_slice_in_dim(leaf, value, jax.device_put(start, HOST), 0)
+def table_chunk(vocab: int, target: int = HOST_TABLE_CHUNK) -> int:
+    """Rows per chunk when a [V, D] host table streams over: the size of the fewest equal chunks
+    of at most `target` rows when V divides evenly, else `target` (the last chunk then starts at
+    V - chunk and re-reads a few rows, which `host_table_rows` counts once)."""
+    if vocab <= target:
+        return vocab
+    count = -(-vocab // target)
+    for tries in range(count, 2 * count + 1):
+        if vocab % tries == 0:
+            return vocab // tries
+    return target
+
+
+def host_table_rows(table: jax.Array, row_ids: jax.Array, chunk: int | None = None) -> jax.Array:
+    """Rows `row_ids` [...] of a host-resident [V, D] table, on the device: [..., D].
+
+    XLA cannot gather from host memory, so the table streams over `chunk` rows at a time (the
+    next chunk copied while the current one is read) and each chunk gives the rows whose ids fall
+    in it: the device holds two chunks and the result, and the whole table crosses the host link
+    once. Ids must be in range (token ids are validated before the step).
+    """
+    vocab = table.shape[0]
+    chunk = min(chunk or table_chunk(vocab), vocab)
+    count = -(-vocab // chunk)
+
+    def rows_of(index):
+        return host_row_slice(table, jnp.minimum(index * chunk, vocab - chunk), chunk)
+
+    def step(carry, index):
+        rows, current = carry
+        upcoming = rows_of(jnp.minimum(index + 1, count - 1))
+        first = index * chunk
+        start = jnp.minimum(first, vocab - chunk)
+        local = row_ids - start
+        mine = (row_ids >= first) & (row_ids < first + chunk)
+        picked = jnp.take(current, jnp.clip(local, 0, chunk - 1), axis=0)
+        rows = jnp.where(mine[..., None], picked, rows)
+        return (rows, upcoming), None
+
+    start = jnp.zeros((*row_ids.shape, table.shape[1]), table.dtype)
+    (rows, _), _ = jax.lax.scan(step, (start, rows_of(0)), jnp.arange(count))
+    return rows
 
 
 def host_sharding() -> jax.sharding.SingleDeviceSharding:
@@ -139,8 +181,15 @@ def host_sharding() -> jax.sharding.SingleDeviceSharding:
 
 def abstract_on_host(tree):
     """Abstract shapes (`jax.ShapeDtypeStruct`) of `tree` placed in pinned host memory, for
-    compiling a step on abstract arguments as it will run with host-resident state."""
-    sharding = host_sharding()
+    compiling a step on abstract arguments as it will run with host-resident state.
+
+    The sharding is a `NamedSharding` over the default device: only a named sharding carries its
+    memory kind into the traced type (`jax.typeof(x).memory_space`), so the step is traced with
+    the host code paths it runs with real host arrays."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("host",))
+    sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host"
+    )
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 

@@ -29,14 +29,13 @@ from featherweight.peft.lora import (
     quantize_frozen_base,
 )
 from featherweight.quant.nf4 import NF4Tensor, abstract_nf4
-from featherweight.recipe.optimizer import ROW_CHUNKED_OPTIMIZERS
+from featherweight.recipe.placement import check_placements, opt_state_placement
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.reference import build_reference_step, model_loss
 from featherweight.step.streamed import (
     build_streamed_step,
     init_streamed_opt_state,
     per_tensor_clipping,
-    place_opt_state,
 )
 
 ADAPTER_DTYPE = jnp.float32  # adapters train in float32 over a bf16 or NF4 base (as PEFT does)
@@ -84,27 +83,6 @@ def abstract_split(config: TrainConfig, model_config: ModelConfig) -> tuple[Para
     return abstract_lora(model_config, lora, ADAPTER_DTYPE), params
 
 
-def place_embedding(
-    config: TrainConfig, trainable: Params, frozen: Params, move: Callable
-) -> tuple[Params, Params]:
-    """(trainable, frozen) with the embedding table moved by `move` (to host memory, or to an
-    abstract host shape) when `memory.embed` is "host": trained with full fine-tuning (updated in
-    row chunks there), frozen otherwise."""
-    if config.memory.embed != "host":
-        return trainable, frozen
-    if "embed" in trainable:
-        return {**trainable, "embed": move(trainable["embed"])}, frozen
-    return trainable, {**frozen, "embed": move(frozen["embed"])}
-
-
-def place_base(config: TrainConfig, frozen: Params, move: Callable) -> Params:
-    """`frozen` with its layer stack moved by `move` (to pinned host memory, or to abstract host
-    shapes) when `memory.base` is "host"; the step then brings one layer at a time over."""
-    if config.memory.base != "host":
-        return frozen
-    return {**frozen, "layers": move(frozen["layers"])}
-
-
 def step_optimizer(
     config: TrainConfig, optimizer: optax.GradientTransformation
 ) -> optax.GradientTransformation:
@@ -137,8 +115,8 @@ def opt_state_initializer(
     optimizer = step_optimizer(config, optimizer)
     if config.memory.step == "reference":
         return optimizer.init
-    placement = config.memory.optimizer_state
-    return lambda params: place_opt_state(init_streamed_opt_state(optimizer, params), placement)
+    placement = opt_state_placement(config)
+    return lambda params: init_streamed_opt_state(optimizer, params, placement)
 
 
 def build_train_step(
@@ -215,7 +193,7 @@ def check_method_settings(config: TrainConfig, model_config: ModelConfig) -> Non
         lora.check_model(model_config)
     if config.model.quantize_head and config.method != "qlora":
         raise ConfigError("model.quantize_head=true needs method: qlora (the head is frozen there)")
-    _check_placements(config, model_config)
+    check_placements(config, model_config)
     mlp_chunk, seq = config.memory.mlp_chunk, config.data.seq_len
     if mlp_chunk is not None and mlp_chunk < seq and seq % mlp_chunk:
         raise ConfigError(
@@ -234,12 +212,6 @@ def check_clipping_and_accumulation(config: TrainConfig) -> None:
         raise ConfigError(
             f"batch_size={config.batch_size} cannot be split into memory.accumulation_steps="
             f"{steps} equal micro-batches; use a batch_size that is a multiple of {steps}"
-        )
-    if steps > 1 and config.method == "full" and memory.embed == "host":
-        raise ConfigError(
-            "memory.accumulation_steps > 1 with method: full keeps a gradient buffer on the "
-            "device, which an embedding trained in host memory has not; use memory.embed: "
-            "device, or memory.accumulation_steps: 1"
         )
     if settings.clip_norm is None:
         return
@@ -265,62 +237,6 @@ def check_clipping_and_accumulation(config: TrainConfig) -> None:
             "second backward pass), per_tensor (each tensor clipped on its own), "
             "memory.accumulation_steps >= 2 (a gradient buffer), or memory.step: reference"
         )
-
-
-HOST_PLACEMENTS = ("optimizer_state", "embed", "base")  # memory settings with a host choice
-
-
-def _check_placements(config: TrainConfig, model_config: ModelConfig) -> None:
-    """Host placements need the streamed step on one device (on a mesh they are refused, not
-    sharded: FSDP already divides that memory over the devices). The base on the host needs a
-    frozen base (LoRA/QLoRA). A host embedding trained (full fine-tuning) must be untied and use
-    an elementwise optimizer (it is updated in row chunks); a frozen one that is also the (tied)
-    LM head must be read in vocabulary chunks."""
-    memory = config.memory
-    on_host = [
-        f"memory.{name}: host" for name in HOST_PLACEMENTS if getattr(memory, name) == "host"
-    ]
-    if not on_host:
-        return
-    if memory.base == "host" and config.method == "full":
-        raise ConfigError(
-            "memory.base: host keeps the frozen base in host memory, and method: full has none "
-            "(every weight trains); use method lora or qlora, or memory.base: device"
-        )
-    if memory.step == "reference":
-        raise ConfigError(
-            f"{', '.join(on_host)} needs the streamed step (it moves one layer at a time); "
-            "set memory.step: streamed"
-        )
-    if config.mesh is not None:
-        raise ConfigError(
-            f"{', '.join(on_host)} is supported on one device only; on a mesh FSDP divides that "
-            "memory instead: drop the host placement, or set mesh: null"
-        )
-    if memory.embed == "host" and config.method == "full":
-        if model_config.tie_word_embeddings:
-            raise ConfigError(
-                "memory.embed: host with method: full needs untied embeddings: a tied table is "
-                "also the LM head, whose gradient covers every row; use memory.embed: device, "
-                "or method lora/qlora (the table is frozen there)"
-            )
-        if config.optimizer.name not in ROW_CHUNKED_OPTIMIZERS:
-            raise ConfigError(
-                f"memory.embed: host with method: full updates the table in row chunks, which "
-                f"optimizer {config.optimizer.name!r} cannot (its state is not elementwise); use "
-                "optimizer adamw, sgd or lion, or memory.embed: device"
-            )
-    elif memory.embed == "host" and model_config.tie_word_embeddings:
-        if config.model.quantize_head:
-            raise ConfigError(
-                "memory.embed: host and model.quantize_head: true both claim the tied embedding "
-                "table; choose one"
-            )
-        if memory.vocab_chunk is None:
-            raise ConfigError(
-                "memory.embed: host with tied embeddings: the LM head reads the table from the "
-                "host chunk by chunk; set memory.vocab_chunk (e.g. 8192)"
-            )
 
 
 @functools.lru_cache(maxsize=4)

@@ -173,7 +173,12 @@ class MemorySettings(_Section):
         "device", description="host: each layer's state comes over for its update only"
     )
     embed: Literal["device", "host"] = Field(
-        "device", description="host: a frozen embedding table sends only the rows a batch uses"
+        "device",
+        description=(
+            "host: the embedding table stays in pinned host memory and streams over in row "
+            "chunks (frozen: the rows a batch uses are picked from them; full fine-tuning: "
+            "updated chunk by chunk)"
+        ),
     )
     base: Literal["device", "host"] = Field(
         "device",

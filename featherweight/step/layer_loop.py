@@ -5,7 +5,7 @@ forward: a scan of the block over the stacked layers (a frozen base in pinned ho
   over one layer ahead: `memory_kinds.scan_layers`); each layer's input (and the intermediates
   the policy saves) is kept at the policy's placement -- the device, or pinned host memory, put
   there by the step itself (naming the block's input, not its output: XLA #17541).
-backward: a `fori_loop` from the last layer to the first. Layer l's saved input comes back (the
+backward: a reverse scan from the last layer to the first. Layer l's saved input comes back (the
   next one is fetched while l computes, and so is its frozen base when that is in host memory),
   its VJP is rebuilt (remat), and its gradient goes to a `LayerSink`: straight into the
   optimizer on layer l's slice of each tensor's state (`update_sink`: parameters and state
@@ -14,6 +14,12 @@ backward: a `fori_loop` from the last layer to the first. Layer l's saved input 
   accumulation over micro-batches), or
   nowhere but the squared norm (`norm_sink`: the first pass of two-pass clipping). At most one
   layer's gradient is alive at a time; only the buffer sink keeps a trainable-sized gradient.
+
+Optimizer state in host memory is streamed, not written in place: its stacks are the scan's
+per-layer inputs (layer l's slice cut out of host memory and copied over) and the new slices its
+per-layer outputs, each copied back to the host as soon as it exists (XLA builds the new stack in
+host memory: the pattern of the offloaded residual stream). In-place writes into a host array
+would be host compute, which XLA's GPU compiler refuses (`parallel/offload_rules.py`).
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ from featherweight.models.llama import AttentionInputs, LoraSpec, Params
 from featherweight.parallel.memory_kinds import (
     has_host_leaves,
     host_slice,
-    host_write,
     scan_layers,
+    to_device,
+    to_host,
 )
 from featherweight.step.common import all_finite, scaled, squared_norm
 from featherweight.step.layer_grad import layer_forward, layer_vjp
@@ -91,61 +98,93 @@ class LayerSink(NamedTuple):
 
     `target` is the pytree the loop carries for the sink (updated stacks and states, a gradient
     buffer, or nothing); the layer's parameters are read from it when the sink rewrites them in
-    place, so the donated stacks are updated without a copy.
+    place, so the donated stacks are updated without a copy. `streamed` are stacks read one layer
+    at a time as the loop's per-layer inputs (host-resident optimizer state; None: nothing), and
+    `absorb` returns each layer's per-layer output beside the new target (the new host slices);
+    `finish(target, outputs)` assembles the sink's result from both.
     """
 
     params: Callable[[Any, jax.Array], Params]  # (target, l) -> layer l's trainable slice
-    absorb: Callable[[Any, jax.Array, Params], Any]  # (target, l, layer gradient) -> target
+    absorb: Callable[[Any, jax.Array, Params, Any], tuple[Any, Any]]  # -> (target, output_l)
+    streamed: Any = None
+    finish: Callable[[Any, Any], Any] = lambda target, outputs: target
 
 
-def update_sink(optimizer, ok, treedef, scale: jax.Array | None = None) -> LayerSink:
-    """Update layer l's tensors at once from its gradient (times `scale`, the global clip).
+def update_sink(
+    optimizer, ok, treedef, stacks: list, states: tuple, scale: jax.Array | None = None
+) -> tuple[LayerSink, Any]:
+    """(sink, its first target): update layer l's tensors at once from its gradient (times
+    `scale`, the global clip).
 
-    target: (stacks, states, finite) -- the trainable layer stacks (leaf order) and their
-    per-tensor states, written back in place at slice l, and whether every updated slice so far
-    is finite (read from each slice while it is fresh, not in another pass over the stacks).
+    target: (stacks, device states, finite) -- the trainable layer stacks (leaf order) and the
+    per-tensor states that live on the device, written back in place at slice l, and whether
+    every updated slice so far is finite (read from each slice while it is fresh, not in another
+    pass over the stacks). A tensor whose state is in host memory streams it instead: slice l
+    comes in as the loop's per-layer input and its update leaves as the per-layer output.
+    The sink's result: (stacks, states, finite).
     """
+    on_host_state = [has_host_leaves(state) for state in states]
+    device_states = tuple(None if host else s for s, host in zip(states, on_host_state))
+    host_states = tuple(s if host else None for s, host in zip(states, on_host_state))
 
     def params(target, index):
         return jax.tree.unflatten(treedef, [stack[index] for stack in target[0]])
 
-    def absorb(target, index, grads):
+    def absorb(target, index, grads, streamed):
         stacks, states, finite = target
-        new_stacks, new_states = [], []
-        for stack, state, grad in zip(stacks, states, jax.tree.leaves(grads), strict=True):
+        new_stacks, new_states, outputs = [], [], []
+        for stack, state, incoming, grad in zip(
+            stacks, states, streamed, jax.tree.leaves(grads), strict=True
+        ):
+            state_l = to_device(incoming) if state is None else _slice(state, index)
             param, state_l = guarded_update(
-                optimizer,
-                ok,
-                scaled(grad, scale).astype(stack.dtype),
-                host_slice(state, index),
-                stack[index],
+                optimizer, ok, scaled(grad, scale).astype(stack.dtype), state_l, stack[index]
             )
             finite = finite & all_finite(param)
             new_stacks.append(jax.lax.dynamic_update_index_in_dim(stack, param, index, 0))
-            new_states.append(host_write(state, state_l, index))
-        return new_stacks, tuple(new_states), finite
+            if state is None:
+                new_states.append(None)
+                outputs.append(to_host(state_l))
+            else:
+                new_states.append(_write(state, state_l, index))
+                outputs.append(None)
+        return (new_stacks, tuple(new_states), finite), tuple(outputs)
 
-    return LayerSink(params, absorb)
+    def finish(target, outputs):
+        stacks, states, finite = target
+        merged = tuple(out if state is None else state for state, out in zip(states, outputs))
+        return stacks, merged, finite
+
+    sink = LayerSink(params, absorb, host_states, finish)
+    return sink, (list(stacks), device_states, jnp.bool_(True))
+
+
+def _write(tree, values, index):
+    return jax.tree.map(
+        lambda leaf, value: jax.lax.dynamic_update_index_in_dim(leaf, value, index, 0), tree, values
+    )
 
 
 def accumulate_sink(trainable_layers: Params) -> LayerSink:
     """Add layer l's gradient into slice l of a gradient buffer (target: the buffer's stacks, in
     leaf order); the parameters are read, unchanged, from `trainable_layers`."""
 
-    def absorb(buffer, index, grads):
+    def absorb(buffer, index, grads, _):
         return [
             jax.lax.dynamic_update_index_in_dim(
                 stack, stack[index] + grad.astype(stack.dtype), index, 0
             )
             for stack, grad in zip(buffer, jax.tree.leaves(grads), strict=True)
-        ]
+        ], None
 
     return LayerSink(lambda _, index: _slice(trainable_layers, index), absorb)
 
 
 def norm_sink(trainable_layers: Params) -> LayerSink:
     """Keep nothing: only the squared norm the loop sums (the first pass of two-pass clipping)."""
-    return LayerSink(lambda _, index: _slice(trainable_layers, index), lambda target, *_: target)
+    return LayerSink(
+        lambda _, index: _slice(trainable_layers, index), lambda target, *_: (target, None)
+    )
 
 
 def backward_layers(
@@ -170,10 +209,10 @@ def backward_layers(
         saved = jax.tree.map(fetch, _slice(stored, index))
         return (saved, host_slice(frozen_layers, index)) if base_on_host else (saved, None)
 
-    def backward_layer(i, carry):
+    def backward_layer(carry, per_layer):
         cotangent, target, grad_sq, current = carry
+        index, streamed = per_layer
         cotangent = context.constrain(cotangent)
-        index = num_layers - 1 - i
         upcoming = fetch_layer(jnp.maximum(index - 1, 0))
         (x, saved), frozen_l = current
         grads, cotangent = layer_vjp(
@@ -182,22 +221,29 @@ def backward_layers(
             context.lora, None if context.keys is None else context.keys[index],
             context.policy.mlp_chunk,
         )  # fmt: skip
-        target = sink.absorb(target, index, grads)
-        return cotangent, target, grad_sq + squared_norm(grads), upcoming
+        target, output = sink.absorb(target, index, grads, streamed)
+        return (cotangent, target, grad_sq + squared_norm(grads), upcoming), output
 
     first = fetch_layer(num_layers - 1)
-    cotangent, target, grad_sq, _ = jax.lax.fori_loop(
-        0, num_layers, backward_layer, (cotangent, target, jnp.float32(0), first)
+    (cotangent, target, grad_sq, _), outputs = jax.lax.scan(
+        backward_layer,
+        (cotangent, target, jnp.float32(0), first),
+        (jnp.arange(num_layers, dtype=jnp.int32), sink.streamed),
+        reverse=True,
     )
-    return cotangent, target, grad_sq
+    return cotangent, sink.finish(target, outputs), grad_sq
 
 
 def update_layers(sink: LayerSink, grad_stacks: list, target, num_layers: int):
     """Every layer's update from a kept gradient buffer (stacks in leaf order), one layer at a
-    time through `sink` (an `update_sink`) -> the sink's final target."""
+    time through `sink` (an `update_sink`) -> the sink's result."""
 
-    def update_layer(index, target):
+    def update_layer(target, per_layer):
+        index, streamed = per_layer
         grads = [jax.lax.dynamic_index_in_dim(g, index, keepdims=False) for g in grad_stacks]
-        return sink.absorb(target, index, grads)
+        return sink.absorb(target, index, grads, streamed)
 
-    return jax.lax.fori_loop(0, num_layers, update_layer, target)
+    target, outputs = jax.lax.scan(
+        update_layer, target, (jnp.arange(num_layers, dtype=jnp.int32), sink.streamed)
+    )
+    return sink.finish(target, outputs)

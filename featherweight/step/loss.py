@@ -41,7 +41,7 @@ import numpy as np
 from featherweight.errors import StepConfigError
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params, rms_norm
-from featherweight.parallel.memory_kinds import host_rows, on_host, to_device, to_host
+from featherweight.parallel.memory_kinds import host_row_slice, on_host, to_device, to_host
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, take_rows_nf4
 
 
@@ -94,7 +94,7 @@ def _head_rows(head: jax.Array | NF4Tensor, start, size: int, dtype) -> jax.Arra
     if isinstance(head, NF4Tensor):
         return take_rows_nf4(head, start + jnp.arange(size), dtype)
     if on_host(head):  # a tied, frozen table in host memory: the chunk's rows come over
-        return host_rows(head, start + jnp.arange(size)).astype(dtype)
+        return host_row_slice(head, start, size).astype(dtype)
     return jax.lax.dynamic_slice_in_dim(head, start, size).astype(dtype)
 
 
@@ -229,11 +229,13 @@ def _frozen_head_value_and_grads(normed, head, targets, weight, vocab_chunk: int
     d_normed = sum_v softmax_v x row_v - row_target: the sweep keeps the running max, the running
     sum of exp(logit - max) and the rows weighted by exp(logit - max), rescaling both when the
     max moves, so no logits chunk is made twice (the trained head's d_head rows would need the
-    final log-sum-exp before the sweep: `_chunk_value_and_grads`).
+    final log-sum-exp before the sweep: `_chunk_value_and_grads`). A head in host memory cannot
+    be gathered from, so the sweep also picks the target rows out of each chunk it brings over.
     """
+    host_head = not isinstance(head, NF4Tensor) and on_host(head)
 
     def body(carry, rows, row_ids, fresh):
-        running_max, running_sum, target_logit, weighted_rows = carry
+        running_max, running_sum, target_logit, weighted_rows, target_rows = carry
         logits = jnp.where(fresh, _logits(normed, rows), -jnp.inf)
         new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
         decay = jnp.exp(running_max - new_max)
@@ -244,7 +246,9 @@ def _frozen_head_value_and_grads(normed, head, targets, weight, vocab_chunk: int
         )
         hit = (row_ids == targets[..., None]) & fresh
         target_logit = target_logit + jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
-        return new_max, running_sum, target_logit, weighted_rows
+        if host_head:
+            target_rows = target_rows + _chunk_target_rows(rows, row_ids, fresh, targets)
+        return new_max, running_sum, target_logit, weighted_rows, target_rows
 
     shape = targets.shape
     start = (
@@ -252,12 +256,15 @@ def _frozen_head_value_and_grads(normed, head, targets, weight, vocab_chunk: int
         jnp.zeros(shape, jnp.float32),
         jnp.zeros(shape, jnp.float32),
         jnp.zeros(normed.shape, jnp.float32),
+        jnp.zeros(normed.shape, jnp.float32) if host_head else None,
     )
-    running_max, running_sum, target_logit, weighted_rows = _vocab_sweep(
+    running_max, running_sum, target_logit, weighted_rows, target_rows = _vocab_sweep(
         head, vocab_chunk, normed, body, start
     )
     expected_row = weighted_rows / running_sum[..., None]
-    d_normed = (expected_row - _target_rows(head, targets)) * weight[..., None]
+    if not host_head:
+        target_rows = _target_rows(head, targets)
+    d_normed = (expected_row - target_rows) * weight[..., None]
     return running_max + jnp.log(running_sum) - target_logit, d_normed
 
 
@@ -265,9 +272,17 @@ def _target_rows(head, targets) -> jax.Array:
     """The head rows of the target tokens, [B, c, D] float32 (gathered: only these are dense)."""
     if isinstance(head, NF4Tensor):
         return take_rows_nf4(head, targets, jnp.float32)
-    if on_host(head):
-        return host_rows(head, targets).astype(jnp.float32)
     return jnp.take(head, targets, axis=0, mode="clip").astype(jnp.float32)
+
+
+def _chunk_target_rows(rows, row_ids, fresh, targets) -> jax.Array:
+    """The rows of one vocabulary chunk [Vc, D] that are targets, [B, c, D] float32 (zero for
+    targets outside the chunk or in its overlap with the previous one)."""
+    local = targets - row_ids[0]
+    clipped = jnp.clip(local, 0, rows.shape[0] - 1)
+    inside = (local >= 0) & (local < rows.shape[0]) & fresh[clipped]
+    picked = jnp.take(rows, clipped, axis=0).astype(jnp.float32)
+    return jnp.where(inside[..., None], picked, 0.0)
 
 
 def _perturbed(tree) -> bool:

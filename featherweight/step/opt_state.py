@@ -2,8 +2,8 @@
 
 Each tensor is updated on its own inside the backward pass, so each has its own optax state; a
 layer tensor's state is initialised for one layer's slice and stacked on a leading layer axis, so
-the backward loop reads and writes layer l's slice in place. The state may live in pinned host
-memory (`place_opt_state`): then only the slice being updated comes to the device.
+the backward loop reads and writes layer l's slice. The state may live in pinned host memory
+(`init_streamed_opt_state(..., "host")`): then only the slice being updated comes to the device.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import optax
 
 from featherweight.errors import StepConfigError
 from featherweight.models.llama import Params
+from featherweight.parallel.memory_kinds import to_host
 from featherweight.step.validate import check_optimizer
 
 
@@ -44,31 +45,36 @@ def per_tensor_clipping(max_norm: float) -> optax.GradientTransformation:
 
 
 def init_streamed_opt_state(
-    optimizer: optax.GradientTransformation, trainable: Params
+    optimizer: optax.GradientTransformation, trainable: Params, placement: str = "device"
 ) -> StreamedOptState:
-    """The optimizer state the streamed step expects for `trainable`."""
+    """The optimizer state the streamed step expects for `trainable`, in `placement` ("device"
+    or pinned "host" memory).
+
+    On the host, each tensor's state is moved there as soon as it is made, so the device holds
+    one tensor's state at a time, never all of it. The streamed step then brings each layer's
+    slice of each tensor's state to the device for that tensor's update and sends the new slice
+    back; the head's and embedding's states come over in row chunks (elementwise optimizers) or
+    whole. Works for any optax transformation.
+    """
     check_optimizer(optimizer)
+    put = _placer(placement)
     layer_leaves = jax.tree.leaves(trainable.get("layers") or {})
     return StreamedOptState(
-        layers=tuple(jax.vmap(optimizer.init)(leaf) for leaf in layer_leaves),
-        top={name: optimizer.init(value) for name, value in trainable.items() if name != "layers"},
+        layers=tuple(put(jax.vmap(optimizer.init)(leaf)) for leaf in layer_leaves),
+        top={
+            name: put(optimizer.init(value))
+            for name, value in trainable.items()
+            if name != "layers"
+        },
     )
 
 
-def place_opt_state(state: StreamedOptState, placement: str) -> StreamedOptState:
-    """The optimizer state in "device" or (pinned) "host" memory.
-
-    On the host, the streamed step brings each layer's slice of each tensor's state to the device
-    for that tensor's update and writes it back (the slicing runs on the host); the head's and
-    embedding's states come over in row chunks (elementwise optimizers) or whole: the device holds
-    one tensor's (or chunk's) state at a time instead of all of it. Works for any optax
-    transformation.
-    """
+def _placer(placement: str):
     if placement == "device":
-        return state
+        return lambda state: state
     if placement != "host":
         raise StepConfigError(f"optimizer state placement {placement!r}: use 'device' or 'host'")
-    return jax.tree.map(lambda leaf: jax.device_put(leaf, jax.memory.Space.Host), state)
+    return to_host
 
 
 def guarded_update(optimizer, ok, grads, state, params):

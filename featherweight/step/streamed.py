@@ -48,7 +48,7 @@ import optax
 from featherweight.errors import StepConfigError
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LoraSpec, Params, attention_inputs, embed, merge_params
-from featherweight.parallel.memory_kinds import on_host
+from featherweight.parallel.memory_kinds import on_host, placed_like
 from featherweight.step.common import (
     HEAD_PARAMS,
     activation_constraint,
@@ -75,7 +75,6 @@ from featherweight.step.opt_state import (
     StreamedOptState,
     init_streamed_opt_state,
     per_tensor_clipping,
-    place_opt_state,
 )
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.top_update import (
@@ -95,7 +94,6 @@ __all__ = [
     "gradient_mode",
     "init_streamed_opt_state",
     "per_tensor_clipping",
-    "place_opt_state",
     "top_row_chunk",
 ]
 
@@ -190,15 +188,15 @@ def _fused(pieces: _Pieces, optimizer, opt_state, batch, key, clip_norm, two_pas
                 trainable[name], pieces.policy.vocab_chunk,
             )  # fmt: skip
     stacks, treedef = jax.tree.flatten(pieces.trainable_layers)
+    sink, target = update_sink(optimizer, ok, treedef, stacks, opt_state.layers, scale)
     cotangent, (stacks, layer_states, layers_finite), layers_sq = backward_layers(
-        cotangent, stored, pieces.frozen_layers, context, update_sink(optimizer, ok, treedef, scale),
-        (stacks, opt_state.layers, jnp.bool_(True)),
-    )  # fmt: skip
+        cotangent, stored, pieces.frozen_layers, context, sink, target
+    )
     if pieces.trainable_layers:
         new_trainable["layers"] = jax.tree.unflatten(treedef, stacks)
-    embed_sq = jnp.float32(0)
+    embed_sq, embed_finite = jnp.float32(0), jnp.bool_(True)
     if "embed" in trainable:
-        new_trainable["embed"], new_top_state["embed"], embed_sq = embedding_update(
+        new_trainable["embed"], new_top_state["embed"], embed_sq, embed_finite = embedding_update(
             optimizer, ok, batch.input_ids, cotangent, head_grads, opt_state.top["embed"],
             trainable["embed"], pieces.policy.vocab_chunk, scale,
         )  # fmt: skip
@@ -208,15 +206,17 @@ def _fused(pieces: _Pieces, optimizer, opt_state, batch, key, clip_norm, two_pas
         "loss": loss,
         "grad_norm": jnp.sqrt(grad_sq),
         "updated": ok,
-        "params_finite": layers_finite & _top_finite(new_trainable),
+        "params_finite": layers_finite & embed_finite & _top_finite(new_trainable, "embed"),
     }
     return new_trainable, StreamedOptState(layer_states, new_top_state), metrics
 
 
-def _top_finite(trainable) -> jax.Array:
+def _top_finite(trainable, *checked: str) -> jax.Array:
     """Whether the trainable tensors outside the layer stack are finite (the layers' slices are
-    checked as the backward loop updates them: `update_sink`)."""
-    return all_finite({name: value for name, value in trainable.items() if name != "layers"})
+    checked as the backward loop updates them: `update_sink`; `checked` names others already
+    checked as they were updated: the embedding)."""
+    skip = {"layers", *checked}
+    return all_finite({name: value for name, value in trainable.items() if name not in skip})
 
 
 def _kept(pieces: _Pieces, optimizer, opt_state, batch, key, clip_norm, accumulation_steps):
@@ -278,10 +278,10 @@ def _kept(pieces: _Pieces, optimizer, opt_state, batch, key, clip_norm, accumula
     layer_states, layers_finite = opt_state.layers, jnp.bool_(True)
     if pieces.trainable_layers:
         stacks, treedef = jax.tree.flatten(pieces.trainable_layers)
+        sink, target = update_sink(optimizer, ok, treedef, stacks, opt_state.layers, scale)
         stacks, layer_states, layers_finite = update_layers(
-            update_sink(optimizer, ok, treedef, scale), jax.tree.leaves(buffer["layers"]),
-            (stacks, opt_state.layers, jnp.bool_(True)), pieces.config.num_layers,
-        )  # fmt: skip
+            sink, jax.tree.leaves(buffer["layers"]), target, pieces.config.num_layers
+        )
         new_trainable["layers"] = jax.tree.unflatten(treedef, stacks)
     metrics = {
         "loss": loss,
@@ -337,6 +337,7 @@ def build_streamed_step(
                 pieces, optimizer, opt_state, batch, key, clip_norm, mode == "two_pass"
             )
         metrics = {**metrics, "tokens": jnp.sum(batch.loss_mask)}
-        return new_trainable, new_state, metrics
+        # each result in the memory its argument came from: host outputs declared as such
+        return placed_like(new_trainable, trainable), placed_like(new_state, opt_state), metrics
 
     return jax.jit(step, donate_argnums=(0, 1) if donate else (), **jit_shardings(shardings))

@@ -6,6 +6,12 @@ parameter's shape, or is a scalar), so the device holds one chunk of its state a
 embedding table trained in host memory builds each chunk's gradient from the batch's cotangent
 rows that fall in it, so no [V, D] gradient, table or state is ever on the device.
 
+Host-resident leaves obey XLA's host-offload rules (`parallel/offload_rules.py`): each chunk is
+cut out of the old host array and copied over, and the updated chunk is copied back into a fresh
+host buffer (`memory_kinds.write_rows`) that becomes the new leaf -- never an add or an in-place
+write computed on host memory. Host memory therefore holds the old and the new leaf during the
+step (the old one is donated and freed after it); device-resident leaves are updated in place.
+
 The tied-embedding rule lives here (`embedding_update`): a tied table is also the LM head, so its
 gradient is the head's gradient of it plus the scattered input cotangent, and it is updated once.
 """
@@ -20,13 +26,14 @@ import optax
 
 from featherweight.errors import StepConfigError
 from featherweight.parallel.memory_kinds import (
+    fresh_like,
     host_row_slice,
-    host_row_write,
     on_host,
     to_device,
     to_host,
+    write_rows,
 )
-from featherweight.step.common import scaled, squared_norm
+from featherweight.step.common import all_finite, scaled, squared_norm
 from featherweight.step.opt_state import guarded_update
 
 TOP_ROW_CHUNK = 8192  # rows of a host-state head/embedding updated at a time (vocab_chunk if set)
@@ -54,12 +61,6 @@ def _rows(leaf, start, chunk: int):
     return jax.lax.dynamic_slice_in_dim(leaf, start, chunk)
 
 
-def _write_rows(leaf, value, start):
-    if on_host(leaf):
-        return host_row_write(leaf, value, start)
-    return jax.lax.dynamic_update_slice_in_dim(leaf, value, start, 0)
-
-
 def row_chunked_update(
     optimizer: optax.GradientTransformation,
     ok: jax.Array,
@@ -68,44 +69,54 @@ def row_chunked_update(
     param: jax.Array,
     chunk: int,
 ):
-    """Update `param` [V, D] `chunk` rows at a time -> (param, state, squared gradient norm).
+    """Update `param` [V, D] `chunk` rows at a time -> (param, state, squared gradient norm,
+    whether every new row is finite: read from each chunk while it is on the device).
 
     `grad_rows(start)` gives the gradient of rows [start, start + chunk). Parameter and row-shaped
-    state leaves may be on the host (their rows come over and go back); scalar leaves (step
+    state leaves may be on the host: their rows are read from the old leaf and the new rows copied
+    into a fresh host buffer; device leaves are read and written in place. Scalar leaves (step
     counts) come out the same from every chunk, so the last chunk's are kept.
     """
     leaves, treedef = jax.tree.flatten(state)
     row_shaped = [leaf.shape == param.shape for leaf in leaves]
+    targets = [param, *(leaf for leaf, r in zip(leaves, row_shaped) if r)]
+    hosts = [on_host(leaf) for leaf in targets]
 
     def chunk_update(index, carry):
-        param, state_leaves, _, grad_sq = carry
+        written, scalars, grad_sq, finite = carry
         start = index * chunk
+        # a host leaf is read from its old array, a device leaf from the one updated in place
+        current = [old if host else new for old, new, host in zip(targets, written, hosts)]
+        row_states = iter(current[1:])
         part = [
-            _rows(leaf, start, chunk) if r else to_device(leaf)
-            for leaf, r in zip(state_leaves, row_shaped)
+            _rows(next(row_states), start, chunk) if r else to_device(leaf)
+            for leaf, r in zip(leaves, row_shaped)
         ]
         grad = grad_rows(start)
         new_param, new_state = guarded_update(
-            optimizer, ok, grad, jax.tree.unflatten(treedef, part), _rows(param, start, chunk)
+            optimizer, ok, grad, jax.tree.unflatten(treedef, part), _rows(current[0], start, chunk)
         )
         new_leaves = jax.tree.leaves(new_state)
+        new_rows = [new_param, *(new for new, r in zip(new_leaves, row_shaped) if r)]
         written = [
-            _write_rows(leaf, new, start) if r else leaf
-            for leaf, new, r in zip(state_leaves, new_leaves, row_shaped)
+            write_rows(buffer, rows, start, host)
+            for buffer, rows, host in zip(written, new_rows, hosts)
         ]
         scalars = [new for new, r in zip(new_leaves, row_shaped) if not r]
-        return _write_rows(param, new_param, start), written, scalars, grad_sq + squared_norm(grad)
+        finite = finite & all_finite(new_param)
+        return written, scalars, grad_sq + squared_norm(grad), finite
 
+    start = [fresh_like(leaf) if host else leaf for leaf, host in zip(targets, hosts)]
     scalars = [to_device(leaf) for leaf, r in zip(leaves, row_shaped) if not r]
-    param, leaves_out, scalars, grad_sq = jax.lax.fori_loop(
-        0, param.shape[0] // chunk, chunk_update, (param, leaves, scalars, jnp.float32(0))
+    written, scalars, grad_sq, finite = jax.lax.fori_loop(
+        0, param.shape[0] // chunk, chunk_update, (start, scalars, jnp.float32(0), jnp.bool_(True))
     )
-    scalars = iter(scalars)
+    row_leaves, scalars = iter(written[1:]), iter(scalars)
     merged = [
-        leaf if r else (to_host(next(scalars)) if on_host(old) else next(scalars))
-        for leaf, old, r in zip(leaves_out, leaves, row_shaped)
+        next(row_leaves) if r else (to_host(next(scalars)) if on_host(old) else next(scalars))
+        for old, r in zip(leaves, row_shaped)
     ]
-    return param, jax.tree.unflatten(treedef, merged), grad_sq
+    return written[0], jax.tree.unflatten(treedef, merged), grad_sq, finite
 
 
 def top_update(optimizer, ok, grad, state, param, vocab_chunk: int | None):
@@ -121,7 +132,7 @@ def top_update(optimizer, ok, grad, state, param, vocab_chunk: int | None):
             to_host(n) if on_host(o) else n for n, o in zip(jax.tree.leaves(new_state), leaves)
         ]
         return param, jax.tree.unflatten(treedef, placed)
-    param, new_state, _ = row_chunked_update(
+    param, new_state, _, _ = row_chunked_update(
         optimizer,
         ok,
         lambda start: jax.lax.dynamic_slice_in_dim(grad, start, chunk),
@@ -133,7 +144,8 @@ def top_update(optimizer, ok, grad, state, param, vocab_chunk: int | None):
 
 
 def host_table_update(optimizer, ok, token_ids, cotangent, state, table, vocab_chunk: int | None):
-    """Update an embedding table kept in host memory, chunk by chunk -> (table, state, grad²).
+    """Update an embedding table kept in host memory, chunk by chunk -> (table, state, grad²,
+    finite).
 
     Each chunk's gradient is the batch's input cotangent rows that fall in it (zero elsewhere).
     """
@@ -183,11 +195,12 @@ def embedding_squared_norm(token_ids, cotangent, head_grads, table) -> jax.Array
 def embedding_update(
     optimizer, ok, token_ids, cotangent, head_grads, state, table, vocab_chunk, scale=None
 ):
-    """The embedding's one update -> (table, state, squared norm of its whole gradient).
+    """The embedding's one update -> (table, state, squared norm of its whole gradient, whether
+    the new table is finite).
 
     Its gradient is `embedding_gradient` (times `scale`, the global clip, when given). A table in
-    host memory is updated chunk by chunk; a tied one cannot be (the head's gradient covers
-    every row).
+    host memory is updated chunk by chunk (and checked finite chunk by chunk: nothing may compute
+    on it in host memory); a tied one cannot be (the head's gradient covers every row).
     """
     tied = "embed" in head_grads
     if on_host(table):
@@ -203,4 +216,4 @@ def embedding_update(
     new_table, new_state = top_update(
         optimizer, ok, scaled(embed_grad, scale), state, table, vocab_chunk
     )
-    return new_table, new_state, squared_norm(embed_grad)
+    return new_table, new_state, squared_norm(embed_grad), all_finite(new_table)

@@ -45,7 +45,6 @@ from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params
 from featherweight.models.model import Model
 from featherweight.parallel.distributed import is_primary, sync_processes
-from featherweight.parallel.memory_kinds import to_host
 from featherweight.parallel.sharding import (
     check_layout,
     mesh_from_settings,
@@ -57,11 +56,11 @@ from featherweight.recipe.build import (
     attention_implementation,
     build_train_step,
     check_method_settings,
-    place_embedding,
     split_params,
 )
 from featherweight.recipe.optimizer import make_optimizer
 from featherweight.recipe.paths import absolute_paths
+from featherweight.recipe.placement import arguments_on_host, place
 from featherweight.recipe.schema import TrainConfig, changed_settings
 from featherweight.step.loss import resolve_chunk_size
 from featherweight.train import run_dir
@@ -308,7 +307,7 @@ def load_weights(config: TrainConfig, model_path: Path) -> Model:
         dtype=config.model.dtype,
         quantize=quantize,
         quantize_head=config.model.quantize_head,
-        layers_on_host=config.memory.base == "host",  # the base never reaches the device
+        layers_on_host="base" in arguments_on_host(config),  # the base never reaches the device
     )
 
 
@@ -428,9 +427,8 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
         frozen = shard_tree(frozen, mesh, parameter_spec)
     optimizer = make_optimizer(config.optimizer, config.steps)
     step_fn, init_opt_state = build_train_step(config, model_config, trainable, frozen, optimizer)
-    opt_state = init_opt_state(trainable)  # placed as memory.optimizer_state says
-    # memory.embed: host -- the step brings over only the rows a batch uses
-    trainable, frozen = place_embedding(config, trainable, frozen, to_host)
+    opt_state = init_opt_state(trainable)  # made in the memory memory.optimizer_state names
+    trainable, opt_state, frozen = place(config, trainable, opt_state, frozen)
     checkpointer = Checkpointer(output_dir / CHECKPOINT_DIR, keep=config.checkpoint.keep)
     start_step = 0
     latest = checkpointer.latest_step() if resuming else None

@@ -1,28 +1,56 @@
-"""Host-resident arrays inside jitted code: the embedding rows a batch uses come from a host table,
-and host stacks are sliced and written on the host. On CPU host and device share RAM, so the tests
-check the numbers and the memory kinds in the program."""
+"""Host-resident arrays inside jitted code: a host embedding table streams over in row chunks,
+the loss reads a host head one vocabulary chunk at a time, and host stacks are sliced on the host
+and rebuilt in fresh host buffers. On CPU host and device share RAM, so these tests check the
+numbers and the memory kinds in the program; `test_offload_rules.py` checks the GPU's rules."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from featherweight.models.llama import embed
-from featherweight.parallel.memory_kinds import host_slice, host_write, on_host
+from featherweight.parallel.memory_kinds import (
+    fresh_like,
+    host_slice,
+    host_table_rows,
+    on_host,
+    placed_like,
+    table_chunk,
+    write_rows,
+)
+from featherweight.parallel.offload_rules import check_host_offload
 from featherweight.step.loss import token_losses_sum
 
 HOST_SHARDING = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
 
 
-def test_embedding_rows_come_from_a_host_table():
+@pytest.mark.parametrize("chunk", [None, 64, 128, 300])
+def test_embedding_rows_stream_from_a_host_table(chunk):
+    table = jax.random.normal(jax.random.PRNGKey(0), (300, 64))
+    ids = jnp.array([[0, 1, 63, 64, 127, 128], [255, 256, 299, 298, 171, 0]])
+    host_table = jax.device_put(table, HOST_SHARDING)
+    rows = jax.jit(host_table_rows, static_argnums=2)(host_table, ids, chunk)
+    np.testing.assert_array_equal(rows, jnp.take(table, ids, axis=0))
+    program = str(jax.make_jaxpr(host_table_rows, static_argnums=2)(host_table, ids, chunk))
+    assert "f32<host>[300,64]" in program  # the table stays on the host ...
+    assert "f32[300,64]" not in program or chunk in (None, 300)  # ... only chunks come over
+    assert not check_host_offload(
+        jax.jit(host_table_rows, static_argnums=2), host_table, ids, chunk
+    )
+
+
+def test_the_embedding_of_a_host_table_is_the_device_lookup():
     table = jax.random.normal(jax.random.PRNGKey(0), (300, 64))
     ids = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 0, 300)
     params = {"embed": jax.device_put(table, HOST_SHARDING), "final_norm": jnp.ones(64)}
-    rows = jax.jit(embed)(params, ids)
-    np.testing.assert_array_equal(rows, jnp.take(table, ids, axis=0))
-    program = str(jax.make_jaxpr(embed)(params, ids))
-    assert "f32<host>[300,64]" in program  # the table stays on the host ...
-    assert "f32<host>[2,7,64]" in program  # ... the gather runs there, and only rows move
-    assert "f32[300,64]" not in program
+    np.testing.assert_array_equal(jax.jit(embed)(params, ids), jnp.take(table, ids, axis=0))
+
+
+def test_table_chunks_divide_the_vocabulary_when_they_can():
+    assert table_chunk(49152) == 8192
+    assert table_chunk(128256) == 8016  # 16 equal chunks
+    assert table_chunk(300) == 300
+    assert table_chunk(8209) == 8192  # a prime: clamped last chunk
 
 
 def test_the_loss_reads_a_host_table_one_vocabulary_chunk_at_a_time():
@@ -38,24 +66,39 @@ def test_the_loss_reads_a_host_table_one_vocabulary_chunk_at_a_time():
 
     on_device = jax.value_and_grad(loss)(hidden, table)
     host_table = jax.device_put(table, HOST_SHARDING)
-    on_host_value, on_host_grad = jax.jit(jax.value_and_grad(loss))(hidden, host_table)
+    loss_and_grad = jax.jit(jax.value_and_grad(loss))
+    on_host_value, on_host_grad = loss_and_grad(hidden, host_table)
     np.testing.assert_allclose(on_host_value, on_device[0], rtol=1e-6)
     np.testing.assert_allclose(on_host_grad, on_device[1], rtol=1e-5, atol=1e-7)
     assert "f32<host>[128,64]" in str(jax.make_jaxpr(loss)(hidden, host_table))
+    assert not check_host_offload(loss_and_grad, hidden, host_table)
 
 
-def test_host_stacks_are_sliced_and_written_on_the_host():
-    stack = jax.device_put(jnp.zeros((4, 3, 2)), HOST_SHARDING)
+def test_host_stacks_are_sliced_on_the_host_and_rebuilt_in_a_fresh_host_buffer():
+    stack = jax.device_put(jnp.arange(24.0).reshape(4, 3, 2), HOST_SHARDING)
 
     @jax.jit
     def update_each_layer(stack):
-        def body(index, stack):
+        def body(index, new):
             layer = host_slice(stack, index)
             assert not on_host(layer)
-            return host_write(stack, layer + index + 1.0, index)
+            return write_rows(new, (layer + 1.0)[None], index, host=True)
 
-        return jax.lax.fori_loop(0, 4, body, stack)
+        return jax.lax.fori_loop(0, 4, body, fresh_like(stack))
 
     result = update_each_layer(stack)
-    np.testing.assert_array_equal(result[:, 0, 0], [1.0, 2.0, 3.0, 4.0])
+    np.testing.assert_array_equal(result, jnp.arange(24.0).reshape(4, 3, 2) + 1.0)
     assert result.sharding.memory_kind == "pinned_host"
+    assert not check_host_offload(update_each_layer, stack)
+
+
+def test_results_keep_the_memory_their_arguments_came_from():
+    state = jax.device_put(jnp.ones(4), HOST_SHARDING)
+
+    @jax.jit
+    def double(state):
+        doubled = jax.device_put(state, jax.memory.Space.Device) * 2
+        return placed_like(doubled, state)
+
+    assert double(state).sharding.memory_kind == "pinned_host"
+    assert not check_host_offload(double, state)

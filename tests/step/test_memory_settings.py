@@ -22,7 +22,6 @@ from featherweight.step.policy import MemoryPolicy
 from featherweight.step.streamed import (
     build_streamed_step,
     init_streamed_opt_state,
-    place_opt_state,
     top_row_chunk,
 )
 from tests.conftest import tiny_config, training_case
@@ -44,7 +43,7 @@ def _train(config, method, optimizer, policy=None, state_on="device", embed_on="
         frozen = {**frozen, "lm_head": quantize_nf4(frozen["lm_head"])}
     if embed_on == "host":
         frozen = {**frozen, "embed": to_host(frozen["embed"])}
-    state = place_opt_state(init_streamed_opt_state(optimizer, trainable), state_on)
+    state = init_streamed_opt_state(optimizer, trainable, state_on)
     if train_embed_on == "host":
         trainable = {**trainable, "embed": to_host(trainable["embed"])}
     step = build_streamed_step(config, optimizer, trainable, frozen, lora, policy=policy)
