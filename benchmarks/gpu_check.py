@@ -1,0 +1,620 @@
+"""The GPU check: every host placement compiled, run and trained on a real GPU, in one command.
+
+    python benchmarks/gpu_check.py --out DIR [--tiny] [--cases a,b] [--deadline SECONDS]
+    benchmarks/gpu_check.sh [--tiny] ...      (on the GPU machine: carried wheels, a total limit)
+
+A CPU machine compiles host placements with one memory for host and device, and XLA:CPU never
+runs the host-offload pass that refuses them on a GPU (issue 30: error E1200), nor can it show
+wrong gradients from offload (openxla/xla#46231). So this runs the trainer's own path --
+`build_train_step`, the optimizer-state initialiser, `place` -- on random weights drawn with a
+fixed seed, one case per subprocess (`peak_bytes_in_use` is a process-lifetime high-water mark),
+each with its own time limit, and records per case:
+
+- compile seconds (lowering and compiling the step on the real, placed arguments);
+- device bytes: `peak_bytes_in_use` (measured on the device; after setting up the arguments and
+  after the steps, as `measure.DevicePeak` does), the plan's device bytes (`plan_for_config`,
+  planned) and the compiled step's bytes (`memory_analysis`, compiled). XLA:CPU keeps no peak:
+  there the compiled bytes stand in, set against the plan's device + host bytes (one memory);
+- 7 steps on one batch: the median of steps 3-6 (seconds, and tokens per second), the loss after
+  6 updates (the 7th step's loss) and the gradient norm of every step;
+- the comparison with the all-device run from the same weights and batch: the relative
+  difference of the loss after 6 updates and the largest of the gradient norms' (the first step's
+  gradient is taken at identical weights, so a wrong gradient shows there even if the loss barely
+  moves). They match within 1e-2 in bf16 (1e-4 in float32). The learning rate is high (constant
+  1e-3 for adapters, 1e-4 for full fine-tuning) so that 6 updates move the loss: the table gives
+  the reference's own loss drop beside the comparison, the check's power.
+
+Cases (in order of importance, so that a time-out loses the least; Llama-3.1-8B shapes, bf16,
+b2 x 2048 unless named): QLoRA at defaults (the all-device reference for QLoRA); QLoRA at the
+settings `fit_budget` picks for 5.5 GiB (issue 30: it must peak within 5.5 GiB); QLoRA with each
+argument placement alone (embed, optimizer_state, base: the ones E1200 refused); full fine-tuning
+of Llama-3.2-1B all on the device and with its AdamW state on the host; QLoRA at the smallest
+settings, after its own all-device reference (the smallest settings change numerics: NF4 head,
+8-bit AdamW; that reference keeps them and puts every host placement back on the device); QLoRA
+with the residual stream on the host (it already ran on an H200); LoRA at defaults.
+
+"Smallest settings": every change the budget search makes for a budget nothing fits (`budget._search`
+with 0 bytes, as `benchmarks/memory_8b_h100.py` and the README define the row), with the batch set
+back to 2 (the search's last resort halves it; the row is b2 x 2048).
+
+Results: a JSON line per case in DIR/results.jsonl, flushed as each case ends (a time-out keeps
+what finished), each case's output in DIR/<case>.log, and at the end the table
+`benchmarks/results/gpu_check_<gpu>.md` (`--table-dir`), copied to DIR.
+
+`--tiny`: the same cases on CPU at SmolLM2-135M layer shapes (2 layers, a 4096-token
+vocabulary; untied for the 8B's cases, tied for the 1B's), float32, b2 x 128, with a budget of
+85% of QLoRA's default plan: the script runs in CI (tests/test_gpu_check.py) and cannot rot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from results_file import emit
+
+from featherweight.memory import budget
+from featherweight.memory.defaults import with_lean_defaults
+from featherweight.memory.measure import measurement_of
+from featherweight.memory.plan import plan_for_config
+from featherweight.memory.report import format_bytes, percent_difference
+from featherweight.models.config import ModelConfig
+from featherweight.models.registry import builtin_config
+from featherweight.parallel.memory_kinds import host_sharding
+from featherweight.peft.lora import init_lora
+from featherweight.quant.nf4 import DYNAMIC_CODE, NF4_CODE, NF4Tensor
+from featherweight.recipe.build import (
+    ADAPTER_DTYPE,
+    abstract_split,
+    build_train_step,
+    check_method_settings,
+)
+from featherweight.recipe.optimizer import make_optimizer
+from featherweight.recipe.placement import HOST_SETTINGS, on_host, place, place_abstract
+from featherweight.recipe.schema import TrainConfig, parse_config
+from featherweight.step.loss import Batch, batch_from_tokens
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 7  # 6 updates, and a 7th step whose loss is the loss after them
+TIMED = slice(2, 6)  # steps 3-6: past the first calls, before the last
+WEIGHT_SEED, BATCH_SEED = 0, 1
+WEIGHT_STD = 0.02  # as `models.init.init_params`
+SLAB_BYTES = 64 * 2**20  # rows of a weight drawn on the device at a time
+NF4_ABSMAX = WEIGHT_STD / float(NF4_CODE.std())  # uniform NF4 codes x this: std WEIGHT_STD
+ZERO_ABSMAX_CODE = int(np.argmin(np.abs(DYNAMIC_CODE)))  # DYNAMIC_CODE[it] == 0
+TABLE_SECONDS = 15  # kept back from the deadline to write the table
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """The shapes a run uses: the GPU's (Llama-3.1-8B / 3.2-1B, bf16) or `--tiny` (CPU)."""
+
+    name: str
+    dtype: str
+    batch: int
+    seq: int
+    tolerance: float  # largest relative difference from the all-device run that matches
+    timeout_s: dict[str, int]  # per model role
+    models: dict[str, Callable[[], ModelConfig]]
+    model_names: dict[str, str]
+    budget_bytes: Callable[[TrainConfig, ModelConfig], int]
+
+
+def _tiny_model(tied: bool) -> ModelConfig:
+    """SmolLM2-135M's layer shapes in 2 layers with a 4096-token vocabulary."""
+    smollm = builtin_config("SmolLM2-135M")
+    return dataclasses.replace(smollm, num_layers=2, vocab_size=4096, tie_word_embeddings=tied)
+
+
+GPU = Scale(
+    "gpu",
+    "bfloat16",
+    2,
+    2048,
+    1e-2,
+    {"large": 150, "small": 120},
+    {
+        "large": lambda: builtin_config("Llama-3.1-8B"),
+        "small": lambda: builtin_config("Llama-3.2-1B"),
+    },
+    {"large": "Llama-3.1-8B", "small": "Llama-3.2-1B"},
+    lambda config, model: budget.parse_budget("5.5GiB"),
+)
+TINY = Scale(
+    "tiny",
+    "float32",
+    2,
+    128,
+    1e-4,
+    {"large": 240, "small": 240},
+    {"large": lambda: _tiny_model(tied=False), "small": lambda: _tiny_model(tied=True)},
+    {"large": "SmolLM2-135M layers x2, V 4096, untied", "small": "the same, tied"},
+    lambda config, model: int(0.85 * plan_for_config(config, model).device_bytes),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One run: a train-step configuration and the all-device case it is compared with."""
+
+    name: str
+    model: str  # "large" (Llama-3.1-8B's role) or "small" (Llama-3.2-1B's)
+    method: str
+    what: str
+    memory: tuple[tuple[str, str], ...] = ()
+    search: str | None = None  # "budget", "smallest" or "smallest-on-device"
+    reference: str | None = None  # None: this case is an all-device reference
+
+
+CASES = (
+    Case("qlora", "large", "qlora", "QLoRA at defaults: the all-device reference"),
+    Case("qlora-budget", "large", "qlora", "QLoRA at the settings fit_budget picks",
+         search="budget", reference="qlora"),
+    Case("qlora-embed-host", "large", "qlora", "QLoRA, embedding table on the host",
+         (("embed", "host"),), reference="qlora"),
+    Case("qlora-optimizer-host", "large", "qlora", "QLoRA, optimizer state on the host",
+         (("optimizer_state", "host"),), reference="qlora"),
+    Case("qlora-base-host", "large", "qlora", "QLoRA, frozen layer stack on the host",
+         (("base", "host"),), reference="qlora"),
+    Case("full-small", "small", "full", "full fine-tuning at defaults: the all-device reference"),
+    Case("full-small-optimizer-host", "small", "full", "full fine-tuning, AdamW state on the host",
+         (("optimizer_state", "host"),), reference="full-small"),
+    Case("qlora-smallest-device", "large", "qlora",
+         "QLoRA at the smallest settings, host placements back on the device: the reference",
+         search="smallest-on-device"),
+    Case("qlora-smallest", "large", "qlora", "QLoRA at the smallest settings", search="smallest",
+         reference="qlora-smallest-device"),
+    Case("qlora-residuals-host", "large", "qlora", "QLoRA, residual stream on the host",
+         (("residuals", "host"),), reference="qlora"),
+    Case("lora", "large", "lora", "LoRA at defaults, all on the device"),
+)  # fmt: skip
+CASE_NAMES = tuple(case.name for case in CASES)
+
+
+def case_config(case: Case, scale: Scale, model: ModelConfig) -> tuple[TrainConfig, int | None]:
+    """(the case's config as the trainer would run it, unset chunks chosen from the shapes; the
+    budget it was fitted to, for the budget case)."""
+    config = parse_config(
+        {
+            "method": case.method,
+            "batch_size": scale.batch,
+            "model": {"dtype": scale.dtype},
+            "data": {"seq_len": scale.seq},
+            "optimizer": {
+                "name": "adamw",
+                "learning_rate": 1e-4 if case.method == "full" else 1e-3,
+                "schedule": "constant",
+            },
+            "memory": dict(case.memory),
+        }
+    )
+    budget_bytes = None
+    if case.search == "budget":
+        budget_bytes = scale.budget_bytes(config, model)
+        config, _ = budget.fit_budget(config, model, budget_bytes)
+    elif case.search in ("smallest", "smallest-on-device"):
+        config, _ = budget._search(with_lean_defaults(config, model), model, 0)
+        config = config.model_copy(update={"batch_size": scale.batch})
+        if case.search == "smallest-on-device":
+            memory = config.memory.model_copy(update=dict.fromkeys(HOST_SETTINGS, "device"))
+            config = config.model_copy(update={"memory": memory})
+    check_method_settings(config, model)
+    return with_lean_defaults(config, model), budget_bytes
+
+
+def settings_text(config: TrainConfig) -> str:
+    """The settings that shape the step's memory and numerics, in a few words."""
+    memory = config.memory
+    parts = [f"{setting}: host" for setting in on_host(config)]
+    parts += [
+        f"{name} {getattr(memory, name)}"
+        for name in ("loss_chunk", "vocab_chunk", "mlp_chunk")
+        if getattr(memory, name)
+    ]
+    if memory.save:
+        parts.append("save " + "+".join(memory.save))
+    if config.model.quantize_head:
+        parts.append("NF4 head")
+    if config.optimizer.name != "adamw":
+        parts.append(config.optimizer.name)
+    return ", ".join(parts) or "defaults"
+
+
+# ---------------------------------------------------------------- one case, in its own process
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal_slab(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    return (WEIGHT_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _bits_slab(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    return jax.random.bits(key, shape, dtype)
+
+
+def _sharding(leaf: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
+    """Where an abstract argument's array goes, as `place` puts it: pinned host memory where
+    the abstract leaf is placed there, else the default device."""
+    if getattr(leaf.sharding, "memory_kind", None) == "pinned_host":
+        return host_sharding()
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def _drawn(leaf: jax.ShapeDtypeStruct, key: jax.Array, draw: Callable) -> jax.Array:
+    """`leaf` as a real array in its memory, drawn on the device one slab of leading rows
+    (~64 MiB) at a time and gathered on the host, then put in place whole: no float32 copy of a
+    whole tensor ever exists on the device, and a host-resident leaf never reaches it."""
+    shape, dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
+    values = np.empty(shape, dtype)
+    rows = values.reshape(shape[0] if shape else 1, -1)
+    per_slab = max(1, SLAB_BYTES // max(rows[0].nbytes, 1))
+    for start in range(0, rows.shape[0], per_slab):
+        count = min(per_slab, rows.shape[0] - start)
+        slab = draw(jax.random.fold_in(key, start), (count, rows.shape[1]), dtype)
+        rows[start : start + count] = np.asarray(slab)
+    return jax.device_put(values, _sharding(leaf))
+
+
+def _constant(leaf: jax.ShapeDtypeStruct, value: float) -> jax.Array:
+    return jax.device_put(np.full(leaf.shape, value, leaf.dtype), _sharding(leaf))
+
+
+def _random_nf4(tensor: NF4Tensor, key: jax.Array) -> NF4Tensor:
+    """Random weights drawn directly in NF4, in place: uniform 4-bit codes (NF4's levels are
+    normal quantiles, so the values are near normal) and every block's absmax `NF4_ABSMAX`
+    (double quantized: code 0.0 plus that offset), std `WEIGHT_STD`. Quantizing a dense draw
+    would hold the dense tensor on the device first, above the step's own peak."""
+    codes = _drawn(tensor.codes, key, _bits_slab)
+    if not tensor.double_quantized:
+        return NF4Tensor(codes, _constant(tensor.absmax, NF4_ABSMAX), None, None, tensor.shape)
+    return NF4Tensor(
+        codes,
+        _constant(tensor.absmax, ZERO_ABSMAX_CODE),
+        _constant(tensor.absmax_scale, 1.0),
+        _constant(tensor.absmax_offset, NF4_ABSMAX),
+        tensor.shape,
+    )
+
+
+def random_weights(abstract: Any, seed: int) -> Any:
+    """Real arrays for an abstract parameter tree, each where its leaf says (device or pinned
+    host): norms 1, NF4 stacks as `_random_nf4`, other weights normal(0, 0.02); each leaf's
+    values depend only on the seed, its name and its shape, so every case of a model that has
+    the same tensor gets the same weights."""
+    base = jax.random.PRNGKey(seed)
+
+    def make(path, leaf):
+        name = jax.tree_util.keystr(path)
+        key = jax.random.fold_in(base, zlib.crc32(name.encode()))
+        if isinstance(leaf, NF4Tensor):
+            return _random_nf4(leaf, key)
+        if name.endswith("norm']"):
+            return _constant(leaf, 1.0)
+        return _drawn(leaf, key, _normal_slab)
+
+    return jax.tree_util.tree_map_with_path(
+        make, abstract, is_leaf=lambda node: isinstance(node, NF4Tensor)
+    )
+
+
+def random_batch(scale: Scale, model: ModelConfig) -> Batch:
+    """The one batch every case of a model trains on: random token ids (fixed seed), each
+    predicting the next, one segment per row (as packed training rows come)."""
+    key = jax.random.PRNGKey(BATCH_SEED)
+    tokens = jax.random.randint(key, (scale.batch, scale.seq + 1), 0, model.vocab_size, jnp.int32)
+    batch = batch_from_tokens(tokens)
+    return batch._replace(segment_ids=jnp.ones(batch.input_ids.shape, jnp.int32))
+
+
+def _peak() -> tuple[int | None, int | None]:
+    """(peak_bytes_in_use, bytes_limit) of the device; (None, None) where it keeps none (CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use"), stats.get("bytes_limit")
+
+
+def run_case(case: Case, scale: Scale) -> dict[str, Any]:
+    """Set up, compile and run one case as the trainer does; its record (see the module doc)."""
+    model = scale.models[case.model]()
+    config, budget_bytes = case_config(case, scale, model)
+    plan = plan_for_config(config, model)
+    trainable_a, frozen_a = abstract_split(config, model)
+    trainable_a, _, frozen_a = place_abstract(config, trainable_a, None, frozen_a)
+    frozen = random_weights(frozen_a, WEIGHT_SEED)
+    if config.method == "full":
+        trainable = random_weights(trainable_a, WEIGHT_SEED)
+    else:
+        trainable = init_lora(jax.random.PRNGKey(config.seed), model, config.lora, ADAPTER_DTYPE)
+    optimizer = make_optimizer(config.optimizer, config.steps)
+    step, init_opt_state = build_train_step(config, model, trainable, frozen, optimizer)
+    opt_state = init_opt_state(trainable)
+    trainable, opt_state, frozen = place(config, trainable, opt_state, frozen)
+    batch, key = random_batch(scale, model), jax.random.PRNGKey(config.seed)
+    jax.block_until_ready((trainable, opt_state, frozen, batch))
+    peak_after_setup, bytes_limit = _peak()
+
+    start = time.perf_counter()
+    compiled = step.lower(trainable, opt_state, frozen, batch, key).compile()
+    compile_s = time.perf_counter() - start
+    compiled_bytes = measurement_of(compiled, trainable, opt_state, frozen, compile_s)
+    peak_after_compile, _ = _peak()
+
+    seconds, losses, grad_norms = [], [], []
+    for index in range(STEPS):
+        start = time.perf_counter()
+        trainable, opt_state, metrics = compiled(
+            trainable, opt_state, frozen, batch, jax.random.fold_in(key, index)
+        )
+        jax.block_until_ready((trainable, opt_state, metrics))
+        seconds.append(time.perf_counter() - start)
+        losses.append(float(metrics["loss"]))
+        grad_norms.append(float(metrics["grad_norm"]))
+    peak_after_steps, _ = _peak()
+    step_s = statistics.median(seconds[TIMED])
+    return {
+        "case": case.name,
+        "device": jax.devices()[0].device_kind,
+        "platform": jax.default_backend(),
+        "jax": jax.__version__,
+        "model": scale.model_names[case.model],
+        "settings": settings_text(config),
+        "numerics": _numerics(config, case),
+        "budget_bytes": budget_bytes,
+        "planned_device_bytes": plan.device_bytes,
+        "planned_host_bytes": plan.host_bytes,
+        "compiled_device_bytes": compiled_bytes.device_bytes,
+        "compiled_total_bytes": compiled_bytes.total_bytes,
+        "peak_after_setup": peak_after_setup,
+        "peak_after_compile": peak_after_compile,
+        "peak_after_steps": peak_after_steps,
+        "bytes_limit": bytes_limit,
+        "compile_s": compile_s,
+        "step_s": seconds,
+        "median_step_s": step_s,
+        "tokens_per_s": scale.batch * scale.seq / step_s,
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "preallocate": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"),
+    }
+
+
+def _numerics(config: TrainConfig, case: Case) -> dict[str, Any]:
+    """What must be equal for two cases' losses to be comparable (placements and chunks keep
+    the step's result; these change it)."""
+    return {
+        "model": case.model,
+        "method": config.method,
+        "dtype": config.model.dtype,
+        "batch": [config.batch_size, config.data.seq_len],
+        "optimizer": config.optimizer.model_dump(mode="json"),
+        "quantize_head": config.model.quantize_head,
+        "lora": None if config.method == "full" else dataclasses.asdict(config.lora),
+    }
+
+
+def append_record(out: Path, record: dict[str, Any]) -> None:
+    """One JSON line in out/results.jsonl, flushed at once (a later time-out keeps it)."""
+    record = {**record, "time": datetime.datetime.now().isoformat(timespec="seconds")}
+    with open(out / "results.jsonl", "a") as results:
+        results.write(json.dumps(record) + "\n")
+        results.flush()
+        os.fsync(results.fileno())
+
+
+def case_main(name: str, scale: Scale, out: Path) -> int:
+    """The child process: run one case, record it (or its error), exit 0 only on success."""
+    case = next(case for case in CASES if case.name == name)
+    try:
+        record = run_case(case, scale)
+    except Exception as error:  # a case that fails is a finding: record it, and go on
+        traceback.print_exc()
+        append_record(out, {"case": name, "error": f"{type(error).__name__}: {error}"[:4000]})
+        return 1
+    append_record(out, record)
+    print(json.dumps(record), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------- the driver and the table
+
+
+def run_all(cases: list[Case], scale: Scale, out: Path, deadline_s: float) -> None:
+    """Each case in its own process, in order, each within its time limit and the deadline;
+    what a killed or crashed case leaves is recorded for it."""
+    started = time.monotonic()
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    if scale is TINY:
+        env["JAX_PLATFORMS"] = "cpu"
+    for case in cases:
+        left = deadline_s - (time.monotonic() - started) - TABLE_SECONDS
+        limit = min(scale.timeout_s[case.model], left)
+        if limit < 20:
+            append_record(out, {"case": case.name, "error": "not run: the deadline came first"})
+            continue
+        command = [sys.executable, __file__, "--case", case.name, "--out", str(out)]
+        command += ["--tiny"] if scale is TINY else []
+        print(f"[gpu_check] {case.name} (limit {limit:.0f} s)", flush=True)
+        log = out / f"{case.name}.log"
+        with open(log, "w") as output:
+            try:
+                code = subprocess.run(
+                    command, stdout=output, stderr=subprocess.STDOUT, env=env, timeout=limit
+                ).returncode
+            except subprocess.TimeoutExpired:
+                append_record(out, {"case": case.name, "error": f"timed out after {limit:.0f} s"})
+                continue
+        if code != 0 and case.name not in read_records(out):
+            tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-5:])
+            append_record(out, {"case": case.name, "error": f"exit code {code}: {tail}"[:4000]})
+
+
+def read_records(out: Path) -> dict[str, dict[str, Any]]:
+    """The last record of each case in out/results.jsonl."""
+    path = out / "results.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return {record["case"]: record for record in map(json.loads, filter(None, lines))}
+
+
+def relative(value: float, reference: float) -> float:
+    return abs(value - reference) / max(abs(reference), 1e-30)
+
+
+def comparison(
+    record: dict[str, Any], reference: dict[str, Any] | None, tolerance: float
+) -> tuple[str, bool | None]:
+    """(the cell, whether it matches) for a case against its all-device run; None: no verdict."""
+    if reference is None or "error" in reference:
+        return "reference did not run", None
+    if record["numerics"] != reference["numerics"]:
+        return "not comparable: the settings change numerics", None
+    loss = relative(record["losses"][-1], reference["losses"][-1])
+    grad = max(map(relative, record["grad_norms"], reference["grad_norms"]))
+    finite = all(map(math.isfinite, record["losses"] + record["grad_norms"]))
+    matches = finite and max(loss, grad) <= tolerance
+    return f"loss {loss:.1e}, grad norm {grad:.1e}", matches
+
+
+COLUMNS = (
+    "case", "what", "settings as run", "compile s (measured)",
+    "device peak, after steps (after setup) (measured)", "compiled bytes (XLA memory_analysis)",
+    "plan (planned)", "plan vs measured", "step s, median of 3-6 (measured)", "tokens/s",
+    "loss after 6 updates (drop over them)", "vs the all-device run", "result",
+)  # fmt: skip
+
+
+def table_lines(
+    records: dict[str, dict], cases: list[Case], scale: Scale, command: str
+) -> list[str]:
+    """The Markdown report: what ran where and what each number is, then one row per case."""
+    first = next((record for record in records.values() if "error" not in record), {})
+    lines = [
+        f"# GPU check: {first.get('device', 'no case ran')}, jax {first.get('jax', '-')}",
+        "",
+        f"`{command}` on {datetime.date.today().isoformat()} (benchmarks/gpu_check.py says "
+        f"what each number is). Shapes: {scale.model_names['large']} (QLoRA, LoRA) and "
+        f"{scale.model_names['small']} (full), {scale.dtype}, b{scale.batch} x {scale.seq}; "
+        f"random weights (seed {WEIGHT_SEED}) and one random batch (seed {BATCH_SEED}) for "
+        f"every case of a model; {STEPS} steps of AdamW at a constant learning rate of 1e-3 "
+        "(adapters) or 1e-4 (full).",
+        "",
+        "Measured: by this run, on the device. Planned: `plan_for_config` (the device bytes; on "
+        "XLA:CPU, one memory, device + host). Compiled: XLA's `memory_analysis` of the step "
+        "(device bytes; on XLA:CPU all). Plan vs measured: (planned - measured) / measured, "
+        "against the device peak, or on XLA:CPU, which keeps no peak, against the compiled "
+        f"bytes. Match: the loss after 6 updates and every step's gradient norm within "
+        f"{scale.tolerance:g} (relative) of the all-device run named; the reference's loss drop "
+        "is the check's power.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "| --- | --- | --- |" + " ---: |" * 8 + " --- | --- |",
+    ]
+    return lines + ["| " + " | ".join(_cells(case, records, scale)) + " |" for case in cases]
+
+
+def _cells(case: Case, records: dict[str, dict], scale: Scale) -> list[str]:
+    """One row of `COLUMNS`."""
+    record = records.get(case.name)
+    if record is None or "error" in record:
+        error = "not run" if record is None else record["error"].splitlines()[0][:300]
+        failed = [case.name, case.what] + [""] * (len(COLUMNS) - 3)
+        return [*failed, "FAILED: " + error.replace("|", "/")]
+    peak = record["peak_after_steps"]
+    if peak is None:  # XLA:CPU
+        measured, shown = record["compiled_total_bytes"], "n/a (XLA:CPU)"
+        compiled = record["compiled_total_bytes"]
+        planned = record["planned_device_bytes"] + record["planned_host_bytes"]
+    else:
+        measured = peak
+        shown = f"{format_bytes(peak)} ({format_bytes(record['peak_after_setup'])})"
+        compiled, planned = record["compiled_device_bytes"], record["planned_device_bytes"]
+    settings = record["settings"]
+    verdict = "ran"
+    if case.reference:
+        cell, matches = comparison(record, records.get(case.reference), scale.tolerance)
+        cell = f"{case.reference}: {cell}"
+        verdict = {True: "match", False: "MISMATCH", None: "not compared"}[matches]
+    else:
+        cell = "-"
+    if record["budget_bytes"]:
+        settings = f"budget {format_bytes(record['budget_bytes'])}: {settings}"
+        if peak is not None:
+            verdict += "; peak " + ("within" if peak <= record["budget_bytes"] else "ABOVE")
+            verdict += " the budget"
+    if peak is not None and peak <= max(record["peak_after_setup"], record["peak_after_compile"]):
+        verdict += "; the steps' own peak is hidden (setup or compile peaked higher)"
+    losses = record["losses"]
+    return [
+        case.name,
+        case.what,
+        settings,
+        f"{record['compile_s']:.1f}",
+        shown,
+        format_bytes(compiled),
+        format_bytes(planned),
+        f"{percent_difference(planned, measured):+.1f}%",
+        f"{record['median_step_s']:.3f}",
+        f"{record['tokens_per_s']:,.0f}",
+        f"{losses[-1]:.4f} ({losses[0] - losses[-1]:+.3f})",
+        cell,
+        verdict,
+    ]
+
+
+def table_name(records: dict[str, dict], scale: Scale) -> str:
+    """gpu_check_<gpu>.md: the GPU's model number (h100, h200, ...), or cpu_tiny."""
+    kinds = [record["device"] for record in records.values() if "device" in record]
+    match = re.search(r"\b([a-z]+\d+)\b", kinds[0].lower()) if kinds else None
+    gpu = match.group(1) if match else (kinds[0].lower().replace(" ", "-") if kinds else "none")
+    return f"gpu_check_{gpu}{'_tiny' if scale is TINY else ''}.md"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="results.jsonl, logs, the table")
+    parser.add_argument("--tiny", action="store_true", help="SmolLM2 shapes on CPU (CI)")
+    parser.add_argument("--cases", default=",".join(CASE_NAMES), help="a subset, in this order")
+    parser.add_argument("--deadline", type=float, default=510.0, help="seconds for all cases")
+    parser.add_argument("--table-dir", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--case", choices=CASE_NAMES, help=argparse.SUPPRESS)  # the child
+    args = parser.parse_args(argv)
+    scale = TINY if args.tiny else GPU
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.case:
+        return case_main(args.case, scale, args.out)
+    names = [name for name in args.cases.split(",") if name]
+    unknown = sorted(set(names) - set(CASE_NAMES))
+    if unknown:
+        parser.error(f"unknown cases {unknown}; choose from {', '.join(CASE_NAMES)}")
+    cases = [case for case in CASES if case.name in names]
+    (args.out / "results.jsonl").unlink(missing_ok=True)  # a new run starts a new record
+    run_all(cases, scale, args.out, args.deadline)
+    records = read_records(args.out)
+    command = "python benchmarks/gpu_check.py" + (" --tiny" if args.tiny else "")
+    table = args.table_dir / table_name(records, scale)
+    table.parent.mkdir(parents=True, exist_ok=True)
+    emit(table_lines(records, cases, scale, command), str(table))
+    shutil.copy(table, args.out / table.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

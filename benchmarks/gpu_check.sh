@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU check (benchmarks/gpu_check.py) on a GPU machine without network, within 9 minutes in all.
+#
+# Before, on a machine with network, from the project root: ../shared/gpu-check/fetch-wheels.sh
+# (writes .whl/ and .whl-extra/: what the GPU image lacks; keep both out of git). Carry both with
+# the working tree, then run there, from anywhere:
+#     OUT=/path/for/results benchmarks/gpu_check.sh [gpu_check.py options, e.g. --cases qlora,lora]
+# It installs the carried wheels into a temporary site (skipped when there are none: the installed
+# packages are used), runs the check with the time left of GPU_CHECK_SECONDS (540) as its
+# deadline, and leaves results.jsonl, one log per case and the table under $OUT (default
+# /tmp/gpu_check). PYTHON picks the interpreter (default python3, the image's);
+# GPU_CHECK_WHEELS the wheel folder (default .whl).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+started=$SECONDS
+total=${GPU_CHECK_SECONDS:-540}
+out=${OUT:-/tmp/gpu_check}
+python=${PYTHON:-python3}
+wheels=${GPU_CHECK_WHEELS:-.whl}
+mkdir -p "$out"
+if compgen -G "$wheels/*.whl" >/dev/null; then
+  site=$(mktemp -d)
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+    "$wheels"/*.whl
+  if [ -d .whl-extra/site ]; then cp -r .whl-extra/site/* "$site"/; fi
+  export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  echo "[gpu_check.sh] installed $(ls "$wheels"/*.whl | wc -l) wheels into $site"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  echo "[gpu_check.sh] no wheels in $wheels: using the installed packages"
+fi
+left=$((total - (SECONDS - started)))
+# the check stops starting cases at its deadline and writes the table; timeout is the backstop
+exec timeout -k 10 "$left" "$python" benchmarks/gpu_check.py --out "$out" \
+  --deadline $((left - 20)) "$@"
