@@ -131,7 +131,7 @@ GPU = Scale(
     2,
     2048,
     1e-2,
-    {"large": 150, "small": 120},
+    {"large": 180, "small": 150},
     {
         "large": lambda: builtin_config("Llama-3.1-8B"),
         "small": lambda: builtin_config("Llama-3.2-1B"),
@@ -305,7 +305,7 @@ def random_weights(abstract: Any, seed: int) -> Any:
 
     def make(path, leaf):
         name = jax.tree_util.keystr(path)
-        key = jax.random.fold_in(base, zlib.crc32(name.encode()))
+        key = jax.random.fold_in(base, zlib.crc32(name.encode()) & 0x7FFFFFFF)
         if isinstance(leaf, NF4Tensor):
             return _random_nf4(leaf, key)
         if name.endswith("norm']"):
@@ -332,11 +332,10 @@ def _peak() -> tuple[int | None, int | None]:
     return stats.get("peak_bytes_in_use"), stats.get("bytes_limit")
 
 
-def run_case(case: Case, scale: Scale) -> dict[str, Any]:
-    """Set up, compile and run one case as the trainer does; its record (see the module doc)."""
-    model = scale.models[case.model]()
-    config, budget_bytes = case_config(case, scale, model)
-    plan = plan_for_config(config, model)
+def set_up(config: TrainConfig, model: ModelConfig, scale: Scale) -> tuple[Callable, tuple]:
+    """(the jitted step, its arguments) as the trainer sets them up (`train.run.prepare_run`:
+    split, `build_train_step`, the optimizer-state initialiser in its placement, `place`), on
+    random weights made in place (`random_weights`) instead of a checkpoint's."""
     trainable_a, frozen_a = abstract_split(config, model)
     trainable_a, _, frozen_a = place_abstract(config, trainable_a, None, frozen_a)
     frozen = random_weights(frozen_a, WEIGHT_SEED)
@@ -348,28 +347,42 @@ def run_case(case: Case, scale: Scale) -> dict[str, Any]:
     step, init_opt_state = build_train_step(config, model, trainable, frozen, optimizer)
     opt_state = init_opt_state(trainable)
     trainable, opt_state, frozen = place(config, trainable, opt_state, frozen)
-    batch, key = random_batch(scale, model), jax.random.PRNGKey(config.seed)
-    jax.block_until_ready((trainable, opt_state, frozen, batch))
-    peak_after_setup, bytes_limit = _peak()
+    arguments = (trainable, opt_state, frozen, random_batch(scale, model))
+    jax.block_until_ready(arguments)
+    return step, (*arguments, jax.random.PRNGKey(config.seed))
 
-    start = time.perf_counter()
-    compiled = step.lower(trainable, opt_state, frozen, batch, key).compile()
-    compile_s = time.perf_counter() - start
-    compiled_bytes = measurement_of(compiled, trainable, opt_state, frozen, compile_s)
-    peak_after_compile, _ = _peak()
 
-    seconds, losses, grad_norms = [], [], []
+def run_steps(compiled: Callable, arguments: tuple) -> dict[str, list[float]]:
+    """`STEPS` steps on the same batch: each step's seconds, loss and gradient norm."""
+    trainable, opt_state, frozen, batch, key = arguments
+    history: dict[str, list[float]] = {"step_s": [], "losses": [], "grad_norms": []}
     for index in range(STEPS):
         start = time.perf_counter()
         trainable, opt_state, metrics = compiled(
             trainable, opt_state, frozen, batch, jax.random.fold_in(key, index)
         )
         jax.block_until_ready((trainable, opt_state, metrics))
-        seconds.append(time.perf_counter() - start)
-        losses.append(float(metrics["loss"]))
-        grad_norms.append(float(metrics["grad_norm"]))
+        history["step_s"].append(time.perf_counter() - start)
+        history["losses"].append(float(metrics["loss"]))
+        history["grad_norms"].append(float(metrics["grad_norm"]))
+    return history
+
+
+def run_case(case: Case, scale: Scale) -> dict[str, Any]:
+    """Set up, compile and run one case as the trainer does; its record (see the module doc)."""
+    model = scale.models[case.model]()
+    config, budget_bytes = case_config(case, scale, model)
+    plan = plan_for_config(config, model)
+    step, arguments = set_up(config, model, scale)
+    peak_after_setup, bytes_limit = _peak()
+    start = time.perf_counter()
+    compiled = step.lower(*arguments).compile()  # what the trainer's first call does
+    compile_s = time.perf_counter() - start
+    compiled_bytes = measurement_of(compiled, *arguments[:3], compile_s)
+    peak_after_compile, _ = _peak()
+    history = run_steps(compiled, arguments)
     peak_after_steps, _ = _peak()
-    step_s = statistics.median(seconds[TIMED])
+    step_s = statistics.median(history["step_s"][TIMED])
     return {
         "case": case.name,
         "device": jax.devices()[0].device_kind,
@@ -388,11 +401,9 @@ def run_case(case: Case, scale: Scale) -> dict[str, Any]:
         "peak_after_steps": peak_after_steps,
         "bytes_limit": bytes_limit,
         "compile_s": compile_s,
-        "step_s": seconds,
+        **history,
         "median_step_s": step_s,
         "tokens_per_s": scale.batch * scale.seq / step_s,
-        "losses": losses,
-        "grad_norms": grad_norms,
         "preallocate": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"),
     }
 
@@ -452,7 +463,8 @@ def run_all(cases: list[Case], scale: Scale, out: Path, deadline_s: float) -> No
             continue
         command = [sys.executable, __file__, "--case", case.name, "--out", str(out)]
         command += ["--tiny"] if scale is TINY else []
-        print(f"[gpu_check] {case.name} (limit {limit:.0f} s)", flush=True)
+        print(f"[gpu_check] {case.name} (limit {limit:.0f} s)", end="", flush=True)
+        case_started = time.monotonic()
         log = out / f"{case.name}.log"
         with open(log, "w") as output:
             try:
@@ -460,8 +472,10 @@ def run_all(cases: list[Case], scale: Scale, out: Path, deadline_s: float) -> No
                     command, stdout=output, stderr=subprocess.STDOUT, env=env, timeout=limit
                 ).returncode
             except subprocess.TimeoutExpired:
+                print(": timed out", flush=True)
                 append_record(out, {"case": case.name, "error": f"timed out after {limit:.0f} s"})
                 continue
+        print(f": exit code {code} after {time.monotonic() - case_started:.0f} s", flush=True)
         if code != 0 and case.name not in read_records(out):
             tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-5:])
             append_record(out, {"case": case.name, "error": f"exit code {code}: {tail}"[:4000]})
@@ -508,6 +522,9 @@ def table_lines(
     first = next((record for record in records.values() if "error" not in record), {})
     lines = [
         f"# GPU check: {first.get('device', 'no case ran')}, jax {first.get('jax', '-')}",
+        "",
+        f"Device memory (`bytes_limit`): {format_bytes(first.get('bytes_limit'))}. "
+        f"Each case in its own process, `XLA_PYTHON_CLIENT_PREALLOCATE=false`.",
         "",
         f"`{command}` on {datetime.date.today().isoformat()} (benchmarks/gpu_check.py says "
         f"what each number is). Shapes: {scale.model_names['large']} (QLoRA, LoRA) and "

@@ -29,6 +29,7 @@ else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   echo "[gpu_check.sh] no wheels in $wheels: using the installed packages"
 fi
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the check sets it for each case; never the 75% grab
 left=$((total - (SECONDS - started)))
 # the check stops starting cases at its deadline and writes the table; timeout is the backstop
 exec timeout -k 10 "$left" "$python" benchmarks/gpu_check.py --out "$out" \
