@@ -11,10 +11,10 @@
 # /tmp/gpu_check). PYTHON picks the interpreter (default python3, the image's);
 # GPU_CHECK_WHEELS the wheel folder (default .whl).
 set -euo pipefail
-cd "$(dirname "$0")/.."
 started=$SECONDS
+out=$(realpath -m "${OUT:-/tmp/gpu_check}")  # before the cd: a relative OUT is the caller's
+cd "$(dirname "$0")/.."
 total=${GPU_CHECK_SECONDS:-540}
-out=${OUT:-/tmp/gpu_check}
 python=${PYTHON:-python3}
 wheels=${GPU_CHECK_WHEELS:-.whl}
 mkdir -p "$out"
