@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from featherweight.cli.main import app
+from featherweight.errors import ExportError
 from featherweight.inference.generate import logits
 from featherweight.io.loader import load_model
 from featherweight.models.model import Model
@@ -25,6 +26,7 @@ from featherweight.train.export_run import export_run
 from featherweight.train.loop import train
 from featherweight.train.run_model import _overlay, load_run_model
 from tests.conftest import run_settings
+from tests.hub_cache import add_to_hub_cache
 from tests.tiny_checkpoints import TOKENS, hf_config, random_hf_model, write_gguf
 
 
@@ -68,7 +70,9 @@ def modes(directory):
 
 
 @pytest.mark.slow
-def test_peft_loads_the_adapter_from_its_recorded_hf_base(lora_run, tiny_model_dir, tmp_path):
+def test_peft_loads_the_adapter_from_its_recorded_hf_base(
+    lora_run, tiny_model_dir, tmp_path, monkeypatch
+):
     previous = os.umask(0o002)
     try:
         adapter = export_run(lora_run, "peft", tmp_path / "adapter")
@@ -80,11 +84,18 @@ def test_peft_loads_the_adapter_from_its_recorded_hf_base(lora_run, tiny_model_d
     model, _ = load_run_model(lora_run)
     ours = np.asarray(logits(model, TOKENS[:, :16] % 256))
     np.testing.assert_allclose(peft_logits(adapter), ours, atol=2e-4, rtol=1e-4)
+    # --base-model is checked: a Hub name must be there (here: in the Hub cache, offline)
+    add_to_hub_cache(tmp_path / "hub", "someone/tiny-base", tiny_model_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     named = export_run(lora_run, "peft", tmp_path / "named", base_model="someone/tiny-base")
     assert "someone/tiny-base" in (named / "README.md").read_text()
     assert json.loads((named / "adapter_config.json").read_text())["base_model_name_or_path"] == (
         "someone/tiny-base"
     )
+    with pytest.raises(ExportError, match=r"--base-model SmolLM2-135M is not the model this run"):
+        export_run(lora_run, "peft", tmp_path / "wrong", base_model="SmolLM2-135M")
+    assert not (tmp_path / "wrong").exists()
 
 
 @pytest.mark.slow
