@@ -35,7 +35,8 @@ LOG_WIDTH = 240  # columns of the output off a terminal (COLUMNS, when set, wins
 
 
 def _console(stderr: bool = False) -> Console:
-    """A console for stdout (or stderr): a terminal's width on a terminal, else wide and unwrapped."""
+    """A console for stdout (or stderr): a terminal's width on a terminal, else wide and
+    unwrapped."""
     stream = sys.stderr if stderr else sys.stdout
     wide = not stream.isatty() and "COLUMNS" not in os.environ
     return Console(stderr=stderr, width=LOG_WIDTH if wide else None, soft_wrap=wide)

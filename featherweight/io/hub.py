@@ -50,7 +50,8 @@ def is_hub_name(source: str | Path) -> bool:
 
 
 def hub_cache() -> Path:
-    """Where `huggingface_hub` keeps models: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    """Where `huggingface_hub` keeps models: HF_HUB_CACHE, else HF_HOME/hub, else
+    ~/.cache/huggingface/hub."""
     explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
     if explicit:
         return Path(explicit).expanduser()
@@ -99,13 +100,13 @@ def hub_snapshot(
         ) from None
     except errors.RevisionNotFoundError:
         raise HubModelError(
-            f"model {name} has no revision {revision!r} on the Hub any more; put that snapshot back "
-            f"in {where}, or start a new run"
+            f"model {name} has no revision {revision!r} on the Hub any more; put that snapshot "
+            f"back in {where}, or start a new run"
         ) from None
     except errors.IncompleteSnapshotError:
         raise HubModelError(
-            f"model {name} is only partly in {where} (a download was interrupted); run again online "
-            "to complete it"
+            f"model {name} is only partly in {where} (a download was interrupted); run again "
+            "online to complete it"
         ) from None
     except errors.LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached"

@@ -6,7 +6,8 @@ terminal), so off a TTY the trainer prints one line per `log_every` steps instea
     step 20/100 | loss 2.3141 | lr 1.96e-04 | 5,210 tok/s | 0.41 GiB | ETA 0:01:12
 
 and a line of its own after each evaluation (`step 20/100 | eval loss 2.2907`; on the bar, the
-last eval loss stays in the status). Both are fed at the loop's host syncs (every `log_every` steps), never per step.
+last eval loss stays in the status). Both are fed at the loop's host syncs (every `log_every`
+steps), never per step.
 """
 
 from __future__ import annotations
