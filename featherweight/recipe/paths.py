@@ -51,11 +51,11 @@ PATH_SETTINGS: dict[tuple[str, ...], Callable[[str], bool]] = {
 }
 
 
-def dotted(key: tuple[str, ...]) -> str:
+def _dotted(key: tuple[str, ...]) -> str:
     return ".".join(key)
 
 
-def place(base: Path, value: str) -> Path:
+def path_from(base: Path, value: str) -> Path:
     """`value` as a path read from `base` (`~` expanded; absolute paths stay as they are)."""
     return resolved(base / Path(value).expanduser())
 
@@ -63,7 +63,7 @@ def place(base: Path, value: str) -> Path:
 def absolute_value(key: tuple[str, ...], value: str, base: Path) -> str:
     """The setting `key`'s `value` with a relative path read from `base`; a name (see
     PATH_SETTINGS) stays a name unless a path of that name exists there."""
-    path = place(base, value)
+    path = path_from(base, value)
     return value if PATH_SETTINGS[key](value) and not path.exists() else str(path)
 
 
@@ -103,16 +103,16 @@ def from_config_folder(
         for part in key[:-1]:
             holder = holder.get(part) if isinstance(holder, dict) else None
         value = holder.get(key[-1]) if isinstance(holder, dict) else None
-        if dotted(key) in skip or not isinstance(value, str) or not value.strip():
+        if _dotted(key) in skip or not isinstance(value, str) or not value.strip():
             continue
-        path = place(base, value)
+        path = path_from(base, value)
         if is_name(value) and not path.exists():
             continue
         holder[key[-1]] = str(path)
         relative = not Path(value).expanduser().is_absolute()
         if relative and key != ("output_dir",) and not path.exists():
             raise _missing_path_error(key)(
-                f"{config_file}{line_of(dotted(key))}: {dotted(key)} {value!r} is not at {path}; "
+                f"{config_file}{line_of(_dotted(key))}: {_dotted(key)} {value!r} is not at {path}; "
                 f"a relative path in a config file is read from the config's folder {base}, not "
                 f"the working directory{_in_working_directory(value, base)} -- fix the path, or "
                 "make it absolute"
