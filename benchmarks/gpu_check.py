@@ -33,9 +33,9 @@ settings, after its own all-device reference (the smallest settings change numer
 8-bit AdamW; that reference keeps them and puts every host placement back on the device); QLoRA
 with the residual stream on the host (it already ran on an H200); LoRA at defaults.
 
-"Smallest settings": every change the budget search makes for a budget nothing fits (`budget._search`
-with 0 bytes, as `benchmarks/memory_8b_h100.py` and the README define the row), with the batch set
-back to 2 (the search's last resort halves it; the row is b2 x 2048).
+"Smallest settings": every change the budget search makes for a budget nothing fits
+(`budget.smallest_settings`, as `benchmarks/memory_8b_h100.py` and the README define the row), with
+the batch kept at 2 (the search's last resort halves it; the row is b2 x 2048).
 
 Results: a JSON line per case in DIR/results.jsonl, flushed as each case ends (a time-out keeps
 what finished), each case's output in DIR/<case>.log, and at the end the table
@@ -212,8 +212,7 @@ def case_config(case: Case, scale: Scale, model: ModelConfig) -> tuple[TrainConf
         budget_bytes = scale.budget_bytes(config, model)
         config, _ = budget.fit_budget(config, model, budget_bytes)
     elif case.search in ("smallest", "smallest-on-device"):
-        config, _ = budget._search(with_lean_defaults(config, model), model, 0)
-        config = config.model_copy(update={"batch_size": scale.batch})
+        config, _ = budget.smallest_settings(config, model)
         if case.search == "smallest-on-device":
             memory = config.memory.model_copy(update=dict.fromkeys(HOST_SETTINGS, "device"))
             config = config.model_copy(update={"memory": memory})

@@ -200,14 +200,15 @@ def plan(
     from featherweight.io.model_source import model_config_from
     from featherweight.memory.budget import describe_changes, parse_budget
     from featherweight.memory.report import plot_plan, print_report, report_json
+    from featherweight.recipe.placement import HOST_SETTINGS
     from featherweight.recipe.schema import parse_config
 
     offloaded = set() if offload == "none" else {part.strip() for part in offload.split(",")}
-    unknown = offloaded - {"residuals", "optimizer_state", "embed", "base"}
+    unknown = offloaded - set(HOST_SETTINGS)
     if unknown:
         raise ConfigError(
             f"--offload {offload!r}: {sorted(unknown)} cannot go to the host; use none, or any of "
-            "residuals,optimizer_state,embed,base"
+            f"{','.join(HOST_SETTINGS)}"
         )
     budget_bytes = None if budget is None else parse_budget(budget)
     requested = parse_config(
@@ -220,10 +221,7 @@ def plan(
             "lora": {"rank": lora_rank},
             "mesh": None if mesh_settings is None else mesh_settings.model_dump(),
             "memory": {
-                "residuals": "host" if "residuals" in offloaded else "device",
-                "optimizer_state": "host" if "optimizer_state" in offloaded else "device",
-                "embed": "host" if "embed" in offloaded else "device",
-                "base": "host" if "base" in offloaded else "device",
+                **{name: "host" if name in offloaded else "device" for name in HOST_SETTINGS},
                 "loss_chunk": loss_chunk,
                 "vocab_chunk": vocab_chunk,
                 "mlp_chunk": mlp_chunk,

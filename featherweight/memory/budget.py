@@ -337,6 +337,19 @@ def _search(
     return config, plan
 
 
+def smallest_settings(
+    config: TrainConfig, model_config: ModelConfig, keep_batch: bool = True
+) -> tuple[TrainConfig, MemoryPlan]:
+    """Every change the budget search makes when nothing fits (a budget of 0 bytes): the
+    smallest step it can plan, and its plan. With `keep_batch`, the micro-batch is set back to
+    the config's (the search's last resort halves it), so the row keeps its shapes."""
+    smallest, plan = _search(with_lean_defaults(config, model_config), model_config, 0)
+    if keep_batch and smallest.batch_size != config.batch_size:
+        smallest = _replace(smallest, None, batch_size=config.batch_size)
+        plan = plan_for_config(smallest, model_config)
+    return smallest, plan
+
+
 def change_costs(
     before: TrainConfig, after: TrainConfig, model_config: ModelConfig, platform: str | None = None
 ) -> dict[str, float]:

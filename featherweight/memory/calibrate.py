@@ -21,7 +21,8 @@ model shapes 1B-8B, each compile takes a minute, and in the fit grid small rando
 S 256-1024 as well). Compiles are slow, so each measurement is
 appended to a progress file (`--progress`, default next to calibration.json) and an interrupted
 run picks up where it stopped. A change to the step's program (attention, chunking) needs a
-re-run: `python -m featherweight.memory.calibrate --target h100 --fresh`.
+re-run: `python -m featherweight.memory.calibrate --target h100 --fresh`; a change to how host
+placements compile only of the cases that use them: `--again-if-host`.
 
 The fit model: planned temporaries = stored activations + the largest phase (backward, loss, and
 in full fine-tuning the untied head's update and the embedding's), each phase a linear function
@@ -48,6 +49,7 @@ from scipy.optimize import nnls
 
 from featherweight.errors import FeatherweightError
 from featherweight.memory import working_set
+from featherweight.memory.components import REBUILT_ON_HOST
 from featherweight.memory.defaults import with_lean_defaults
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.measure import measure_for_target
@@ -55,6 +57,7 @@ from featherweight.memory.report import percent_difference
 from featherweight.memory.targets import Target, get_target
 from featherweight.models.config import ModelConfig, config_from_hf_dict
 from featherweight.models.registry import builtin_config
+from featherweight.recipe.placement import arguments_on_host
 from featherweight.recipe.schema import TrainConfig, parse_config
 
 KEY = "xla-cpu/float32"
@@ -397,11 +400,14 @@ def measure(
     target: str = "cpu",
     progress: Path | None = None,
     reuse: bool = True,
+    again_if_host: bool = False,
 ) -> list[dict[str, Any]]:
     """Compile each case's step for `target` and record what the fit needs (and what reproduces
     the case); cases from index `real_from` on are real model shapes, weighted `REAL_WEIGHT` in
     the fit. With `progress` (a JSON-lines file) each record is appended as it is measured and,
-    with `reuse`, cases already recorded there (the latest record of each) are not compiled again."""
+    with `reuse`, cases already recorded there (the latest record of each) are not compiled again
+    -- except, with `again_if_host`, cases that place step arguments in host memory (after a
+    change to how host placements compile)."""
     done = {}
     if reuse and progress is not None and progress.is_file():
         for line in progress.read_text().splitlines():
@@ -413,7 +419,7 @@ def measure(
         # (recorded as chosen, so a refit plans exactly the measured program)
         config = with_lean_defaults(config, model)
         case = _case_id(model, config)
-        if case not in done:
+        if case not in done or (again_if_host and arguments_on_host(config)):
             measured = measure_for_target(config, model, target)
             done[case] = {
                 "model": model.to_hf_dict(),
@@ -441,7 +447,7 @@ def case_of(record: dict[str, Any]) -> tuple[ModelConfig, TrainConfig]:
 
 
 def _stored_bytes(config: TrainConfig, model: ModelConfig) -> int:
-    names = ("residual_stream", "saved_intermediates")
+    names = ("residual_stream", "saved_intermediates", *REBUILT_ON_HOST)
     # the stored activations do not depend on the counts: any counts do (the stored ones may
     # predate a new count)
     plan = plan_one_device(config, model, calibration=dict.fromkeys(COUNTS, 1.0))
@@ -581,6 +587,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fresh", action="store_true", help="compile every case again (new records are appended)"
     )
+    parser.add_argument(
+        "--again-if-host",
+        action="store_true",
+        help="compile again the cases with host-resident arguments (new records are appended)",
+    )
     args = parser.parse_args(argv)
     target = get_target(args.target)
     gpu = target.platform == "gpu"
@@ -597,9 +608,10 @@ def main(argv: list[str] | None = None) -> int:
         progress = args.progress or path.with_name(f"calibration-{key.replace('/', '-')}.jsonl")
         fit_cases, fit_real, held_cases, held_real = _grids(args)
         print(f"measuring the fit grid ({target.name})", file=sys.stderr)
-        fit_records = measure(fit_cases, fit_real, target.name, progress, not args.fresh)
+        again = args.again_if_host
+        fit_records = measure(fit_cases, fit_real, target.name, progress, not args.fresh, again)
         print("measuring the held-out grid", file=sys.stderr)
-        held_out = measure(held_cases, held_real, target.name, progress, not args.fresh)
+        held_out = measure(held_cases, held_real, target.name, progress, not args.fresh, again)
     compiler = key.split("/")[0]
     counts = fit(fit_records, compiler=compiler)
     fitted = errors_of(fit_records, counts, compiler)

@@ -22,8 +22,9 @@ bytes of the layer-streamed step (featherweight/step/streamed.py) per component:
 
 `temporaries` (what XLA reports as temp) = the stored activations + the peak phase's working set.
 
-Host bytes: residuals placed on host leave the device, and so do the optimizer state, the
-embedding table and the frozen layer stack (`base_layers`: two layers of it are then on the
+Host bytes: residuals placed on host leave the device, and so do the optimizer state (with the
+new state built beside it, `optimizer_state_rebuilt`), the embedding table (trained: rebuilt too)
+and the frozen layer stack (`base_layers`: two layers of it are then on the
 device in the backward phase on an accelerator, `base_layers_in_flight`); XLA CPU has one memory, so on CPU the
 measured total is to be compared with device + host (`MemoryPlan.cpu_comparable_bytes`).
 
@@ -46,6 +47,7 @@ from featherweight.memory.components import (
     HOST_BASE,
     METRIC_BYTES,
     OUTPUTS,
+    REBUILT_ON_HOST,
     MemoryPlan,
     PlanComponent,
 )
@@ -120,6 +122,7 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
                 f"the frozen layer stack, L = {s.L} layers; each comes over one layer ahead",
             )
         )
+    components += _rebuilt_on_host(config, model_config)
     if host_embedding:
         components.append(
             PlanComponent(
@@ -131,6 +134,33 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
             )
         )
     return components
+
+
+def _rebuilt_on_host(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
+    """The host arrays a step writes anew: XLA cannot update host memory in place, so the new
+    optimizer state (and a trained host embedding table) is built in fresh host buffers beside
+    the old ones, which are freed after the step (`parallel/memory_kinds.py`). Host temporaries
+    on a GPU; on XLA:CPU, one memory, they count in temp."""
+    rebuilt = []
+    if config.memory.optimizer_state == "host":
+        rebuilt.append(
+            PlanComponent(
+                REBUILT_ON_HOST[0],
+                optimizer_state_bytes(config, model_config),
+                HOST,
+                "the new optimizer state, written slice by slice into fresh host buffers",
+            )
+        )
+    if config.method == "full" and config.memory.embed == "host":
+        rebuilt.append(
+            PlanComponent(
+                REBUILT_ON_HOST[1],
+                host_embedding_bytes(config, model_config),
+                HOST,
+                "the updated embedding table, written chunk by chunk into a fresh host buffer",
+            )
+        )
+    return rebuilt
 
 
 def _stored(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:

@@ -76,11 +76,20 @@ def comparison_notes(plan: MemoryPlan, measurement: MemoryMeasurement | None) ->
             f"{measurement.compile_seconds:.1f} s compile); no autotuning, cuBLAS/cuDNN "
             "workspaces not counted"
         )
+        if not measurement.compiled:
+            how = "(not compiled as run: see below)"
+        elif measurement.host_argument_bytes:
+            how = (
+                f"(compiled as run: {format_bytes(measurement.host_argument_bytes)} of arguments "
+                "in host memory, placed and checked by the compiler's host-offload pass)"
+            )
+        else:
+            how = "(compiled)"
         notes.append(
-            f"compiled device bytes: {format_bytes(measurement.device_bytes)} "
-            + ("(compiled)" if measurement.compiled else "(derived: see below)")
+            f"compiled device bytes: {format_bytes(measurement.device_bytes)} {how}; not run "
+            "on a GPU"
         )
-        notes += [f"derived: {text}" for text in measurement.derived]
+        notes += [f"not compiled as run: {text}" for text in measurement.derived]
         return notes
     notes.append(
         "diff: (planned - measured) / measured; + means the plan is above what the compiled "

@@ -389,12 +389,15 @@ def _embedding_gradient(s: StepShapes, t: dict[str, int]) -> list[WorkingBuffer]
 def _base_in_flight(config: TrainConfig, layer_bytes: int) -> WorkingBuffer:
     """memory.base: host -- the layers of the frozen base on the device: two on an accelerator
     (the one computing and the next coming over, each a buffer of its own: the copy's
-    destination). XLA:CPU has one memory for both, so its host-to-device copies are no-ops and
-    the two are the layer slices the loop takes with the base on the device too (compiled: the
-    same temp bytes either way), already in `layer_weights`: none more."""
+    destination). XLA:CPU has one memory for both, so the layer computing is the slice the loop
+    takes with the base on the device too (already in `layer_weights`); the next one's move to
+    the device is a copy of its own there (compiled: one layer more than with the base on the
+    device)."""
     if calibration_key(config).startswith("xla-cpu"):
         return WorkingBuffer(
-            "base_layers_in_flight", 0, "XLA:CPU: one memory, the copies are the layer slices"
+            "base_layers_in_flight",
+            layer_bytes,
+            f"XLA:CPU: one memory, the next layer's copy from the host = {layer_bytes}",
         )
     return WorkingBuffer(
         "base_layers_in_flight",

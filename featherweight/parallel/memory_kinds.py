@@ -11,8 +11,8 @@ Four things may live on the host (the device holds only what the current layer n
 
 Every function here keeps to the host-offload rules of XLA's GPU compiler
 (`parallel/offload_rules.py` checks them): a host value is only ever sliced and then moved to the
-device, or written whole from a value moved to the host into a fresh host buffer; nothing computes
-on it in host memory. (Gathers, adds and compares on host arrays, even inside
+device, and a new host array is only ever built from slices moved to the host as the per-step
+outputs of a loop (XLA then allocates it in host memory); nothing computes on it in host memory. (Gathers, adds and compares on host arrays, even inside
 `compute_on("device_host")`, fail to compile on a GPU: XLA error E1200.) On a GPU XLA turns the
 moves into asynchronous copies; on CPU host and device are the same RAM, and the placement shows
 only in the program (memory kinds in the jaxpr and the StableHLO), which is what CPU tests check.
@@ -107,22 +107,6 @@ def scan_layers(body, init, layers, xs, length: int):
         step, (init, first), (device_stacks, xs, jnp.arange(length, dtype=jnp.int32))
     )
     return carry, ys
-
-
-def fresh_like(leaf):
-    """A zero buffer shaped like `leaf` in `leaf`'s memory, to be filled chunk by chunk with
-    `write_rows`: the legal way to build a new host array inside a step (XLA allocates it in host
-    memory; an in-place write into the old host array would be host compute)."""
-    zeros = jnp.zeros(leaf.shape, leaf.dtype)
-    return jax.device_put(zeros, HOST) if on_host(leaf) else zeros
-
-
-def write_rows(buffer, value, start, host: bool):
-    """`value` (on the device) written into `buffer` from row `start`; with `host`, moved to the
-    host first, so the write is a copy into host memory (`buffer` from `fresh_like`)."""
-    if host:
-        value = jax.device_put(value, HOST)
-    return jax.lax.dynamic_update_slice_in_dim(buffer, value, start, 0)
 
 
 def host_row_slice(leaf, start, size: int):

@@ -7,10 +7,11 @@ embedding table trained in host memory builds each chunk's gradient from the bat
 rows that fall in it, so no [V, D] gradient, table or state is ever on the device.
 
 Host-resident leaves obey XLA's host-offload rules (`parallel/offload_rules.py`): each chunk is
-cut out of the old host array and copied over, and the updated chunk is copied back into a fresh
-host buffer (`memory_kinds.write_rows`) that becomes the new leaf -- never an add or an in-place
-write computed on host memory. Host memory therefore holds the old and the new leaf during the
-step (the old one is donated and freed after it); device-resident leaves are updated in place.
+cut out of the old host array and copied over, and the updated chunk leaves the chunk loop as its
+per-chunk output, copied back to the host, where XLA builds the new leaf -- never an add or an
+in-place write computed on host memory, and never a whole-leaf buffer on the device. Host memory
+therefore holds the old and the new leaf during the step (the old one is donated and freed after
+it); device-resident leaves are updated in place.
 
 The tied-embedding rule lives here (`embedding_update`): a tied table is also the LM head, so its
 gradient is the head's gradient of it plus the scattered input cotangent, and it is updated once.
@@ -26,12 +27,10 @@ import optax
 
 from featherweight.errors import StepConfigError
 from featherweight.parallel.memory_kinds import (
-    fresh_like,
     host_row_slice,
     on_host,
     to_device,
     to_host,
-    write_rows,
 )
 from featherweight.step.common import all_finite, scaled, squared_norm
 from featherweight.step.opt_state import guarded_update
@@ -72,21 +71,23 @@ def row_chunked_update(
     """Update `param` [V, D] `chunk` rows at a time -> (param, state, squared gradient norm,
     whether every new row is finite: read from each chunk while it is on the device).
 
-    `grad_rows(start)` gives the gradient of rows [start, start + chunk). Parameter and row-shaped
-    state leaves may be on the host: their rows are read from the old leaf and the new rows copied
-    into a fresh host buffer; device leaves are read and written in place. Scalar leaves (step
-    counts) come out the same from every chunk, so the last chunk's are kept.
+    `grad_rows(start)` gives the gradient of rows [start, start + chunk); `chunk` divides V.
+    Parameter and row-shaped state leaves may be on the host: their rows are read from the old
+    leaf and the new rows leave the scan as its per-chunk outputs, copied to the host (XLA builds
+    the new leaf in host memory; the device holds a chunk of it at a time). Device leaves are
+    read and written in place. Scalar leaves (step counts) come out the same from every chunk,
+    so the last chunk's are kept.
     """
     leaves, treedef = jax.tree.flatten(state)
     row_shaped = [leaf.shape == param.shape for leaf in leaves]
     targets = [param, *(leaf for leaf, r in zip(leaves, row_shaped) if r)]
     hosts = [on_host(leaf) for leaf in targets]
 
-    def chunk_update(index, carry):
-        written, scalars, grad_sq, finite = carry
+    def chunk_update(carry, index):
+        in_place, scalars, grad_sq, finite = carry
         start = index * chunk
         # a host leaf is read from its old array, a device leaf from the one updated in place
-        current = [old if host else new for old, new, host in zip(targets, written, hosts)]
+        current = [old if host else new for old, new, host in zip(targets, in_place, hosts)]
         row_states = iter(current[1:])
         part = [
             _rows(next(row_states), start, chunk) if r else to_device(leaf)
@@ -98,19 +99,26 @@ def row_chunked_update(
         )
         new_leaves = jax.tree.leaves(new_state)
         new_rows = [new_param, *(new for new, r in zip(new_leaves, row_shaped) if r)]
-        written = [
-            write_rows(buffer, rows, start, host)
-            for buffer, rows, host in zip(written, new_rows, hosts)
+        in_place = [
+            buffer if host else jax.lax.dynamic_update_slice_in_dim(buffer, rows, start, 0)
+            for buffer, rows, host in zip(in_place, new_rows, hosts)
         ]
+        outputs = [to_host(rows) if host else None for rows, host in zip(new_rows, hosts)]
         scalars = [new for new, r in zip(new_leaves, row_shaped) if not r]
         finite = finite & all_finite(new_param)
-        return written, scalars, grad_sq + squared_norm(grad), finite
+        return (in_place, scalars, grad_sq + squared_norm(grad), finite), outputs
 
-    start = [fresh_like(leaf) if host else leaf for leaf, host in zip(targets, hosts)]
+    start = [None if host else leaf for leaf, host in zip(targets, hosts)]
     scalars = [to_device(leaf) for leaf, r in zip(leaves, row_shaped) if not r]
-    written, scalars, grad_sq, finite = jax.lax.fori_loop(
-        0, param.shape[0] // chunk, chunk_update, (start, scalars, jnp.float32(0), jnp.bool_(True))
+    (in_place, scalars, grad_sq, finite), outputs = jax.lax.scan(
+        chunk_update,
+        (start, scalars, jnp.float32(0), jnp.bool_(True)),
+        jnp.arange(param.shape[0] // chunk),
     )
+    written = [
+        out.reshape(leaf.shape) if host else new
+        for leaf, new, out, host in zip(targets, in_place, outputs, hosts)
+    ]
     row_leaves, scalars = iter(written[1:]), iter(scalars)
     merged = [
         next(row_leaves) if r else (to_host(next(scalars)) if on_host(old) else next(scalars))

@@ -1,6 +1,7 @@
 """The train step compiled for an H100 on this machine (XLA's GPU compiler, no GPU): the JSON
-`featherweight plan --target h100` gives, host bytes as compiled or derived, and the plan within
-10% of the compile."""
+`featherweight plan --target h100` gives, host-resident arguments compiled as they run (the
+compiler's host-offload pass places them and reports their bytes), and the plan within 10% of
+the compile."""
 
 import json
 
@@ -44,15 +45,11 @@ def test_the_json_says_what_was_compiled_for_which_target(h100_report):
     assert report["planned_total_bytes"] == (
         report["planned_device_bytes"] + report["planned_host_bytes"]
     )
-    # host bytes: the residuals as XLA's host temporaries (compiled), the optimizer state given
-    # to the compiler as a device array and its exact bytes counted as host (derived)
-    assert (
-        report["measured_total_bytes"] - report["measured_device_bytes"]
-        == (report["planned_host_bytes"])
-    )
-    assert (
-        len(report["measured_derived"]) == 1 and "optimizer_state" in report["measured_derived"][0]
-    )
+    # host bytes, all the compiler's own: the optimizer state as host arguments, the residuals
+    # and the state's new slices as host temporaries -- nothing counted by featherweight
+    assert report["measured_derived"] == []
+    measured_host = report["measured_total_bytes"] - report["measured_device_bytes"]
+    assert abs(percent_difference(report["planned_host_bytes"], measured_host)) <= 10.0
     assert report["verdict"].startswith("fits:") and "H100" in report["verdict"]
     assert (
         report["settings"]["calibration"] == "xla-gpu/bfloat16"

@@ -10,13 +10,12 @@ import pytest
 
 from featherweight.models.llama import embed
 from featherweight.parallel.memory_kinds import (
-    fresh_like,
     host_slice,
     host_table_rows,
     on_host,
     placed_like,
     table_chunk,
-    write_rows,
+    to_host,
 )
 from featherweight.parallel.offload_rules import check_host_offload
 from featherweight.step.loss import token_losses_sum
@@ -74,17 +73,17 @@ def test_the_loss_reads_a_host_table_one_vocabulary_chunk_at_a_time():
     assert not check_host_offload(loss_and_grad, hidden, host_table)
 
 
-def test_host_stacks_are_sliced_on_the_host_and_rebuilt_in_a_fresh_host_buffer():
+def test_host_stacks_are_sliced_on_the_host_and_rebuilt_from_a_loops_outputs():
     stack = jax.device_put(jnp.arange(24.0).reshape(4, 3, 2), HOST_SHARDING)
 
     @jax.jit
     def update_each_layer(stack):
-        def body(index, new):
+        def body(_, index):
             layer = host_slice(stack, index)
             assert not on_host(layer)
-            return write_rows(new, (layer + 1.0)[None], index, host=True)
+            return None, to_host(layer + 1.0)
 
-        return jax.lax.fori_loop(0, 4, body, fresh_like(stack))
+        return jax.lax.scan(body, None, jnp.arange(4))[1]
 
     result = update_each_layer(stack)
     np.testing.assert_array_equal(result, jnp.arange(24.0).reshape(4, 3, 2) + 1.0)
