@@ -49,7 +49,7 @@ from scipy.optimize import nnls
 
 from featherweight.errors import FeatherweightError
 from featherweight.memory import working_set
-from featherweight.memory.components import REBUILT_ON_HOST
+from featherweight.memory.components import HOST, REBUILT_ON_HOST
 from featherweight.memory.defaults import with_lean_defaults
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.measure import measure_for_target
@@ -446,12 +446,26 @@ def case_of(record: dict[str, Any]) -> tuple[ModelConfig, TrainConfig]:
     return model, TrainConfig.model_validate(record["config"])
 
 
-def _stored_bytes(config: TrainConfig, model: ModelConfig) -> int:
-    names = ("residual_stream", "saved_intermediates", *REBUILT_ON_HOST)
+STORED = ("residual_stream", "saved_intermediates")
+
+
+def _outside_working_set(record: dict[str, Any], config: TrainConfig, model: ModelConfig) -> int:
+    """Bytes of a record's temporaries that no count multiplies: the stored activations
+    (planned exactly, wherever placed) and the host arrays a step rebuilds (`REBUILT_ON_HOST`):
+    measured where the compiler keeps host temporaries apart (a GPU compile: its host bytes
+    beyond the host arguments and the stored activations), planned where it has one memory
+    (XLA:CPU counts them in temp)."""
     # the stored activations do not depend on the counts: any counts do (the stored ones may
     # predate a new count)
     plan = plan_one_device(config, model, calibration=dict.fromkeys(COUNTS, 1.0))
-    return sum(c.bytes for c in plan.components if c.name in names)
+    stored = [c for c in plan.components if c.name in STORED]
+    stored_on_host = sum(c.bytes for c in stored if c.placement == HOST)
+    rebuilt = sum(c.bytes for c in plan.components if c.name in REBUILT_ON_HOST)
+    host_arguments = plan.host_bytes - stored_on_host - rebuilt
+    host_temp = record["total_bytes"] - record["device_bytes"] - host_arguments
+    if host_temp > stored_on_host:  # the compiler's own count of what the step rebuilt
+        rebuilt = host_temp - stored_on_host
+    return sum(c.bytes for c in stored) + rebuilt
 
 
 def _phase_rows(record: dict[str, Any]) -> dict[str, tuple[np.ndarray, float]]:
@@ -467,7 +481,7 @@ def _phase_rows(record: dict[str, Any]) -> dict[str, tuple[np.ndarray, float]]:
         rows[phase] = (coefficients, float(sum(terms[name] for name in FIXED[phase])))
     return (
         rows,
-        float(record["temp_bytes"] - _stored_bytes(config, model)),
+        float(record["temp_bytes"] - _outside_working_set(record, config, model)),
         float(record["total_bytes"]) / record.get("weight", 1.0),  # a weight scales the residual
     )
 
@@ -616,8 +630,18 @@ def main(argv: list[str] | None = None) -> int:
     counts = fit(fit_records, compiler=compiler)
     fitted = errors_of(fit_records, counts, compiler)
     checked = errors_of(held_out, counts, compiler)
+    previous = data["calibrations"].get(key, {})
+    measured = previous.get("measured", previous.get("date"))
+    if not args.refit:
+        today = datetime.date.today().isoformat()
+        measured = (
+            f"cases with host-resident arguments {today}, the others as of {measured}"
+            if args.again_if_host and measured
+            else today
+        )
     data["calibrations"][key] = {
         **_provenance(target, args.dtype),
+        "measured": measured,
         "fit": "non-negative least squares on the temporaries' error relative to the total, peak "
         "phase reassigned until stable; counts rounded to 0.01",
         "counts": counts,

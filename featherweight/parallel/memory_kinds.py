@@ -132,12 +132,15 @@ def host_table_rows(table: jax.Array, row_ids: jax.Array, chunk: int | None = No
 
     XLA cannot gather from host memory, so the table streams over `chunk` rows at a time (the
     next chunk copied while the current one is read) and each chunk gives the rows whose ids fall
-    in it: the device holds two chunks and the result, and the whole table crosses the host link
-    once. Ids must be in range (token ids are validated before the step).
+    in it: the device holds two chunks and the result (a table of one chunk: that chunk), and
+    the whole table crosses the host link once. Ids must be in range (token ids are validated
+    before the step).
     """
     vocab = table.shape[0]
     chunk = min(chunk or table_chunk(vocab), vocab)
     count = -(-vocab // chunk)
+    if count == 1:  # a table of one chunk comes over whole, once
+        return jnp.take(jax.device_put(table, DEVICE), row_ids, axis=0)
 
     def rows_of(index):
         return host_row_slice(table, jnp.minimum(index * chunk, vocab - chunk), chunk)
