@@ -50,6 +50,7 @@ from featherweight.errors import BudgetError, ConfigError
 from featherweight.memory.defaults import with_lean_defaults
 from featherweight.memory.plan import MemoryPlan, plan_for_config
 from featherweight.memory.step_cost import DeviceRates, rates_for, seconds_per_token
+from featherweight.memory.working_set import plan_reserve
 from featherweight.models.config import ModelConfig
 from featherweight.parallel.sharding import planning_mesh
 from featherweight.recipe.placement import check_placements
@@ -396,21 +397,32 @@ def _alternatives(
 
 
 def fit_budget(
-    config: TrainConfig, model_config: ModelConfig, budget_bytes: int
+    config: TrainConfig,
+    model_config: ModelConfig,
+    budget_bytes: int,
+    reserve: float | None = None,
 ) -> tuple[TrainConfig, MemoryPlan]:
     """(config that fits `budget_bytes` of device memory, its plan), changing settings in the
-    order of `PREFERENCE` only as far as needed. Raises `BudgetError` when nothing fits."""
+    order of `PREFERENCE` only as far as needed. Raises `BudgetError` when nothing fits.
+
+    The plan must fit the budget less `reserve` (a fraction; default the calibration's
+    `plan_reserve`: how far below its compiled step a plan fell at worst on the held-out grid),
+    so that the compiled step, not only its plan, fits the budget."""
     if budget_bytes <= 0:
         raise ConfigError(f"budget of {budget_bytes} bytes must be positive, e.g. 8GiB")
     config = with_lean_defaults(config, model_config)
-    fitted, plan = _search(config, model_config, budget_bytes)
-    if plan.device_bytes <= budget_bytes:
+    reserve = plan_reserve(config) if reserve is None else reserve
+    target = int(budget_bytes * (1 - reserve))
+    fitted, plan = _search(config, model_config, target)
+    if plan.device_bytes <= target:
         return fitted, plan
     largest = plan.largest_component()
-    shortfall = (plan.device_bytes - budget_bytes) / GIB
+    shortfall = (plan.device_bytes - target) / GIB
+    budget_bytes = target
     options = [text for text, _ in _alternatives(fitted, model_config, budget_bytes)]
     raise BudgetError(
-        f"nothing fits {budget_bytes / GIB:.2f} GiB: the smallest plan "
+        f"nothing fits {budget_bytes / GIB:.2f} GiB (the budget less {reserve:.1%} kept for the "
+        f"plan's error): the smallest plan "
         f"({', '.join(describe_changes(config, fitted)) or 'as configured'}) needs "
         f"{plan.device_bytes / GIB:.2f} GiB, {shortfall:.2f} GiB short; largest component: "
         f"{largest.name} ({largest.bytes / GIB:.2f} GiB). "

@@ -549,6 +549,13 @@ def _worst(rows: list[dict[str, Any]], key: str) -> float:
     return max(abs(row[key]) for row in rows)
 
 
+def plan_reserve_percent(rows: list[dict[str, Any]], gpu: bool) -> float:
+    """The largest amount, in percent, by which a plan fell below its compiled step on `rows`
+    (`errors_of`; device bytes for a GPU compiler, device + host for XLA:CPU's one memory)."""
+    key = "device_error" if gpu else "total_error"
+    return round(max(0.0, *(-row[key] for row in rows)), 2)
+
+
 def calibration_path() -> Path:
     return Path(working_set.__file__).with_name("calibration.json")
 
@@ -650,6 +657,9 @@ def main(argv: list[str] | None = None) -> int:
         "held_out_worst_temp_error_percent": round(_worst(checked, "temp_error"), 2),
         "held_out_worst_total_error_percent": round(_worst(checked, "total_error"), 2),
         "held_out_worst_device_error_percent": round(_worst(checked, "device_error"), 2),
+        # how far below its compile a plan fell at worst on the held-out grid (device bytes on a
+        # GPU, device + host on XLA:CPU): the budget search keeps it in reserve
+        "plan_reserve_percent": plan_reserve_percent(checked, gpu),
         "fit_measurements": fit_records,
         "held_out_measurements": held_out,
     }

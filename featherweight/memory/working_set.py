@@ -154,6 +154,15 @@ def calibration_counts(key: str = DEFAULT_CALIBRATION) -> dict[str, float]:
     return dict(calibrations[key]["counts"])
 
 
+def plan_reserve(config: TrainConfig) -> float:
+    """The fraction of a budget the budget search keeps in reserve for the plan's own error:
+    how far below its compiled step a plan fell at worst on the calibration's held-out grid
+    (`plan_reserve_percent` in calibration.json; 0 for a calibration without it)."""
+    calibrations = json.loads(CALIBRATION_FILE.read_text())["calibrations"]
+    entry = calibrations.get(calibration_key(config), {})
+    return entry.get("plan_reserve_percent", 0.0) / 100
+
+
 def attention_of(
     config: TrainConfig, model_config: ModelConfig, target: AttentionTarget | None = None
 ) -> str:

@@ -22,6 +22,7 @@ from featherweight.memory.budget import (
 from featherweight.memory.defaults import with_lean_defaults
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.step_cost import CPU_RATES, head_matmul_bytes, step_seconds
+from featherweight.memory.working_set import calibration_for, plan_reserve
 from featherweight.models.registry import builtin_config
 from featherweight.recipe.schema import parse_config
 
@@ -63,10 +64,10 @@ SMOL_FULL = {"method": "full", "batch_size": 4, "data": {"seq_len": 1024}}
 def test_a_budget_at_the_total_keeps_the_plan_and_one_byte_less_changes_it(model, values):
     config, model_config = config_of(**values), builtin_config(model)
     plan = plan_for_config(config, model_config)
-    kept, kept_plan = fit_budget(config, model_config, plan.device_bytes)
+    kept, kept_plan = fit_budget(config, model_config, plan.device_bytes, reserve=0.0)
     assert kept == with_lean_defaults(config, model_config) and kept_plan == plan
     try:
-        smaller, smaller_plan = fit_budget(config, model_config, plan.device_bytes - 1)
+        smaller, smaller_plan = fit_budget(config, model_config, plan.device_bytes - 1, reserve=0.0)
     except BudgetError:
         return
     assert smaller != kept
@@ -79,7 +80,7 @@ def test_loss_chunk_is_tried_first_when_the_logits_are_the_peak():
     config, model = config_of(**whole_sequence), builtin_config("SmolLM2-135M")
     plan = plan_for_config(config, model)
     assert plan.peak_phase == "loss"
-    fitted, _ = fit_budget(config, model, plan.device_bytes - 1)
+    fitted, _ = fit_budget(config, model, plan.device_bytes - 1, reserve=0.0)
     assert describe_changes(config, fitted) == [f"memory.loss_chunk: None -> {1024 // 2}"]
 
 
@@ -100,7 +101,7 @@ def test_micro_batch_comes_last_and_every_kept_change_is_needed():
     )
     floor = plan_for_config(everything_else, model).device_bytes
     budget = floor - 2**20  # below what the other settings reach
-    fitted, plan = fit_budget(config, model, budget)
+    fitted, plan = fit_budget(config, model, budget, reserve=0.0)
     assert describe_changes(config, fitted)[-1].startswith("batch_size: 4 -> ")
     assert plan.device_bytes <= budget
     start = with_lean_defaults(config, model)
@@ -132,7 +133,7 @@ def test_the_search_weighs_time_a_vocabulary_chunk_only_when_needed():
         assert costs["memory.vocab_chunk"] == pytest.approx(expected / base, rel=1e-6)
         assert (costs["memory.vocab_chunk"] > 0.03) == (method == "full")
         plan = plan_for_config(config, model)
-        fitted, _ = fit_budget(config, model, plan.device_bytes - 2**20)
+        fitted, _ = fit_budget(config, model, plan.device_bytes - 2**20, reserve=0.0)
         if method == "full":
             assert fitted.memory.vocab_chunk is None
         elif with_lean_defaults(config, model).memory.vocab_chunk is None and (
@@ -162,7 +163,7 @@ def test_a_frozen_heads_sequence_chunk_costs_the_heads_bytes_and_comes_after_its
     by_vocabulary = change_costs(whole, _replace(whole, "memory", vocab_chunk=4096), model, "cpu")
     assert by_sequence["memory.loss_chunk"] > 5 * by_vocabulary["memory.vocab_chunk"] > 0
     plan = plan_for_config(whole, model)
-    fitted, _ = fit_budget(whole, model, plan.device_bytes - 2**20)
+    fitted, _ = fit_budget(whole, model, plan.device_bytes - 2**20, reserve=0.0)
     assert fitted.memory.vocab_chunk is not None and fitted.memory.loss_chunk is None
 
 
@@ -170,13 +171,15 @@ def test_nothing_fits_names_the_largest_component_the_shortfall_and_options():
     config, model = config_of(**LLAMA_QLORA), builtin_config("Llama-3.1-8B")
     _, smallest = _search(with_lean_defaults(config, model), model, 0)  # every change that helps
     with pytest.raises(BudgetError) as error:
-        fit_budget(config, model, smallest.device_bytes - 2**20)  # just short of it at 2048 tokens
+        fit_budget(
+            config, model, smallest.device_bytes - 2**20, reserve=0.0
+        )  # just short of it at 2048 tokens
     message = str(error.value)
     assert "largest component: base_layers" not in message  # a host component holds no device
     assert "GiB short" in message
     assert "seq 1024 fits at" in message
     with pytest.raises(BudgetError, match="No shorter sequence"):
-        fit_budget(config, model, GIB // 4)
+        fit_budget(config, model, GIB // 4, reserve=0.0)
 
 
 def test_the_trainer_entry_point_uses_memory_budget():
@@ -205,14 +208,14 @@ def test_the_base_goes_to_the_host_last_and_only_when_nothing_cheaper_fits():
             "model": {"dtype": "bfloat16"},
         }
     )
-    fitted, plan = fit_budget(config, model, 4 * GIB)
+    fitted, plan = fit_budget(config, model, 4 * GIB, reserve=0.0)
     assert fitted.memory.base == "host" and plan.device_bytes <= 4 * GIB
     assert "memory.base: device -> host" in describe_changes(config, fitted)
     residuals = _replace(with_lean_defaults(config, model), "memory", residuals="host")
     budget = plan_for_config(residuals, model).device_bytes
     base = _replace(with_lean_defaults(config, model), "memory", base="host")
     assert plan_for_config(base, model).device_bytes <= budget  # the base alone would fit too
-    fitted, _ = fit_budget(config, model, budget)
+    fitted, _ = fit_budget(config, model, budget, reserve=0.0)
     assert fitted.memory.base == "device"
 
 
@@ -230,3 +233,19 @@ def test_plan_fits_llama_70b_qlora_in_16_gib_of_an_rtx_4090_with_the_base_on_the
     assert "fits:" in text and "memory.base: device -> host" in text
     assert re.search(r"host memory: \d+\.\d+ GiB pinned \(the frozen base 3\d\.\d+ GiB\)", text)
     assert re.search(r"estimate \(RTX 4090, published peaks\).* s at the link's rate", text)
+
+
+def test_a_budget_keeps_the_plans_error_in_reserve():
+    """`memory.budget` and `plan --budget` fit the plan to the budget less the calibration's
+    reserve: how far below its compiled step a plan fell at worst on the held-out grid, so the
+    compiled step fits too (tests/memory/test_measure_gpu.py compiles the 5.5 GiB answer)."""
+    model = builtin_config("Llama-3.1-8B")
+    config = config_of(method="qlora", batch_size=2, data={"seq_len": 2048})
+    budget = parse_budget("5.5GiB")
+    with calibration_for("xla-gpu"):
+        reserve = plan_reserve(with_lean_defaults(config, model))
+        assert 0.0 < reserve < 0.15
+        _, plan = fit_budget(config, model, budget)
+        assert plan.device_bytes <= budget * (1 - reserve)
+        _, without = fit_budget(config, model, budget, reserve=0.0)
+    assert without.device_bytes > budget * (1 - reserve)  # the reserve changed the answer

@@ -9,10 +9,13 @@ import pytest
 from typer.testing import CliRunner
 
 from featherweight.cli.main import app
+from featherweight.memory.budget import fit_budget, parse_budget
+from featherweight.memory.measure import measure_for_target
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import percent_difference
 from featherweight.memory.working_set import calibration_for
 from featherweight.models.config import config_from_hf_dict
+from featherweight.models.registry import builtin_config
 from featherweight.parallel.backend import cuda_plugin_installed
 from featherweight.recipe.schema import parse_config
 
@@ -71,3 +74,20 @@ def test_a_plan_that_forgets_the_offload_misses_the_compile(h100_report):
         plan = plan_for_config(parse_config(settings), config_from_hf_dict(SMALL, source="test"))
     error = percent_difference(plan.device_bytes, h100_report["measured_device_bytes"])
     assert abs(error) > 10.0, error
+
+
+@pytest.mark.slow
+def test_the_answer_to_a_budget_compiles_within_it():
+    """Llama-3.1-8B QLoRA b2 x 2048 at a 5.5 GiB budget: the settings the budget search picks
+    compile for the H100 (host placements as they run) within 5.5 GiB of device memory. The
+    negative control: the search without the plan's error in reserve picks settings whose plan
+    fits but whose compile does not."""
+    model = builtin_config("Llama-3.1-8B")
+    settings = {"method": "qlora", "batch_size": 2, "model": {"dtype": "bfloat16"},
+                "data": {"seq_len": 2048}}  # fmt: skip
+    budget = parse_budget("5.5GiB")
+    with calibration_for("xla-gpu"):
+        fitted, _ = fit_budget(parse_config(settings), model, budget)
+        bare, bare_plan = fit_budget(parse_config(settings), model, budget, reserve=0.0)
+    assert measure_for_target(fitted, model, "h100").device_bytes <= budget
+    assert bare_plan.device_bytes <= budget < measure_for_target(bare, model, "h100").device_bytes
