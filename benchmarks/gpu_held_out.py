@@ -26,6 +26,7 @@ from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import format_bytes, percent_difference
 from featherweight.memory.targets import get_target
 from featherweight.memory.working_set import calibration_for
+from featherweight.recipe.placement import arguments_on_host
 
 CALIBRATIONS = json.loads(calibrate.calibration_path().read_text())["calibrations"]
 
@@ -70,8 +71,8 @@ def main() -> None:
         f"Compiled: XLA's GPU compiler for the {target.description} without a GPU (deviceless, "
         f"jax[cuda12-local] {jax.__version__}), on a shared 2-core CPU machine. Planned: "
         "`featherweight plan --target` (calibration xla-gpu/bfloat16, fitted on another grid). "
-        "Device bytes: host-resident arrays and temporaries left out; rows with optimizer state "
-        "or embedding on the host are derived (compiled as device arrays, exact bytes subtracted).",
+        "Device bytes: host-resident arrays and temporaries left out; host placements compiled "
+        "as they run (the compiler's host-offload pass places them). Not run on a GPU.",
         "",
         "| model | settings | planned device | compiled device | error | how |",
         "| --- | --- | ---: | ---: | ---: | --- |",
@@ -82,11 +83,11 @@ def main() -> None:
             plan = plan_for_config(config, model)
         error = percent_difference(plan.device_bytes, record["device_bytes"])
         errors.append(error)
-        derived = config.memory.optimizer_state == "host" or config.memory.embed == "host"
+        as_run = bool(arguments_on_host(config))
         lines.append(
             f"| {model.num_layers} layers, D {model.hidden_size} | {_settings(config)} | "
             f"{format_bytes(plan.device_bytes)} | {format_bytes(record['device_bytes'])} | "
-            f"{error:+.1f}% | {'derived' if derived else 'compiled'} |"
+            f"{error:+.1f}% | {'compiled as run' if as_run else 'compiled'} |"
         )
     worst = max(errors, key=abs)
     cpu = CALIBRATIONS["xla-cpu/float32"]["held_out_worst_total_error_percent"]
