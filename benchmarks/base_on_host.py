@@ -46,7 +46,8 @@ from featherweight.parallel.memory_kinds import to_host
 from featherweight.peft.lora import LoraConfig, init_lora
 from featherweight.recipe.schema import parse_config
 from featherweight.step.loss import batch_from_tokens
-from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
+from featherweight.step.opt_state import init_streamed_opt_state
+from featherweight.step.streamed import build_streamed_step
 
 GIB = 2**30
 CASES = {  # name: (model, batch, seq, budget in GiB, goal)

@@ -24,8 +24,9 @@ from results_file import emit
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
 from featherweight.step.loss import batch_from_tokens
+from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.reference import build_reference_step
-from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
+from featherweight.step.streamed import build_streamed_step
 
 MIB = 2**20
 CLIP = 1.0

@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from results_file import emit
 
-from featherweight.memory.defaults import with_lean_defaults
+from featherweight.memory.defaults import resolve
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.measure import measure_compiled
 from featherweight.models.config import ModelConfig
@@ -40,8 +40,9 @@ from featherweight.models.registry import builtin_config
 from featherweight.peft.lora import LoraConfig, init_lora
 from featherweight.recipe.schema import parse_config
 from featherweight.step.loss import batch_from_tokens
+from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.policy import MemoryPolicy
-from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
+from featherweight.step.streamed import build_streamed_step
 
 IMPLEMENTATIONS = ("blockwise", "materialized")
 MIB, GIB = 2**20, 2**30
@@ -70,8 +71,8 @@ def memory(seqs: list[int], out: str | None) -> None:
                 },
                 source="benchmark",
             )
-            # what the trainer runs and `measure_compiled` compiles: unset chunks chosen
-            config = with_lean_defaults(config, model)
+            # what the trainer runs and `measure_compiled` compiles: "auto" chunks chosen
+            config = resolve(config, model)
             plan = plan_one_device(config, model)
             measured = measure_compiled(config, model)
             planned_temp = plan.measured_groups()["temporaries"]

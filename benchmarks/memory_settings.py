@@ -2,7 +2,7 @@
 
 SmolLM2-135M shapes (random weights: only shapes matter), batch 2 x 256 tokens, float32, AdamW,
 LoRA r8 on every linear (and QLoRA, and full fine-tuning). Each variant is the trainer's own step
-(`train.setup` via `memory.measure.abstract_step_arguments`), compiled once: its bytes are the
+(`train.run.prepare_run`'s, via `memory.measure.abstract_step_arguments`), compiled once: its bytes are the
 compiled program's `memory_analysis()` (device bytes: temp + argument + output - alias, less the
 arguments placed in pinned host memory), its matmul FLOPs are counted in its optimized HLO
 (`memory.step_cost.hlo_dot_flops`). Times are paired ratios against the default measured in the
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from results_file import emit
 
-from featherweight.memory.defaults import with_lean_defaults
+from featherweight.memory.defaults import resolve
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.measure import (
     abstract_step_arguments,
@@ -183,7 +183,7 @@ def target_report(args, model) -> list[str]:
         for index, (name, method, memory, quantize_head) in enumerate(VARIANTS[args.method]):
             if index and args.only not in name:
                 continue
-            config = with_lean_defaults(
+            config = resolve(
                 _config(method, memory, quantize_head, args.batch, args.seq, args.dtype), model
             )
             if not memory:
@@ -249,7 +249,7 @@ def main() -> None:
     compiled = []
     variants = [v for i, v in enumerate(VARIANTS[args.method]) if not i or args.only in v[0]]
     for name, method, memory, quantize_head in variants:
-        config = with_lean_defaults(
+        config = resolve(
             _config(method, memory, quantize_head, args.batch, args.seq, args.dtype or "float32"),
             model,
         )

@@ -5,7 +5,7 @@ SmolLM2-135M shapes (random weights: only shapes matter), batch 2 x 256 tokens, 
 fine-tuning). Three steps per method, on the same random tokens:
 
 - featherweight: the trainer's own step at the method's default memory settings
-  (`memory.measure.abstract_step_arguments`: `train.setup` after `with_lean_defaults`, built from
+  (`memory.measure.abstract_step_arguments`: `prepare_run`'s step after `resolve`, built from
   the config `benchmarks/memory_settings.py` builds);
 - the plain-JAX peer (`benchmarks/peer_jax.py`): the same model written straightforwardly, each
   layer under `jax.checkpoint` in a `lax.scan`, full-logits loss, `jax.value_and_grad` of the
@@ -52,7 +52,7 @@ from peer_jax import build_peer_step
 from peer_torch import build_torch_step
 from results_file import emit
 
-from featherweight.memory.defaults import with_lean_defaults
+from featherweight.memory.defaults import resolve
 from featherweight.memory.measure import abstract_step_arguments, measurement_of
 from featherweight.memory.step_cost import hlo_dot_flops
 from featherweight.models.init import init_params
@@ -145,7 +145,7 @@ def _measure_method(method: str, args, model, key) -> dict:
     return {
         "measured": (fw_measured, peer_measured),
         "flops": (fw_flops, peer_flops),
-        "chunks": chosen_chunks(with_lean_defaults(config, model)),
+        "chunks": chosen_chunks(resolve(config, model)),
         "cpu": cpu,
         "wall": wall,
     }

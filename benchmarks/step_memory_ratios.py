@@ -23,9 +23,10 @@ from streamed_step import SMOLLM2_135M
 from featherweight.models.config import ModelConfig
 from featherweight.models.shapes import abstract_params
 from featherweight.step.loss import Batch
+from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.reference import build_reference_step
-from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
+from featherweight.step.streamed import build_streamed_step
 
 MIB = 2**20
 WIDE_32 = ModelConfig(

@@ -20,9 +20,10 @@ from results_file import emit
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
 from featherweight.step.loss import batch_from_tokens
+from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.reference import build_reference_step
-from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
+from featherweight.step.streamed import build_streamed_step
 
 SMOLLM2_135M = ModelConfig(
     model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

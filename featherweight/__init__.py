@@ -9,7 +9,8 @@ Public API (pure functions over pytrees; frozen and trainable parameters always 
   (`jax.grad`), `init_streamed_opt_state`, `MemoryPolicy`, `Batch`, `adamw_8bit`
 - training: `TrainConfig`, `load_config`, `train`, `export_run`, `export_merged`, `export_peft`,
   `export_merged_gguf`, `export_adapter_gguf` (llama.cpp / Ollama)
-- memory: `plan_for_config`, `fit_budget`, `measure_compiled`, `measure_device_peak`,
+- memory: `resolve` (every "auto" setting chosen from the shapes: what is planned, built and
+  recorded), `plan_for_config`, `fit_budget`, `measure_compiled`, `measure_device_peak`,
   `host_base_estimate` (`memory.base: host`: transfer and compute per step on a target);
   `load_model(..., layers_on_host=True)` loads a base for it
 """
@@ -27,6 +28,7 @@ from featherweight.io.model_source import model_config_from
 from featherweight.io.peft_export import export_merged, export_peft
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.memory.budget import fit_budget, parse_budget, plan_within_budget
+from featherweight.memory.defaults import resolve
 from featherweight.memory.measure import MemoryMeasurement, measure_compiled, measure_device_peak
 from featherweight.memory.plan import MemoryPlan, plan_for_config
 from featherweight.memory.step_cost import host_base_estimate
@@ -38,9 +40,10 @@ from featherweight.peft.lora import LoraConfig, init_lora, merge_lora_weight, qu
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
 from featherweight.recipe.schema import TrainConfig, load_config
 from featherweight.step.loss import Batch
+from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.reference import build_reference_step
-from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
+from featherweight.step.streamed import build_streamed_step
 from featherweight.train.export_run import export_run
 from featherweight.train.loop import train
 
@@ -90,6 +93,7 @@ __all__ = [
     "plan_within_budget",
     "quantize_frozen_base",
     "quantize_nf4",
+    "resolve",
     "scale_by_adam_8bit",
     "train",
 ]

@@ -9,6 +9,7 @@ naming it; so does an import that goes against the layer order `docs/DESIGN.md` 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import featherweight
@@ -141,3 +142,50 @@ def test_the_finder_finds_a_cycle():
     edges["featherweight.quant.nf4"] = {*edges["featherweight.quant.nf4"], "featherweight.cli.main"}
     assert find_cycle(edges) is not None
     assert find_cycle(package_edges(edges)) is not None
+
+
+# --- docs/DESIGN.md names only modules that exist -------------------------------------------------
+
+DESIGN = PACKAGE_ROOT.parent / "docs" / "DESIGN.md"
+REPO_FOLDERS = ("tests/", "benchmarks/", "docs/", "featherweight/")
+
+
+def named_files(text: str) -> set[str]:
+    """Every file a design text names in backticks: `memory/plan.py`, `plan.py`, `targets.json`
+    (a path is read from the package unless it starts with a repository folder)."""
+    return set(re.findall(r"`([\w/]+\.(?:py|json|md))`", text))
+
+
+def missing_files(names: set[str]) -> list[str]:
+    package_files = {path.name for path in PACKAGE_ROOT.rglob("*") if path.is_file()}
+    missing = []
+    for name in sorted(names):
+        if "/" not in name:
+            found = name in package_files
+        elif name.startswith(REPO_FOLDERS):
+            found = (PACKAGE_ROOT.parent / name).is_file()
+        else:
+            found = (PACKAGE_ROOT / name).is_file()
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def test_every_module_the_design_names_exists():
+    names = named_files(DESIGN.read_text())
+    assert len(names) > 30  # the design does name its modules
+    assert not missing_files(names), missing_files(names)
+
+
+def test_every_package_of_the_layer_line_is_in_the_design_and_exists():
+    text = DESIGN.read_text()
+    for layer in LAYERS:
+        named = f"`{layer}.py`" if layer == "errors" else f"`{layer}/`"
+        assert named in text, named
+        assert (PACKAGE_ROOT / layer).is_dir() or (PACKAGE_ROOT / f"{layer}.py").is_file()
+
+
+def test_the_design_check_finds_a_missing_module():
+    # negative control: a name planted in the design's text is reported missing
+    planted = DESIGN.read_text() + "\nsee `memory/verdict.py` and `sharding_rules.py`\n"
+    assert missing_files(named_files(planted)) == ["memory/verdict.py", "sharding_rules.py"]

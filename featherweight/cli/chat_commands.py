@@ -40,7 +40,8 @@ def chat(
     """Chat through the chat template (the run's data.chat_template when it set one); /exit ends."""
     from featherweight.io.embedded_model import require_demo_model
     from featherweight.io.loader import load_model
-    from featherweight.train.run_model import chat_replies, is_run_dir, load_run_model
+    from featherweight.train.run_model import chat_replies, load_run_model
+    from featherweight.train.saved_run import is_run_dir
 
     if model is not None and is_run_dir(model):
         loaded, step = load_run_model(model)

@@ -6,7 +6,7 @@ import contextlib
 import math
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, NamedTuple
 
 import typer
 
@@ -64,7 +64,8 @@ def generate(
     A run directory generates with its latest checkpoint (base + adapters, no export needed)."""
     from featherweight.inference.generate import generate as generate_text
     from featherweight.io.loader import load_model
-    from featherweight.train.run_model import is_run_dir, load_run_model
+    from featherweight.train.run_model import load_run_model
+    from featherweight.train.saved_run import is_run_dir
 
     if model is not None and is_run_dir(model):
         loaded, _ = load_run_model(model, dtype=dtype)
@@ -124,6 +125,25 @@ def convert(
     console.print(f"wrote {written}")
 
 
+def chunk_option(value: str) -> int | str | None:
+    """A chunk option: auto (chosen from the shapes, as train chooses it), none (whole) or a
+    number of tokens or rows (checked by the config)."""
+    text = value.strip().lower()
+    if text in ("none", "null", "whole"):
+        return None
+    if text == "auto":
+        return "auto"
+    if not text.isdigit():
+        raise typer.BadParameter(
+            f"{value!r} is not a chunk; give auto (chosen from the shapes), none (whole) or a "
+            "whole number, e.g. 512"
+        )
+    return int(text)
+
+
+CHUNK_HELP = "; auto: chosen from the shapes (as train does), none: whole"
+
+
 @friendly_errors
 def plan(
     model: Annotated[
@@ -147,9 +167,15 @@ def plan(
         str, typer.Option(help="adamw, adamw_8bit, sgd, lion, adafactor")
     ] = "adamw",
     lora_rank: Annotated[int, typer.Option(help="LoRA rank")] = 8,
-    loss_chunk: Annotated[int | None, typer.Option(help="loss sequence chunk")] = None,
-    vocab_chunk: Annotated[int | None, typer.Option(help="LM-head vocabulary chunk")] = None,
-    mlp_chunk: Annotated[int | None, typer.Option(help="MLP sequence chunk")] = None,
+    loss_chunk: Annotated[
+        str, typer.Option(callback=chunk_option, help="loss sequence chunk" + CHUNK_HELP)
+    ] = "auto",
+    vocab_chunk: Annotated[
+        str, typer.Option(callback=chunk_option, help="LM-head vocabulary chunk" + CHUNK_HELP)
+    ] = "auto",
+    mlp_chunk: Annotated[
+        str, typer.Option(callback=chunk_option, help="MLP sequence chunk" + CHUNK_HELP)
+    ] = "auto",
     attention: Annotated[
         str, typer.Option(help="auto, blockwise, cudnn (NVIDIA GPUs) or materialized")
     ] = "auto",
@@ -171,9 +197,35 @@ def plan(
         ),
     ] = None,
 ) -> None:
-    """Plan every byte of a train step before compiling; measure the compiled step next to it."""
-    import json
+    """Plan every byte of a train step before compiling; measure the compiled step next to it.
 
+    The settings are resolved as train resolves them (auto chunks chosen from the shapes), so the
+    step planned and measured is the one a config with these settings trains."""
+    from featherweight.io.model_source import model_config_from
+    from featherweight.memory.budget import parse_budget
+
+    chosen = _check_target_and_mesh(target, mesh, measure)
+    requested = _plan_request(
+        method=method, batch_size=batch, dtype=dtype, quantize_head=quantize_head, seq_len=seq,
+        optimizer=optimizer, lora_rank=lora_rank, mesh=mesh, offload=offload,
+        chunks={"loss_chunk": loss_chunk, "vocab_chunk": vocab_chunk, "mlp_chunk": mlp_chunk},
+        attention=attention,
+    )  # fmt: skip
+    budget_bytes = None if budget is None else parse_budget(budget)
+    model_config = model_config_from(model)
+    planned = _plan_on_target(requested, model_config, chosen, budget_bytes, measure)
+    if plot is not None:
+        from featherweight.memory.report import plot_plan
+
+        plot_plan(planned.plan, planned.measurement, plot, budget_bytes)
+    _print_plan(planned, model_config, chosen, json_output)
+    if plot is not None and not json_output:
+        console.print(f"plot: {plot}")
+
+
+def _check_target_and_mesh(target: str | None, mesh: str | None, measure: bool):
+    """The target (None: this machine), refusing a mesh with a GPU target and a mesh larger than
+    plan can compile; the virtual CPU devices a mesh needs requested before JAX starts."""
     from featherweight.errors import ConfigError, ShardingError
     from featherweight.memory.targets import get_target, require_gpu_compiler
     from featherweight.parallel.sharding import parse_mesh, request_cpu_devices, requested_devices
@@ -187,19 +239,26 @@ def plan(
             )
         if measure:
             require_gpu_compiler(chosen)
-    mesh_settings = None if mesh is None else parse_mesh(mesh)
-    if mesh_settings is not None and (requested_devices(mesh_settings) or 0) > PLANNED_DEVICES:
+    devices = None if mesh is None else requested_devices(parse_mesh(mesh))
+    if (devices or 0) > PLANNED_DEVICES:
         raise ShardingError(
-            f"--mesh {mesh!r} names {requested_devices(mesh_settings)} devices; plan compiles "
-            f"on up to {PLANNED_DEVICES} (virtual) devices -- plan a smaller mesh: bytes per "
-            "device depend on the axis sizes, not on how many replicas run"
+            f"--mesh {mesh!r} names {devices} devices; plan compiles on up to {PLANNED_DEVICES} "
+            "(virtual) devices -- plan a smaller mesh: bytes per device depend on the axis "
+            "sizes, not on how many replicas run"
         )
-    if mesh_settings is not None and requested_devices(mesh_settings):
-        request_cpu_devices(requested_devices(mesh_settings))  # a CPU-only machine compiles it too
+    if devices:
+        request_cpu_devices(devices)  # a CPU-only machine compiles it too
+    return chosen
 
-    from featherweight.io.model_source import model_config_from
-    from featherweight.memory.budget import describe_changes, parse_budget
-    from featherweight.memory.report import plot_plan, print_report, report_json
+
+def _plan_request(
+    *, method, batch_size, dtype, quantize_head, seq_len, optimizer, lora_rank, mesh, offload,
+    chunks, attention,
+):  # fmt: skip
+    """The `TrainConfig` the plan options describe (every other setting at its default, as in a
+    config file that leaves it out)."""
+    from featherweight.errors import ConfigError
+    from featherweight.parallel.sharding import parse_mesh
     from featherweight.recipe.placement import HOST_SETTINGS
     from featherweight.recipe.schema import parse_config
 
@@ -210,54 +269,55 @@ def plan(
             f"--offload {offload!r}: {sorted(unknown)} cannot go to the host; use none, or any of "
             f"{','.join(HOST_SETTINGS)}"
         )
-    budget_bytes = None if budget is None else parse_budget(budget)
-    requested = parse_config(
+    placements = {name: "host" if name in offloaded else "device" for name in HOST_SETTINGS}
+    return parse_config(
         {
             "method": method,
-            "batch_size": batch,
+            "batch_size": batch_size,
             "model": {"dtype": dtype, "quantize_head": quantize_head},
-            "data": {"seq_len": seq},
+            "data": {"seq_len": seq_len},
             "optimizer": {"name": optimizer},
             "lora": {"rank": lora_rank},
-            "mesh": None if mesh_settings is None else mesh_settings.model_dump(),
-            "memory": {
-                **{name: "host" if name in offloaded else "device" for name in HOST_SETTINGS},
-                "loss_chunk": loss_chunk,
-                "vocab_chunk": vocab_chunk,
-                "mlp_chunk": mlp_chunk,
-                "attention": attention,
-            },
+            "mesh": None if mesh is None else parse_mesh(mesh).model_dump(),
+            "memory": {**placements, **chunks, "attention": attention},
         },
         source="plan options",
     )
-    model_config = model_config_from(model)
-    config, memory_plan, measurement, judged = _plan_on_target(
-        requested, model_config, chosen, budget_bytes, measure
+
+
+def _print_plan(planned: PlannedStep, model_config, target, json_output: bool) -> None:
+    """The plan as one JSON object (with the resolved config), or as the verdict, the report,
+    host memory and the host-base estimate."""
+    import json
+
+    from featherweight.memory.report import print_report, report_json
+
+    config, memory_plan, judged, changes = (
+        planned.config,
+        planned.plan,
+        planned.verdict,
+        planned.changes,
     )
-    changes = describe_changes(requested, config)
-    estimate = _host_base_estimate(config, model_config, chosen)
-    if plot is not None:
-        plot_plan(memory_plan, measurement, plot, budget_bytes)
+    estimate = _host_base_estimate(config, model_config, target)
     if json_output:
-        report = report_json(memory_plan, measurement, changes, judged)
+        report = report_json(memory_plan, planned.measurement, changes, judged)
+        report["config"] = config.model_dump(mode="json")
         report["host_base_estimate"] = None if estimate is None else estimate._asdict()
         typer.echo(json.dumps(report, indent=2))
         return
     if judged is not None:
         console.print(f"[bold]{judged.line}[/]", highlight=False)
-    print_report(memory_plan, measurement, console, changes)
+    print_report(memory_plan, planned.measurement, console, changes)
     if config.memory.base == "host":
         console.print(
             f"host memory: {memory_plan.host_bytes / 2**30:.2f} GiB pinned (the frozen base "
             f"{memory_plan.bytes_of('base_layers') / 2**30:.2f} GiB)",
             highlight=False,
         )
-    for line in [] if estimate is None else estimate.lines(chosen.short_name):
+    for line in [] if estimate is None else estimate.lines(target.short_name):
         console.print(line, highlight=False)
     if judged is not None:
         console.print(f"[dim]note: {judged.limit_note}[/]", highlight=False)
-    if plot is not None:
-        console.print(f"plot: {plot}")
 
 
 def _host_base_estimate(config, model_config, target):
@@ -271,41 +331,63 @@ def _host_base_estimate(config, model_config, target):
     )
 
 
-def _plan_on_target(requested, model_config, target, budget_bytes, measure):
-    """(config, plan, measurement, verdict) for `target` (None: this machine's backend): the
-    plan with the target compiler's calibration, fitted to the budget when one is given; the
-    step compiled for the target; and, where the plan does not fit a GPU, the settings the
-    budget search would pick as an option."""
-    from featherweight.errors import BudgetError
+class PlannedStep(NamedTuple):
+    """What `plan` shows: the resolved config (fitted to the budget when one is given), its plan,
+    the compiled step's measurement (None with --no-measure), the verdict (None without a limit)
+    and the budget's changes to the resolved settings."""
+
+    config: Any
+    plan: Any
+    measurement: Any
+    verdict: Any
+    changes: list[str]
+
+
+def _plan_on_target(requested, model_config, target, budget_bytes, measure) -> PlannedStep:
+    """The plan of `requested` for `target` (None: this machine's backend), resolved as train
+    resolves it, with the target compiler's calibration and fitted to the budget when one is
+    given; the step compiled for the target; and, where the plan does not fit a GPU, the settings
+    the budget search would pick as an option."""
+    from featherweight.memory import capacity
     from featherweight.memory.budget import describe_changes, fit_budget
+    from featherweight.memory.defaults import resolve
     from featherweight.memory.measure import measure_compiled, measure_for_target
     from featherweight.memory.plan import plan_for_config
-    from featherweight.memory.targets import usable_bytes
-    from featherweight.memory.verdict import verdict
     from featherweight.memory.working_set import calibration_for
 
     compiler = None if target is None else f"xla-{target.platform}"
+    on_target = capacity.of_target(target)
+    limit = on_target if budget_bytes is None else capacity.of_budget(budget_bytes, target)
+    resolved, options = resolve(requested, model_config), []
     with calibration_for(compiler) if compiler else contextlib.nullcontext():
         if budget_bytes is None:
-            config, memory_plan = requested, plan_for_config(requested, model_config)
+            config, memory_plan = resolved, plan_for_config(resolved, model_config)
         else:
-            config, memory_plan = fit_budget(requested, model_config, budget_bytes)
-        usable = None if target is None else usable_bytes(target)
-        options = []
-        if budget_bytes is None and usable is not None and memory_plan.device_bytes > usable:
-            try:
-                fitted, _ = fit_budget(requested, model_config, usable)
-                options.append(
-                    f"--budget {usable / 2**30:.2f}GiB picks "
-                    + ", ".join(describe_changes(requested, fitted))
-                )
-            except BudgetError:
-                options.append("a GPU with more memory, a shorter sequence or a lighter method")
+            config, memory_plan = fit_budget(resolved, model_config, budget_bytes)
+        if budget_bytes is None and on_target is not None:
+            options = _options_on_target(resolved, memory_plan, model_config, on_target)
     if not measure:
         measurement = None
     elif target is None:
         measurement = measure_compiled(config, model_config)
     else:
         measurement = measure_for_target(config, model_config, target.name)
-    judged = verdict(memory_plan, target, budget_bytes, measurement, options)
-    return config, memory_plan, measurement, judged
+    judged = capacity.verdict(memory_plan, limit, measurement, options)
+    changes = describe_changes(resolved, config)
+    return PlannedStep(config, memory_plan, measurement, judged, changes)
+
+
+def _options_on_target(resolved, memory_plan, model_config, on_target) -> list[str]:
+    """Where the plan does not fit the target GPU: the settings a budget of its usable memory
+    would pick, or what else would help."""
+    from featherweight.errors import BudgetError
+    from featherweight.memory.budget import describe_changes, fit_budget
+
+    if on_target.needed_bytes(memory_plan) <= on_target.limit_bytes:
+        return []
+    try:
+        fitted, _ = fit_budget(resolved, model_config, on_target.limit_bytes)
+    except BudgetError:
+        return ["a GPU with more memory, a shorter sequence or a lighter method"]
+    changes = ", ".join(describe_changes(resolved, fitted))
+    return [f"--budget {on_target.limit_bytes / 2**30:.2f}GiB picks {changes}"]

@@ -127,7 +127,8 @@ def export(
     is never replaced by a partial export."""
     from featherweight.io.interrupts import StopOnSignal
     from featherweight.train.export_check import merged_output_check, qlora_note
-    from featherweight.train.export_run import export_run, locate, read_run_config
+    from featherweight.train.export_run import export_run
+    from featherweight.train.saved_run import locate, read_run_config
 
     with stops_on_signal(out, "export"):
         written = export_run(

@@ -41,7 +41,7 @@ from featherweight.data.sources import (
 from featherweight.errors import ConfigError, DataError
 from featherweight.io.tokenizer import Tokenizer
 
-_SPLIT_STREAM = 1  # the split's random stream; epoch orders use another (see train/iterator.py)
+_SPLIT_STREAM = 1  # the split's random stream; epoch orders use another (see data/iterator.py)
 _SHAPES = (
     '{"text": ...}, {"instruction": ..., "input": ..., "output": ...} '
     'or {"messages": [{"role": ..., "content": ...}, ...]}'

@@ -1,8 +1,8 @@
 """Budgets: parse "8GiB", pick the settings that fit at the least estimated step time, or say
 why nothing does.
 
-`fit_budget` plans the configured step (its unset chunks chosen from the shapes first,
-`memory/defaults.py`) and, while the plan's device bytes exceed the budget, changes one setting at
+`fit_budget` plans the configured step (its "auto" chunks chosen from the shapes first,
+`memory/defaults.py`: `resolve`) and, while the plan's device bytes exceed the budget, changes one setting at
 a time: of each setting's next candidate that lowers the planned bytes, the one whose estimated
 time per token rises least (`memory/step_cost.py`: matmul FLOPs, the LM head's bytes and host
 transfers counted from the shapes, checked against compiled programs; estimates within
@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterator
 import jax
 
 from featherweight.errors import BudgetError, ConfigError
-from featherweight.memory.defaults import with_lean_defaults
+from featherweight.memory.defaults import resolve
 from featherweight.memory.plan import MemoryPlan, plan_for_config
 from featherweight.memory.step_cost import DeviceRates, rates_for, seconds_per_token
 from featherweight.memory.working_set import plan_reserve
@@ -344,7 +344,7 @@ def smallest_settings(
     """Every change the budget search makes when nothing fits (a budget of 0 bytes): the
     smallest step it can plan, and its plan. With `keep_batch`, the micro-batch is set back to
     the config's (the search's last resort halves it), so the row keeps its shapes."""
-    smallest, plan = _search(with_lean_defaults(config, model_config), model_config, 0)
+    smallest, plan = _search(resolve(config, model_config), model_config, 0)
     if keep_batch and smallest.batch_size != config.batch_size:
         smallest = _replace(smallest, None, batch_size=config.batch_size)
         plan = plan_for_config(smallest, model_config)
@@ -410,7 +410,7 @@ def fit_budget(
     so that the compiled step, not only its plan, fits the budget."""
     if budget_bytes <= 0:
         raise ConfigError(f"budget of {budget_bytes} bytes must be positive, e.g. 8GiB")
-    config = with_lean_defaults(config, model_config)
+    config = resolve(config, model_config)
     reserve = plan_reserve(config) if reserve is None else reserve
     target = int(budget_bytes * (1 - reserve))
     fitted, plan = _search(config, model_config, target)
@@ -437,8 +437,9 @@ def fit_budget(
 def plan_within_budget(
     config: TrainConfig, model_config: ModelConfig
 ) -> tuple[TrainConfig, MemoryPlan]:
-    """The trainer's planning step: fit `memory.budget` when set, else plan the config as is."""
+    """The trainer's planning step: (the resolved config, fitted to `memory.budget` when set;
+    its plan)."""
     if config.memory.budget is None:
-        config = with_lean_defaults(config, model_config)
+        config = resolve(config, model_config)
         return config, plan_for_config(config, model_config)
     return fit_budget(config, model_config, parse_budget(config.memory.budget))

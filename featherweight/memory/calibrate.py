@@ -50,7 +50,7 @@ from scipy.optimize import nnls
 from featherweight.errors import FeatherweightError
 from featherweight.memory import working_set
 from featherweight.memory.components import HOST, REBUILT_ON_HOST
-from featherweight.memory.defaults import with_lean_defaults
+from featherweight.memory.defaults import resolve
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.measure import measure_for_target
 from featherweight.memory.report import percent_difference
@@ -415,9 +415,9 @@ def measure(
             done[_current_case_id(record.pop("case"))] = record
     records = []
     for index, (model, config) in enumerate(cases):
-        # what the trainer, the plan and the measurement run: unset chunks chosen from the shapes
-        # (recorded as chosen, so a refit plans exactly the measured program)
-        config = with_lean_defaults(config, model)
+        # what the trainer, the plan and the measurement run: "auto" chunks chosen from the
+        # shapes (recorded as chosen, so a refit plans exactly the measured program)
+        config = resolve(config, model)
         case = _case_id(model, config)
         if case not in done or (again_if_host and arguments_on_host(config)):
             measured = measure_for_target(config, model, target)

@@ -12,7 +12,7 @@ sequence chunk of the loss streams the whole LM head through its matmuls again
 2-5% longer in 64-token chunks (128 rows each) than with 4096-row vocabulary chunks of about the
 same planned bytes (benchmarks/results/memory_settings_lora_cpu.md: 1.053, its A/A row 1.024),
 while a frozen head's vocabulary chunks read the head no more often than the whole head does.
-So, for a setting the config leaves unset:
+So, for a setting the config leaves "auto" (the default):
 
 - mlp_chunk: halve the sequence while each halving lowers the planned step by at least
   `MIN_GAIN` of it and a chunk keeps at least `MIN_AUTO_MLP_TOKENS` rows (B x chunk) per matmul
@@ -26,9 +26,11 @@ So, for a setting the config leaves unset:
   head's vocabulary chunks cost one more head forward, and on a mesh a vocabulary chunk may
   gather the head (memory/mesh_plan.py): only a budget asks for them there.
 
-An explicit setting always wins, `null` (whole sequence / whole vocabulary) included: only a field
-the user did not set is filled in. The filled-in config is what is planned, built and written to
-the run's config file, so the choice is recorded.
+Each of these settings is "auto" by default; an explicit setting always wins, `null` (whole
+sequence / whole vocabulary) included. `resolve` is the one place "auto" becomes a value: the step
+builder and the planner refuse a config that still holds one (`recipe.schema.require_resolved`),
+and the resolved config is what is planned, built and written to the run's config file, so the
+choice is recorded and a resumed run takes it from there (`recipe.schema.take_saved_choices`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from featherweight.errors import ConfigError
 from featherweight.memory.device_plan import micro_batch_config, plan_one_device
 from featherweight.memory.working_set import phase_working_sets
 from featherweight.models.config import ModelConfig
+from featherweight.parallel.sharding import planning_mesh
+from featherweight.recipe.placement import placement_allowed
 from featherweight.recipe.schema import TrainConfig
 
 MIN_AUTO_LOSS_CHUNK = 64  # tokens per row: below this the head's matmuls lose speed
@@ -44,7 +48,6 @@ MIN_AUTO_MLP_TOKENS = 256  # rows (batch x chunk) of each MLP matmul
 MIN_HEAD_ROWS = 512  # rows (batch x chunk) of a loss chunk: the head streams through once per chunk
 MIN_GAIN = 0.02  # a smaller chunk must lower the planned step by this fraction of it
 AUTO_VOCAB_CHUNKS = (16384, 8192, 4096, 2048)  # rows of the LM head at a time
-LEAN_DEFAULT_FIELDS = ("mlp_chunk", "loss_chunk", "vocab_chunk")  # memory fields chosen here
 
 
 def _phase_bytes(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
@@ -114,37 +117,53 @@ def auto_vocab_chunk(
 
 
 def _with_head_chunks(
-    config: TrainConfig, model_config: ModelConfig, sharded: bool = False
+    config: TrainConfig, model_config: ModelConfig, auto: frozenset[str], sharded: bool = False
 ) -> TrainConfig:
-    """`config` with the head's chunks it leaves unset chosen: the sequence first (down to
-    `MIN_HEAD_ROWS` rows), then a frozen head's vocabulary on one device."""
-    chosen = config.memory.model_fields_set
-    if "loss_chunk" not in chosen:
-        whole_vocabulary = (
-            config if "vocab_chunk" in chosen else _with_memory(config, vocab_chunk=None)
-        )
-        chunk = auto_loss_chunk(whole_vocabulary, model_config, sharded)
+    """`config` with the head's chunks named in `auto` chosen (`config` holds None for them):
+    the sequence first (down to `MIN_HEAD_ROWS` rows), then a frozen head's vocabulary on one
+    device."""
+    if "loss_chunk" in auto:
+        chunk = auto_loss_chunk(config, model_config, sharded)
         config = _with_memory(config, loss_chunk=chunk)
-    if "vocab_chunk" not in chosen:
-        config = _with_memory(config, vocab_chunk=auto_vocab_chunk(config, model_config, sharded))
+    if "vocab_chunk" in auto:
+        chunk = auto_vocab_chunk(config, model_config, sharded)
+        config = _with_memory(config, vocab_chunk=chunk or config.memory.vocab_chunk)
     return config
 
 
+def needed_vocab_chunk(config: TrainConfig, model_config: ModelConfig) -> int | None:
+    """The vocabulary chunk `config` cannot do without (None: the whole vocabulary is allowed): a
+    tied table on the host is read by the head in chunks (`recipe.placement.check_placements`),
+    at least the largest of `AUTO_VOCAB_CHUNKS` below the vocabulary."""
+    if placement_allowed(_with_memory(config, vocab_chunk=None), model_config):
+        return None
+    chunk = next((c for c in AUTO_VOCAB_CHUNKS if c < model_config.vocab_size), None)
+    if chunk is None or not placement_allowed(
+        _with_memory(config, vocab_chunk=chunk), model_config
+    ):
+        return None  # refused either way: the config checks say why
+    return chunk
+
+
 def auto_mlp_chunk(
-    config: TrainConfig, model_config: ModelConfig, sharded: bool = False
+    config: TrainConfig,
+    model_config: ModelConfig,
+    sharded: bool = False,
+    auto_head: frozenset[str] = frozenset(),
 ) -> int | None:
     """The MLP's sequence chunk for these shapes (None: the whole sequence), the head's chunks
-    chosen with each candidate (a smaller backward phase may call for smaller head chunks).
-    `sharded`: the step runs on a mesh, which splits the batch: the MLP is left whole."""
+    named in `auto_head` (None in `config`) chosen with each candidate (a smaller backward phase
+    may call for smaller head chunks). `sharded`: the step runs on a mesh, which splits the
+    batch: the MLP is left whole."""
     if sharded:
         return None
     seq, batch = config.data.seq_len, micro_batch_config(config).batch_size
     chosen = None
-    best = _planned_bytes(_with_head_chunks(config, model_config), model_config)
+    best = _planned_bytes(_with_head_chunks(config, model_config, auto_head), model_config)
     chunk = seq // 2
     while best is not None and batch * chunk >= MIN_AUTO_MLP_TOKENS and not seq % chunk:
         planned = _planned_bytes(
-            _with_head_chunks(_with_memory(config, mlp_chunk=chunk), model_config),
+            _with_head_chunks(_with_memory(config, mlp_chunk=chunk), model_config, auto_head),
             model_config,
         )
         if planned is None or planned > (1 - MIN_GAIN) * best:
@@ -153,13 +172,35 @@ def auto_mlp_chunk(
     return chosen
 
 
-def with_lean_defaults(
+def is_sharded(config: TrainConfig, mesh: object | None = None) -> bool:
+    """Whether the step runs on more than one device: on `mesh` when given (a `Mesh` or
+    `AbstractMesh`), else on the mesh `config.mesh` describes. A mesh of one device (the
+    one-device mesh a `--target` compiles on) is one device."""
+    if mesh is None and config.mesh is not None:
+        mesh = planning_mesh(config.mesh)
+    return mesh is not None and mesh.size > 1
+
+
+def resolve(
     config: TrainConfig, model_config: ModelConfig, mesh: object | None = None
 ) -> TrainConfig:
-    """`config` with the memory settings it leaves unset chosen from the shapes (`mlp_chunk`,
-    `loss_chunk`, `vocab_chunk`); a config that sets them is returned as it is. `mesh`: the
-    mesh the step is built for when not `config.mesh` (one device: None)."""
-    chosen, sharded = config.memory.model_fields_set, (mesh or config.mesh) is not None
-    if "mlp_chunk" not in chosen:
-        config = _with_memory(config, mlp_chunk=auto_mlp_chunk(config, model_config, sharded))
-    return _with_head_chunks(config, model_config, sharded)
+    """`config` with every setting still "auto" chosen from the shapes (`mlp_chunk`,
+    `loss_chunk`, `vocab_chunk`): the config that is planned, built and recorded. `mesh`: the
+    mesh the step is built for when not the one `config.mesh` describes (None: that one, or one
+    device). A resolved config is returned as it is."""
+    auto = frozenset(config.memory.unresolved)
+    if not auto:
+        return config
+    sharded = is_sharded(config, mesh)
+    # what each "auto" is measured from: no chunk, or the vocabulary chunk the config needs
+    config = _with_memory(config, **dict.fromkeys(auto, None))
+    if "vocab_chunk" in auto:
+        config = _with_memory(config, vocab_chunk=needed_vocab_chunk(config, model_config))
+    auto_head = auto - {"mlp_chunk"}
+    if "mlp_chunk" in auto:
+        chunk = auto_mlp_chunk(config, model_config, sharded, auto_head)
+        config = _with_memory(config, mlp_chunk=chunk)
+    return _with_head_chunks(config, model_config, auto_head, sharded)
+
+
+with_lean_defaults = resolve  # the name benchmarks/gpu_check.py still imports

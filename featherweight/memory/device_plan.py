@@ -24,13 +24,14 @@ bytes of the layer-streamed step (featherweight/step/streamed.py) per component:
 
 Host bytes: residuals placed on host leave the device, and so do the optimizer state (with the
 new state built beside it, `optimizer_state_rebuilt`), the embedding table (trained: rebuilt too)
-and the frozen layer stack (`base_layers`: two layers of it are then on the
-device in the backward phase on an accelerator, `base_layers_in_flight`); XLA CPU has one memory, so on CPU the
+and the frozen layer stack (`base_layers`: two layers of it are then on the device in the
+backward phase on an accelerator, `base_layers_in_flight`); XLA CPU has one memory, so on CPU the
 measured total is to be compared with device + host (`MemoryPlan.cpu_comparable_bytes`).
 
 Every component carries its placement: the small-memory settings (embedding table and optimizer
-state on host, vocabulary and MLP chunks, the attention implementation) add a component, change a placement or
-shrink a working-set term without changing how plans are summed, compared or budgeted.
+state on host, vocabulary and MLP chunks, the attention implementation) add a component, change a
+placement or shrink a working-set term without changing how plans are summed, compared or
+budgeted.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from featherweight.memory.working_set import (
 )
 from featherweight.models.config import ModelConfig
 from featherweight.recipe.build import check_method_settings
-from featherweight.recipe.schema import TrainConfig
+from featherweight.recipe.schema import TrainConfig, require_resolved
 
 
 def _output_buffers(config: TrainConfig, model_config: ModelConfig) -> int:
@@ -78,25 +79,27 @@ def _output_buffers(config: TrainConfig, model_config: ModelConfig) -> int:
 
 
 def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
-    s = StepShapes(config, model_config)
+    shapes = StepShapes(config, model_config)
     uses_key = config.method != "full" and config.lora.dropout > 0
     host_embedding = host_embedding_bytes(config, model_config)
     host_base = host_base_bytes(config, model_config)
     components = [
         PlanComponent(
             "frozen_base",
-            frozen_base_bytes(config, model_config) - (0 if s.full else host_embedding) - host_base,
+            frozen_base_bytes(config, model_config)
+            - (0 if shapes.full else host_embedding)
+            - host_base,
             DEVICE,
-            {"full": "none (everything trains)", "lora": f"all weights x {s.a} B"}.get(
-                config.method, f"linear weights NF4 (~0.52 B/value), the rest x {s.a} B"
+            {"full": "none (everything trains)", "lora": f"all weights x {shapes.itemsize} B"}.get(
+                config.method, f"linear weights NF4 (~0.52 B/value), the rest x {shapes.itemsize} B"
             ),
         ),
         PlanComponent(
             "trainable_weights",
-            trainable_bytes(config, model_config) - (host_embedding if s.full else 0),
+            trainable_bytes(config, model_config) - (host_embedding if shapes.full else 0),
             DEVICE,
-            f"all weights x {s.a} B"
-            if s.full
+            f"all weights x {shapes.itemsize} B"
+            if shapes.full
             else f"LoRA r={config.lora.rank}: L x r x (in + out) x 4 B per target",
         ),
         PlanComponent(
@@ -108,9 +111,10 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
         ),
         PlanComponent(
             "batch",
-            20 * s.T + (8 if uses_key else 0),
+            20 * shapes.tokens + (8 if uses_key else 0),
             DEVICE,
-            f"5 x B x S x 4 = 5 x {s.B} x {s.S} x 4" + (" + dropout key" if uses_key else ""),
+            f"5 x B x S x 4 = 5 x {shapes.batch} x {shapes.seq} x 4"
+            + (" + dropout key" if uses_key else ""),
         ),
     ]
     if host_base:
@@ -119,7 +123,8 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
                 HOST_BASE,
                 host_base,
                 HOST,
-                f"the frozen layer stack, L = {s.L} layers; each comes over one layer ahead",
+                f"the frozen layer stack, L = {shapes.layers} layers; each comes over one layer "
+                "ahead",
             )
         )
     components += _rebuilt_on_host(config, model_config)
@@ -129,8 +134,9 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
                 "embedding_table",
                 host_embedding,
                 HOST,
-                f"V x D x {s.a} = {s.V} x {s.D} x {s.a}; only a batch's rows come over"
-                + (" (updated in row chunks)" if s.full else " (frozen)"),
+                f"V x D x {shapes.itemsize} = {shapes.vocab} x {shapes.hidden} x "
+                f"{shapes.itemsize}; only a batch's rows come over"
+                + (" (updated in row chunks)" if shapes.full else " (frozen)"),
             )
         )
     return components
@@ -164,26 +170,27 @@ def _rebuilt_on_host(config: TrainConfig, model_config: ModelConfig) -> list[Pla
 
 
 def _stored(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
-    s, save = StepShapes(config, model_config), config.memory.save
+    shapes, save = StepShapes(config, model_config), config.memory.save
     placement = config.memory.residuals
-    width = ((s.H + 2 * s.K) * s.h if "qkv" in save else 0) + (
-        2 * s.F if "mlp_hidden" in save else 0
+    width = ((shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim if "qkv" in save else 0) + (
+        2 * shapes.intermediate if "mlp_hidden" in save else 0
     )
     stored = [
         PlanComponent(
             "residual_stream",
-            s.L * s.T * s.D * s.a,
+            shapes.layers * shapes.tokens * shapes.hidden * shapes.itemsize,
             placement,
-            f"L x B x S x D x {s.a} = {s.L} x {s.B} x {s.S} x {s.D} x {s.a}",
+            f"L x B x S x D x {shapes.itemsize} = {shapes.layers} x {shapes.batch} x "
+            f"{shapes.seq} x {shapes.hidden} x {shapes.itemsize}",
         )
     ]
     if width:
         stored.append(
             PlanComponent(
                 "saved_intermediates",
-                s.L * s.T * width * s.a,
+                shapes.layers * shapes.tokens * width * shapes.itemsize,
                 placement,
-                f"L x B x S x {width} x {s.a} ({' + '.join(save)})",
+                f"L x B x S x {width} x {shapes.itemsize} ({' + '.join(save)})",
             )
         )
     return stored
@@ -274,13 +281,14 @@ def gradient_buffers(config: TrainConfig, model_config: ModelConfig) -> list[Pla
     if memory.step == "streamed" and clip and settings.clipping == "two_pass":
         if model_config.tie_word_embeddings:
             return []
-        s = StepShapes(config, model_config)
+        shapes = StepShapes(config, model_config)
         return [
             PlanComponent(
                 "head_gradient_kept",
-                s.V * s.D * s.a,
+                shapes.vocab * shapes.hidden * shapes.itemsize,
                 DEVICE,
-                f"V x D x {s.a}: the head's gradient, kept between the two clipping passes",
+                f"V x D x {shapes.itemsize}: the head's gradient, kept between the two clipping "
+                "passes",
             )
         ]
     return []
@@ -290,7 +298,9 @@ def plan_one_device(
     config: TrainConfig, model_config: ModelConfig, calibration: dict[str, float] | None = None
 ) -> MemoryPlan:
     """The memory plan of the train step `config` describes on one device (`config.mesh` is not
-    read): no weights read, nothing compiled. Raises `ConfigError` for inputs that cannot be planned."""
+    read): no weights read, nothing compiled. Raises `ConfigError` for inputs that cannot be
+    planned, a config still "auto" included (`memory/defaults.py`: `resolve`)."""
+    require_resolved(config, "the memory plan")
     warnings = check_plan_inputs(config, model_config)
     micro = micro_batch_config(config)  # activations are one micro-batch's
     phases = phase_working_sets(micro, model_config, calibration)

@@ -1,8 +1,8 @@
 """Memory as measured: the real train step, compiled on abstract shapes, and peaks of real steps.
 
-`measure_compiled` builds exactly the step the trainer runs (`train.setup`: the abstract
-trainable/frozen split, the optimizer, `build_train_step`, `jax.eval_shape` of the optimizer
-state), lowers it on `jax.ShapeDtypeStruct`s -- so an 8B model is measured without allocating a
+`measure_compiled` builds exactly the step the trainer runs (`train/run.py` `prepare_run`: the
+config resolved, the abstract trainable/frozen split, the optimizer, `build_train_step`,
+`jax.eval_shape` of the optimizer state), lowers it on `jax.ShapeDtypeStruct`s -- so an 8B model is measured without allocating a
 byte of weights -- and reads XLA's buffer assignment from `compiled.memory_analysis()`:
 
     total = temp + argument + output - alias
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from featherweight.errors import ConfigError
-from featherweight.memory.defaults import with_lean_defaults
+from featherweight.memory.defaults import resolve
 from featherweight.memory.state_bytes import (
     host_base_bytes,
     host_embedding_bytes,
@@ -126,9 +126,11 @@ def abstract_batch(batch_size: int, seq_len: int) -> Batch:
 
 
 def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig, mesh=None):
-    """(step, (trainable, opt_state, frozen, batch, key)) as abstract shapes, from `train.setup`;
-    on `mesh` (default: the one `config.mesh` describes) the step is the sharded one."""
-    config = with_lean_defaults(config, model_config, mesh)  # what the plan and trainer use
+    """(step, (trainable, opt_state, frozen, batch, key)) as abstract shapes, as `prepare_run`
+    builds them; on `mesh` (default: the one `config.mesh` describes) the step is the sharded
+    one. Settings still "auto" are chosen for that mesh (`resolve`), as the trainer and the plan
+    choose them (a mesh of one device, a target's, is one device)."""
+    config = resolve(config, model_config, mesh)
     trainable, frozen = abstract_split(config, model_config)
     optimizer = make_optimizer(config.optimizer, config.steps)
     step, init_opt_state = build_train_step(

@@ -1,8 +1,8 @@
 """The memory plan per device of a train step on a device mesh (data parallel and FSDP).
 
 On a mesh every device runs the same program on its rows of the batch and its shards of the state
-(featherweight/sharding.py). So per device the plan is the one-device plan of the per-device batch
-(global batch / (data x fsdp)) -- the stored activations, the layer's activations, the attention
+(featherweight/parallel/sharding.py). So per device the plan is the one-device plan of the
+per-device batch (global batch / (data x fsdp)) -- the stored activations, the layer's activations, the attention
 scores and the logits all follow the rows -- except:
 
 - frozen base, trainable weights, optimizer state: this device's shards, exact, from the partition
@@ -64,7 +64,7 @@ from featherweight.parallel.sharding import (
 )
 from featherweight.recipe.build import abstract_split, check_method_settings, opt_state_initializer
 from featherweight.recipe.optimizer import make_optimizer
-from featherweight.recipe.schema import TrainConfig
+from featherweight.recipe.schema import TrainConfig, require_resolved
 from featherweight.step.loss import resolve_chunk_size
 
 SPLIT_OVER_FSDP = (
@@ -145,6 +145,7 @@ def plan_for_mesh(
 ) -> MemoryPlan:
     """The plan of one device of `mesh` (see the module docstring). `config.batch_size` is per
     process, as the trainer reads it; the global batch must split over data x fsdp."""
+    require_resolved(config, "the memory plan")
     check_method_settings(config, model_config)  # with the mesh: e.g. host placements refused
     rows = mesh.shape[DATA] * mesh.shape[FSDP]
     fsdp = mesh.shape[FSDP]

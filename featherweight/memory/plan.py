@@ -7,7 +7,7 @@ each device's share is `mesh_plan.py`; the plan's data types are `components.py`
 from __future__ import annotations
 
 from featherweight.memory.components import MemoryPlan, PlanComponent
-from featherweight.memory.defaults import with_lean_defaults
+from featherweight.memory.defaults import resolve
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.mesh_plan import plan_for_mesh
 from featherweight.models.config import ModelConfig
@@ -20,9 +20,10 @@ __all__ = ["MemoryPlan", "PlanComponent", "plan_for_config"]
 def plan_for_config(config: TrainConfig, model_config: ModelConfig) -> MemoryPlan:
     """The memory plan of the train step `config` describes for `model_config` (no weights read,
     nothing compiled). Raises `ConfigError` for inputs that cannot be planned. With `config.mesh`
-    it is the plan of one device of that mesh. Settings the config leaves unset are chosen from
-    the shapes first (`memory/defaults.py`), as the trainer does."""
-    config = with_lean_defaults(config, model_config)
+    it is the plan of one device of that mesh. Settings still "auto" are chosen from the shapes
+    first (`memory/defaults.py`: `resolve`, as the trainer does); the config a caller goes on to
+    build or record is `resolve(config, model_config)`, the one planned here."""
+    config = resolve(config, model_config)
     if config.mesh is not None:
         return plan_for_mesh(config, model_config, planning_mesh(config.mesh))
     return plan_one_device(config, model_config)

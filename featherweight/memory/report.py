@@ -205,7 +205,7 @@ def report_json(
     planned_total_bytes = planned_device_bytes + planned_host_bytes; measured_total_bytes is the
     compiled step's device and host bytes, measured_device_bytes leaves host-resident bytes out
     (measured_derived names any host bytes counted by featherweight rather than the compiler).
-    `verdict` (a `memory.verdict.Verdict`) adds the verdict line and its limit.
+    `verdict` (a `memory.capacity.Verdict`) adds the verdict line and its limit.
     """
     return {
         "verdict": verdict.line if verdict else None,

@@ -37,7 +37,7 @@ from featherweight.memory.state_bytes import (
 )
 from featherweight.models.config import ModelConfig
 from featherweight.models.shapes import layer_shapes
-from featherweight.recipe.schema import TrainConfig
+from featherweight.recipe.schema import TrainConfig, require_resolved
 from featherweight.step.loss import resolve_chunk_size
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->.*\{\s*$")
@@ -194,6 +194,7 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
     they have both gradients. `save` skips recomputing what it keeps (the q, k, v projections;
     the gate and up projections) -- an estimate: XLA may rearrange a saved block further.
     """
+    require_resolved(config, "the step's FLOPs")
     m, tokens = model_config, config.batch_size * config.data.seq_len
     projections = _projection_flops(config, model_config)
     linear = sum(base for base, _ in projections.values())
@@ -244,6 +245,7 @@ def head_matmul_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
     times trained and vocabulary-chunked): a sequence chunk costs bytes, a frozen head's
     vocabulary chunk only the normed rows once more per block.
     """
+    require_resolved(config, "the LM head's bytes")
     m, memory = model_config, config.memory
     itemsize = compute_itemsize(config)
     tokens = config.batch_size * config.data.seq_len

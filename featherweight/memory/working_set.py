@@ -10,8 +10,8 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
                            the head's gradient of the table; untied: the zero table the input
                            cotangent is scattered into, which XLA:CPU allocates before the loss)
       optimizer_update     c_o x one layer's optimizer state (its slices and the new state)
-      layer_activations    B S itemsize x (c_d D + c_f F + c_a (H + 2K) h): the remat forward
-                           and its cotangents (c_fs for c_f with `save: mlp_hidden`)
+      layer_activations    B S itemsize x (c_d D + mlp_count F + c_a (H + 2K) h): the remat forward
+                           and its cotangents (c_fs for mlp_count with `save: mlp_hidden`)
       attention            the attention the step calls (`models/attention.py`):
                            materialized: c_s x B x H x S x S x 4, float32 scores and probabilities;
                            blockwise: its log-sum-exps and row terms (2 B H S x 4) and four float32
@@ -149,7 +149,8 @@ def calibration_counts(key: str = DEFAULT_CALIBRATION) -> dict[str, float]:
     if key not in calibrations:
         raise ConfigError(
             f"no working-set calibration {key!r} in {CALIBRATION_FILE.name}; known: "
-            f"{', '.join(sorted(calibrations))} (fit one with python -m featherweight.memory.calibrate)"
+            f"{', '.join(sorted(calibrations))} (fit one with python -m "
+            "featherweight.memory.calibrate)"
         )
     return dict(calibrations[key]["counts"])
 
@@ -171,16 +172,18 @@ def attention_of(
     return attention_implementation(config, model_config, target)
 
 
-def attention_bytes(s: StepShapes) -> tuple[int, int]:
+def attention_bytes(shapes: StepShapes) -> tuple[int, int]:
     """(materialized scores B x H x S x S x 4 before their calibrated count, the other
     implementations' buffers counted once); one of the two is zero."""
-    if s.attention == "materialized":
-        return 4 * s.B * s.H * s.S * s.S, 0
-    if s.attention == "cudnn":
-        return 0, 4 * s.B * s.H * s.S * (s.h + 1)
-    tile = block_size(s.S)
-    padded = -(-s.S // tile) * tile
-    return 0, 4 * s.B * s.H * (2 * padded + blockwise_tiles(s.S) * tile * tile)
+    if shapes.attention == "materialized":
+        return 4 * shapes.batch * shapes.heads * shapes.seq * shapes.seq, 0
+    if shapes.attention == "cudnn":
+        return 0, 4 * shapes.batch * shapes.heads * shapes.seq * (shapes.head_dim + 1)
+    tile = block_size(shapes.seq)
+    padded = -(-shapes.seq // tile) * tile
+    return 0, 4 * shapes.batch * shapes.heads * (
+        2 * padded + blockwise_tiles(shapes.seq) * tile * tile
+    )
 
 
 def blockwise_tiles(seq_len: int, compiler: str | None = None) -> int:
@@ -203,22 +206,33 @@ class StepShapes:
     """The numbers the formulas use, read once from the configs."""
 
     def __init__(self, config: TrainConfig, model_config: ModelConfig) -> None:
-        m = model_config
-        self.L, self.D, self.F = m.num_layers, m.hidden_size, m.intermediate_size
-        self.V, self.H, self.K, self.h = m.vocab_size, m.num_heads, m.num_kv_heads, m.head_dim
-        self.B, self.S = config.batch_size, config.data.seq_len
-        self.T = self.B * self.S
-        self.a = compute_itemsize(config)
-        self.chunk = resolve_chunk_size(self.S, config.memory.loss_chunk)
+        model = model_config
+        self.layers, self.hidden, self.intermediate = (
+            model.num_layers,
+            model.hidden_size,
+            model.intermediate_size,
+        )
+        self.vocab, self.heads, self.kv_heads, self.head_dim = (
+            model.vocab_size,
+            model.num_heads,
+            model.num_kv_heads,
+            model.head_dim,
+        )
+        self.batch, self.seq = config.batch_size, config.data.seq_len
+        self.tokens = self.batch * self.seq
+        self.itemsize = compute_itemsize(config)
+        self.loss_chunk = resolve_chunk_size(self.seq, config.memory.loss_chunk)
         # vocabulary rows of the head at a time, and the MLP's sequence chunk
         vocab_chunk, mlp_chunk = config.memory.vocab_chunk, config.memory.mlp_chunk
-        self.Vc = self.V if vocab_chunk is None else min(self.V, vocab_chunk)
-        self.Sm = self.S if mlp_chunk is None else min(self.S, mlp_chunk)
+        self.vocab_rows = self.vocab if vocab_chunk is None else min(self.vocab, vocab_chunk)
+        self.mlp_seq = self.seq if mlp_chunk is None else min(self.seq, mlp_chunk)
         # the linear weights of one layer: its 2-D tensors (norms and biases are 1-D)
-        self.linear = sum(math.prod(shape) for shape in layer_shapes(m).values() if len(shape) == 2)
+        self.layer_linear = sum(
+            math.prod(shape) for shape in layer_shapes(model).values() if len(shape) == 2
+        )
         self.full = config.method == "full"
         self.attention = attention_of(config, model_config)
-        self.tied = m.tie_word_embeddings
+        self.tied = model.tie_word_embeddings
         # the gate and up outputs kept from the forward pass (`memory.save`): the backward reads
         # them instead of recomputing them, which changes its F-wide buffers
         self.saved_mlp = "mlp_hidden" in config.memory.save
@@ -226,40 +240,53 @@ class StepShapes:
 
 def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
     """The working set's terms in bytes, each counted once (before the calibrated counts)."""
-    s = StepShapes(config, model_config)
-    head_like = s.V * s.D * s.a
+    shapes = StepShapes(config, model_config)
+    head_like = shapes.vocab * shapes.hidden * shapes.itemsize
     eight_bit = config.optimizer.name == "adamw_8bit"
     # full fine-tuning updates the embedding after the backward loop; on the host (untied) it
     # is updated in row chunks, so no V x D gradient exists on the device
-    trained_table = s.full and config.memory.embed == "device"
+    trained_table = shapes.full and config.memory.embed == "device"
     # 8-bit AdamW's two moments of a V x D tensor in float32: the new ones, and the old ones
     # dequantized -- unless a row is one quantization block, where the blocks' reshapes are
     # identities and XLA fuses the dequantization into the update (compiled on XLA:CPU)
-    moments = 2 * s.V * s.D * 4 * (1 if s.D == BLOCK_SIZE else 2)
-    rows_from_host = config.memory.embed == "host" and s.tied and not s.full
+    moments = 2 * shapes.vocab * shapes.hidden * 4 * (1 if shapes.hidden == BLOCK_SIZE else 2)
+    rows_from_host = config.memory.embed == "host" and shapes.tied and not shapes.full
     return {
-        "layer_weights": s.linear * s.a,
+        "layer_weights": shapes.layer_linear * shapes.itemsize,
         "layer_gradient": layer_gradient_bytes(config, model_config),
         "optimizer_state": layer_optimizer_bytes(config, model_config),
-        "activations_d": s.T * s.a * s.D,
-        "activations_f": 0 if s.saved_mlp else s.B * s.Sm * s.a * s.F,
-        "activations_f_saved": s.B * s.Sm * s.a * s.F if s.saved_mlp else 0,
-        "activations_attention": s.T * s.a * (s.H + 2 * s.K) * s.h,
-        "attention_scores": attention_bytes(s)[0],
-        "attention_blockwise": attention_bytes(s)[1],
+        "activations_d": shapes.tokens * shapes.itemsize * shapes.hidden,
+        "activations_f": 0
+        if shapes.saved_mlp
+        else shapes.batch * shapes.mlp_seq * shapes.itemsize * shapes.intermediate,
+        "activations_f_saved": shapes.batch * shapes.mlp_seq * shapes.itemsize * shapes.intermediate
+        if shapes.saved_mlp
+        else 0,
+        "activations_attention": shapes.tokens
+        * shapes.itemsize
+        * (shapes.heads + 2 * shapes.kv_heads)
+        * shapes.head_dim,
+        "attention_scores": attention_bytes(shapes)[0],
+        "attention_blockwise": attention_bytes(shapes)[1],
         "embedding_gradient": head_like if trained_table else 0,
-        "logits": 4 * s.B * s.chunk * s.Vc,
-        "head_gradient": head_like if s.full and not s.tied else 0,
-        "head_dequantized_moments": moments if s.full and not s.tied and eight_bit else 0,
+        "logits": 4 * shapes.batch * shapes.loss_chunk * shapes.vocab_rows,
+        "head_gradient": head_like if shapes.full and not shapes.tied else 0,
+        "head_dequantized_moments": moments if shapes.full and not shapes.tied and eight_bit else 0,
         "embedding_dequantized_moments": moments if trained_table and eight_bit else 0,
-        "dequantized_head": s.Vc * s.D * s.a if config.model.quantize_head else 0,
-        "head_rows_from_host": s.Vc * s.D * s.a if rows_from_host else 0,
+        "dequantized_head": shapes.vocab_rows * shapes.hidden * shapes.itemsize
+        if config.model.quantize_head
+        else 0,
+        "head_rows_from_host": shapes.vocab_rows * shapes.hidden * shapes.itemsize
+        if rows_from_host
+        else 0,
         "head_rows_copy": (
-            s.Vc * s.D * s.a
-            if s.Vc < s.V and not config.model.quantize_head and not rows_from_host
+            shapes.vocab_rows * shapes.hidden * shapes.itemsize
+            if shapes.vocab_rows < shapes.vocab
+            and not config.model.quantize_head
+            and not rows_from_host
             else 0
         ),
-        "base_layer": host_base_bytes(config, model_config) // s.L,
+        "base_layer": host_base_bytes(config, model_config) // shapes.layers,
         "top_state_on_device": (
             top_optimizer_bytes(config, model_config)
             if config.memory.optimizer_state == "host"
@@ -273,126 +300,147 @@ def phase_working_sets(
 ) -> dict[str, list[WorkingBuffer]]:
     """Each phase's working set, buffer group by buffer group, with its formula; the buffer counts
     are `calibration` (default: the fit `calibration_key` names in calibration.json)."""
-    s, t = StepShapes(config, model_config), raw_terms(config, model_config)
-    c = calibration or calibration_counts(calibration_key(config))
-    attention_width = (s.H + 2 * s.K) * s.h
-    c_f = c["activations_f_saved"] if s.saved_mlp else c["activations_f"]
-    backward = [
-        WorkingBuffer(
-            "layer_weights",
-            round(c["layer_weights"] * t["layer_weights"]),
-            f"{c['layer_weights']} x one layer's linear weights x {s.a} B = "
-            f"{c['layer_weights']} x {s.linear} x {s.a}",
-        ),
-        WorkingBuffer("layer_gradient", t["layer_gradient"], "one layer's trainable tensors"),
-        WorkingBuffer(
-            "optimizer_update",
-            round(c["optimizer_state"] * t["optimizer_state"]),
-            f"{c['optimizer_state']} x one layer's optimizer state ({t['optimizer_state']} B)",
-        ),
-        WorkingBuffer(
-            "layer_activations",
-            round(
-                c["activations_d"] * t["activations_d"]
-                + c_f * (t["activations_f"] + t["activations_f_saved"])
-                + c["activations_attention"] * t["activations_attention"]
-            ),
-            f"B x S x {s.a} x ({c['activations_d']} D + {c_f} F + "
-            f"{c['activations_attention']} (H+2K)h) = {s.B} x {s.S} x {s.a} x "
-            f"({c['activations_d']} x {s.D} + {c_f} x {s.F} + "
-            f"{c['activations_attention']} x {attention_width})",
-        ),
-        _attention_buffer(s, t, c),
-    ]
-    table = _embedding_gradient(s, t)
-    backward += table
-    if t["base_layer"]:
-        backward.append(_base_in_flight(config, t["base_layer"]))
-    loss = [
-        WorkingBuffer(
-            "logits_chunk",
-            round(c["logits"] * t["logits"]),
-            f"{c['logits']} x B x chunk x V x 4 = {c['logits']} x {s.B} x {s.chunk} x {s.Vc} x 4"
-            + ("" if s.Vc == s.V else " (vocab_chunk)"),
-        ),
-        *table,
-    ]
-    if t["head_gradient"]:
-        loss.append(
-            WorkingBuffer(
-                "head_gradient", t["head_gradient"], f"V x D x {s.a}: the untied head's gradient"
-            )
-        )
-    if t["dequantized_head"]:
-        rows = "V" if s.Vc == s.V else f"vocab_chunk {s.Vc}"
-        loss.append(WorkingBuffer("dequantized_head", t["dequantized_head"], f"{rows} x D x {s.a}"))
-    if t["head_rows_from_host"]:
-        loss.append(
-            WorkingBuffer(
-                "head_rows_from_host",
-                t["head_rows_from_host"],
-                f"vocab_chunk x D x {s.a}: the tied table's rows brought from the host",
-            )
-        )
-    if t["head_rows_copy"]:
-        loss.append(
-            WorkingBuffer(
-                "head_rows_copy",
-                t["head_rows_copy"],
-                f"vocab_chunk x D x {s.a}: the chunk's head rows, copied for the matmul",
-            )
-        )
-    if t["top_state_on_device"]:
-        loss.append(
-            WorkingBuffer(
-                "head_optimizer_state",
-                t["top_state_on_device"],
-                "the head's/embedding's optimizer state (a row chunk of it for elementwise "
-                "optimizers), brought from the host for its update",
-            )
-        )
-    phases = {"backward": backward, "loss": loss}
-    if t["head_gradient"]:
-        phases["head_update"] = [*table, _update_buffer(s, t, c)]
+    shapes, terms = StepShapes(config, model_config), raw_terms(config, model_config)
+    counts = calibration or calibration_counts(calibration_key(config))
+    table = _embedding_gradient(shapes, terms)
+    backward = [*_layer_backward(shapes, terms, counts), *table]
+    if terms["base_layer"]:
+        backward.append(_base_in_flight(config, terms["base_layer"]))
+    phases = {"backward": backward, "loss": _loss_phase(shapes, terms, counts, table)}
+    if terms["head_gradient"]:
+        phases["head_update"] = [*table, _update_buffer(shapes, terms, counts)]
     if table:
         phases["embedding"] = list(table)
-        if t["embedding_dequantized_moments"]:
+        if terms["embedding_dequantized_moments"]:
+            moments = counts["head_dequantized_moments"] * terms["embedding_dequantized_moments"]
             phases["embedding"].append(
                 WorkingBuffer(
                     "embedding_update",
-                    round(c["head_dequantized_moments"] * t["embedding_dequantized_moments"]),
-                    f"{c['head_dequantized_moments']} x 2 x V x D x 4 (8-bit AdamW's moments "
+                    round(moments),
+                    f"{counts['head_dequantized_moments']} x 2 x V x D x 4 (8-bit AdamW's moments "
                     "in float32)",
                 )
             )
     return phases
 
 
-def _update_buffer(s: StepShapes, t: dict[str, int], c: dict[str, float]) -> WorkingBuffer:
+def _layer_backward(
+    shapes: StepShapes, terms: dict[str, int], counts: dict[str, float]
+) -> list[WorkingBuffer]:
+    """One layer's VJP and update: its weights, gradient, optimizer update, activations and the
+    attention's buffers."""
+    attention_width = (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim
+    mlp_count = counts["activations_f_saved"] if shapes.saved_mlp else counts["activations_f"]
+    activations = (
+        counts["activations_d"] * terms["activations_d"]
+        + mlp_count * (terms["activations_f"] + terms["activations_f_saved"])
+        + counts["activations_attention"] * terms["activations_attention"]
+    )
+    return [
+        WorkingBuffer(
+            "layer_weights",
+            round(counts["layer_weights"] * terms["layer_weights"]),
+            f"{counts['layer_weights']} x one layer's linear weights x {shapes.itemsize} B = "
+            f"{counts['layer_weights']} x {shapes.layer_linear} x {shapes.itemsize}",
+        ),
+        WorkingBuffer("layer_gradient", terms["layer_gradient"], "one layer's trainable tensors"),
+        WorkingBuffer(
+            "optimizer_update",
+            round(counts["optimizer_state"] * terms["optimizer_state"]),
+            f"{counts['optimizer_state']} x one layer's optimizer state "
+            f"({terms['optimizer_state']} B)",
+        ),
+        WorkingBuffer(
+            "layer_activations",
+            round(activations),
+            f"B x S x {shapes.itemsize} x ({counts['activations_d']} D + {mlp_count} F + "
+            f"{counts['activations_attention']} (H+2K)h) = {shapes.batch} x {shapes.seq} x "
+            f"{shapes.itemsize} x ({counts['activations_d']} x {shapes.hidden} + {mlp_count} x "
+            f"{shapes.intermediate} + {counts['activations_attention']} x {attention_width})",
+        ),
+        _attention_buffer(shapes, terms, counts),
+    ]
+
+
+def _loss_phase(
+    shapes: StepShapes,
+    terms: dict[str, int],
+    counts: dict[str, float],
+    table: list[WorkingBuffer],
+) -> list[WorkingBuffer]:
+    """The LM head and cross-entropy over one sequence chunk, with its VJP: the logits chunk and
+    whichever head-sized buffers the settings add (each present only where its term is)."""
+    itemsize, rows = shapes.itemsize, shapes.vocab_rows
+    whole = rows == shapes.vocab
+    loss = [
+        WorkingBuffer(
+            "logits_chunk",
+            round(counts["logits"] * terms["logits"]),
+            f"{counts['logits']} x B x chunk x V x 4 = {counts['logits']} x {shapes.batch} x "
+            f"{shapes.loss_chunk} x {rows} x 4" + ("" if whole else " (vocab_chunk)"),
+        ),
+        *table,
+    ]
+    head_rows = "V" if whole else f"vocab_chunk {rows}"
+    optional = (
+        ("head_gradient", "head_gradient", f"V x D x {itemsize}: the untied head's gradient"),
+        ("dequantized_head", "dequantized_head", f"{head_rows} x D x {itemsize}"),
+        (
+            "head_rows_from_host",
+            "head_rows_from_host",
+            f"vocab_chunk x D x {itemsize}: the tied table's rows brought from the host",
+        ),
+        (
+            "head_rows_copy",
+            "head_rows_copy",
+            f"vocab_chunk x D x {itemsize}: the chunk's head rows, copied for the matmul",
+        ),
+        (
+            "head_optimizer_state",
+            "top_state_on_device",
+            "the head's/embedding's optimizer state (a row chunk of it for elementwise "
+            "optimizers), brought from the host for its update",
+        ),
+    )
+    loss += [WorkingBuffer(name, terms[term], text) for name, term, text in optional if terms[term]]
+    return loss
+
+
+def _update_buffer(
+    shapes: StepShapes, terms: dict[str, int], counts: dict[str, float]
+) -> WorkingBuffer:
     """The untied head's update: its gradient and the copies its update makes, and 8-bit
     AdamW's moments in float32."""
-    moments = t["head_dequantized_moments"]
+    moments = terms["head_dequantized_moments"]
     return WorkingBuffer(
         "head_update",
-        round(c["head_gradient"] * t["head_gradient"] + c["head_dequantized_moments"] * moments),
-        f"{c['head_gradient']} x V x D x {s.a} (the head's gradient and its update's copies)"
+        round(
+            counts["head_gradient"] * terms["head_gradient"]
+            + counts["head_dequantized_moments"] * moments
+        ),
+        f"{counts['head_gradient']} x V x D x {shapes.itemsize} (the head's gradient and its "
+        "update's copies)"
         + (
-            f" + {c['head_dequantized_moments']} x 2 x V x D x 4 (float32 moments)"
+            f" + {counts['head_dequantized_moments']} x 2 x V x D x 4 (float32 moments)"
             if moments
             else ""
         ),
     )
 
 
-def _embedding_gradient(s: StepShapes, t: dict[str, int]) -> list[WorkingBuffer]:
-    if not t["embedding_gradient"]:
+def _embedding_gradient(shapes: StepShapes, terms: dict[str, int]) -> list[WorkingBuffer]:
+    if not terms["embedding_gradient"]:
         return []
     what = (
         "the head's gradient of the tied table, kept for its one update"
-        if s.tied
+        if shapes.tied
         else "the zero table the input cotangent is scattered into (allocated before the loss)"
     )
-    return [WorkingBuffer("embedding_gradient", t["embedding_gradient"], f"V x D x {s.a}: {what}")]
+    return [
+        WorkingBuffer(
+            "embedding_gradient", terms["embedding_gradient"], f"V x D x {shapes.itemsize}: {what}"
+        )
+    ]
 
 
 def _base_in_flight(config: TrainConfig, layer_bytes: int) -> WorkingBuffer:
@@ -416,23 +464,29 @@ def _base_in_flight(config: TrainConfig, layer_bytes: int) -> WorkingBuffer:
     )
 
 
-def _attention_buffer(s: StepShapes, t: dict[str, int], c: dict[str, float]) -> WorkingBuffer:
-    if s.attention == "materialized":
+def _attention_buffer(
+    shapes: StepShapes, terms: dict[str, int], counts: dict[str, float]
+) -> WorkingBuffer:
+    if shapes.attention == "materialized":
         return WorkingBuffer(
             "attention_scores",
-            round(c["attention_scores"] * t["attention_scores"]),
-            f"materialized: {c['attention_scores']} x B x H x S x S x 4 = "
-            f"{c['attention_scores']} x {s.B} x {s.H} x {s.S}^2 x 4",
+            round(counts["attention_scores"] * terms["attention_scores"]),
+            f"materialized: {counts['attention_scores']} x B x H x S x S x 4 = "
+            f"{counts['attention_scores']} x {shapes.batch} x {shapes.heads} x {shapes.seq}^2 x 4",
         )
-    if s.attention == "cudnn":
-        formula = f"cudnn: B x H x S x (h + 1) x 4 = {s.B} x {s.H} x {s.S} x {s.h + 1} x 4"
-    else:
-        tile = block_size(s.S)
+    if shapes.attention == "cudnn":
         formula = (
-            f"blockwise: B x H x (2 S + {blockwise_tiles(s.S)} t^2) x 4 = {s.B} x {s.H} x "
-            f"(2 x {s.S} + {blockwise_tiles(s.S)} x {tile}^2) x 4"
+            f"cudnn: B x H x S x (h + 1) x 4 = {shapes.batch} x {shapes.heads} x {shapes.seq} x "
+            f"{shapes.head_dim + 1} x 4"
         )
-    return WorkingBuffer(f"attention_{s.attention}", t["attention_blockwise"], formula)
+    else:
+        tile = block_size(shapes.seq)
+        formula = (
+            f"blockwise: B x H x (2 S + {blockwise_tiles(shapes.seq)} t^2) x 4 = {shapes.batch} x "
+            f"{shapes.heads} x "
+            f"(2 x {shapes.seq} + {blockwise_tiles(shapes.seq)} x {tile}^2) x 4"
+        )
+    return WorkingBuffer(f"attention_{shapes.attention}", terms["attention_blockwise"], formula)
 
 
 def working_set_floor(config: TrainConfig, model_config: ModelConfig) -> int:
@@ -440,15 +494,21 @@ def working_set_floor(config: TrainConfig, model_config: ModelConfig) -> int:
     dtype unless trainable, its gradient, its intermediates x, q, k, v, attended, gate, up, their
     product and the attention's buffers: float32 scores B x H x S x S when materialized) or (one
     logits chunk and the head's gradient: the tied table's, or the untied head's) or (the
-    embedding's gradient). The implementation's floor, not XLA's: every tensor it needs, each once."""
-    s, t = StepShapes(config, model_config), raw_terms(config, model_config)
-    intermediates = s.T * s.a * (2 * s.D + (2 * s.H + 2 * s.K) * s.h) + s.B * s.Sm * s.a * 3 * s.F
-    backward = (
-        (0 if s.full else t["layer_weights"])
-        + t["layer_gradient"]
-        + intermediates
-        + t["attention_scores"]
-        + t["attention_blockwise"]
+    embedding's gradient). The implementation's floor, not XLA's: every tensor it needs, each
+    once."""
+    shapes, terms = StepShapes(config, model_config), raw_terms(config, model_config)
+    intermediates = (
+        shapes.tokens
+        * shapes.itemsize
+        * (2 * shapes.hidden + (2 * shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim)
+        + shapes.batch * shapes.mlp_seq * shapes.itemsize * 3 * shapes.intermediate
     )
-    head = t["embedding_gradient"] if s.tied else t["head_gradient"]
-    return max(backward, t["logits"] + head, t["embedding_gradient"])
+    backward = (
+        (0 if shapes.full else terms["layer_weights"])
+        + terms["layer_gradient"]
+        + intermediates
+        + terms["attention_scores"]
+        + terms["attention_blockwise"]
+    )
+    head = terms["embedding_gradient"] if shapes.tied else terms["head_gradient"]
+    return max(backward, terms["logits"] + head, terms["embedding_gradient"])

@@ -30,13 +30,10 @@ from featherweight.peft.lora import (
 )
 from featherweight.quant.nf4 import NF4Tensor, abstract_nf4
 from featherweight.recipe.placement import check_placements, opt_state_placement
-from featherweight.recipe.schema import TrainConfig
+from featherweight.recipe.schema import TrainConfig, require_resolved
+from featherweight.step.opt_state import init_streamed_opt_state, per_tensor_clipping
 from featherweight.step.reference import build_reference_step, model_loss
-from featherweight.step.streamed import (
-    build_streamed_step,
-    init_streamed_opt_state,
-    per_tensor_clipping,
-)
+from featherweight.step.streamed import build_streamed_step
 
 ADAPTER_DTYPE = jnp.float32  # adapters train in float32 over a bf16 or NF4 base (as PEFT does)
 
@@ -133,7 +130,9 @@ def build_train_step(
     With a device mesh (`mesh`, default: the one `config.mesh` describes, which several
     processes always have) both are compiled for it: the step with the partition rules of
     `featherweight.parallel.sharding`, and init_opt_state creates the state directly in its shards.
+    A config still "auto" is refused: `memory.defaults.resolve` chooses its settings first.
     """
+    require_resolved(config, "build_train_step")
     lora = lora_config_of(config)
     spec: LoraSpec | None = None if lora is None else lora.spec
     attention = attention_implementation(config, model_config)
@@ -194,8 +193,8 @@ def check_method_settings(config: TrainConfig, model_config: ModelConfig) -> Non
     if config.model.quantize_head and config.method != "qlora":
         raise ConfigError("model.quantize_head=true needs method: qlora (the head is frozen there)")
     check_placements(config, model_config)
-    mlp_chunk, seq = config.memory.mlp_chunk, config.data.seq_len
-    if mlp_chunk is not None and mlp_chunk < seq and seq % mlp_chunk:
+    mlp_chunk, seq = config.memory.mlp_chunk, config.data.seq_len  # "auto": chosen to divide it
+    if isinstance(mlp_chunk, int) and mlp_chunk < seq and seq % mlp_chunk:
         raise ConfigError(
             f"memory.mlp_chunk={mlp_chunk} must divide data.seq_len={seq}; use a divisor, e.g. "
             f"{next(c for c in range(mlp_chunk, 0, -1) if seq % c == 0)}"
@@ -241,7 +240,9 @@ def check_clipping_and_accumulation(config: TrainConfig) -> None:
 
 @functools.lru_cache(maxsize=4)
 def evaluation_fn(config: TrainConfig, model_config: ModelConfig) -> Callable:
-    """Jitted `(trainable, frozen, batch) -> (mean loss, counted tokens)`, without dropout."""
+    """Jitted `(trainable, frozen, batch) -> (mean loss, counted tokens)`, without dropout, with
+    the chunks of the resolved `config`."""
+    require_resolved(config, "the evaluation")
     lora = lora_config_of(config)
     spec = None if lora is None else lora.spec
 

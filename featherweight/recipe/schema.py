@@ -44,6 +44,11 @@ def _is_number(annotation: Any) -> bool:
     return bool not in members and any(member in (int, float) for member in members)
 
 
+AUTO = "auto"
+# memory settings chosen from the shapes when "auto" (`memory/defaults.py`: `resolve`)
+CHOSEN_FROM_SHAPES = ("mlp_chunk", "loss_chunk", "vocab_chunk")
+
+
 def refuse_yes_no_number(value: Any, annotation: Any) -> Any:
     """YAML's true/false where a number is meant (`steps: true` would be 1): refused."""
     if isinstance(value, bool) and _is_number(annotation):
@@ -162,12 +167,26 @@ class MemorySettings(_Section):
 
     budget: str | None = Field(None, description="e.g. '8GiB'; the planner picks settings that fit")
     residuals: Literal["device", "host"] = "device"
-    loss_chunk: int | None = Field(None, gt=0, description="sequence chunk of LM head + loss")
-    vocab_chunk: int | None = Field(
-        None, gt=0, description="vocabulary chunk of the LM head (rows of the head at a time)"
+    loss_chunk: int | Literal["auto"] | None = Field(
+        AUTO,
+        description=(
+            "sequence chunk of LM head + loss, in tokens; auto: chosen from the shapes; null: "
+            "the whole sequence"
+        ),
     )
-    mlp_chunk: int | None = Field(
-        None, gt=0, description="sequence chunk of each block's MLP (long context)"
+    vocab_chunk: int | Literal["auto"] | None = Field(
+        AUTO,
+        description=(
+            "vocabulary chunk of the LM head (rows of the head at a time); auto: chosen from "
+            "the shapes; null: the whole vocabulary"
+        ),
+    )
+    mlp_chunk: int | Literal["auto"] | None = Field(
+        AUTO,
+        description=(
+            "sequence chunk of each block's MLP (long context), in tokens; auto: chosen from "
+            "the shapes; null: the whole sequence"
+        ),
     )
     optimizer_state: Literal["device", "host"] = Field(
         "device", description="host: each layer's state comes over for its update only"
@@ -209,6 +228,20 @@ class MemorySettings(_Section):
         ),
     )
 
+    @field_validator(*CHOSEN_FROM_SHAPES, mode="before")
+    @classmethod
+    def _chunk(cls, value: Any) -> Any:
+        """A positive whole number, "auto" or null; one message for any other value."""
+        if value is None or value == AUTO:
+            return value
+        refuse_yes_no_number(value, int)
+        whole = isinstance(value, float) and value.is_integer()
+        if (whole or (isinstance(value, int) and not isinstance(value, bool))) and value > 0:
+            return int(value)
+        raise ValueError(
+            "must be a positive whole number, auto (chosen from the shapes) or null (whole)"
+        )
+
     @field_validator("attention", mode="before")
     @classmethod
     def _flash_is_gone(cls, value: Any) -> Any:
@@ -220,11 +253,18 @@ class MemorySettings(_Section):
         return value
 
     @property
+    def unresolved(self) -> tuple[str, ...]:
+        """The settings still "auto" that the shapes choose (`CHOSEN_FROM_SHAPES`)."""
+        return tuple(name for name in CHOSEN_FROM_SHAPES if getattr(self, name) == AUTO)
+
+    @property
     def policy(self) -> MemoryPolicy:
         """The streamed step's runtime form of these settings: the fields both share, by name.
 
         `attention` is left at the policy's default here: "auto" depends on the target, so
         `recipe.build.attention_implementation` resolves it and the step builder sets it."""
+        if self.unresolved:
+            raise ConfigError(_unresolved_message("the step's memory policy", self.unresolved))
         shared = {field.name for field in dataclasses.fields(MemoryPolicy)} - {"attention"}
         return MemoryPolicy(**{name: getattr(self, name) for name in shared})
 
@@ -281,7 +321,35 @@ class TrainConfig(_Section):
         return lora
 
 
+def _unresolved_message(needs: str, fields: tuple[str, ...]) -> str:
+    names = ", ".join(f"memory.{name}" for name in fields)
+    return (
+        f"{needs} needs a resolved config, but {names} is still auto; resolve it first with "
+        "featherweight.resolve(config, model_config) (memory/defaults.py), which chooses it "
+        "from the shapes as train and plan do, or set a number (null: whole)"
+    )
+
+
+def require_resolved(config: TrainConfig, needs: str) -> None:
+    """Refuse a config with a setting still "auto" (`ConfigError`): what builds or plans a step
+    takes the one `resolve` has chosen, never a default of its own."""
+    if config.memory.unresolved:
+        raise ConfigError(_unresolved_message(needs, config.memory.unresolved))
+
+
+def take_saved_choices(config: TrainConfig, saved: TrainConfig) -> TrainConfig:
+    """`config` with each setting it leaves "auto" taken from `saved`, a run's recorded (resolved)
+    config: resuming that run keeps what was chosen for it, whatever `resolve` would choose now."""
+    chosen = {name: getattr(saved.memory, name) for name in config.memory.unresolved}
+    return config.model_copy(update={"memory": config.memory.model_copy(update=chosen)})
+
+
 MAX_ERRORS = 5  # problems named in one message
+# where a missing config file's message points: commented configs that exist in the repository
+CONFIG_HINT = (
+    "pass a YAML file; examples/ holds one per common job (examples/lora-csv-qa.yaml runs as it "
+    "is), README.md's 'A training config' explains each key"
+)
 # keys other trainers spell differently: (their name) -> ours, suggested for an unknown key
 OTHER_SPELLINGS = {
     "gradient_accumulation_steps": "memory.accumulation_steps",
@@ -427,10 +495,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         path = Path(path)
         source = str(path)
-        check_input_file(
-            path, "config file", "pass a YAML file (README.md, 'A training config', shows one)",
-            ConfigError,
-        )  # fmt: skip
+        check_input_file(path, "config file", CONFIG_HINT, ConfigError)
         text = read_input_text(path, "config file")
         try:
             key_lines = _key_lines(text)

@@ -71,31 +71,15 @@ from featherweight.step.layer_loop import (
     update_sink,
 )
 from featherweight.step.loss import Batch, head_loss
-from featherweight.step.opt_state import (
-    StreamedOptState,
-    init_streamed_opt_state,
-    per_tensor_clipping,
-)
+from featherweight.step.opt_state import StreamedOptState
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.top_update import (
-    TOP_ROW_CHUNK,
     embedding_gradient,
     embedding_squared_norm,
     embedding_update,
-    top_row_chunk,
     top_update,
 )
 from featherweight.step.validate import check_optimizer, check_uniform_layers, refuse_multisteps
-
-__all__ = [
-    "TOP_ROW_CHUNK",
-    "StreamedOptState",
-    "build_streamed_step",
-    "gradient_mode",
-    "init_streamed_opt_state",
-    "per_tensor_clipping",
-    "top_row_chunk",
-]
 
 
 def gradient_mode(clip_norm: float | None, two_pass: bool, accumulation_steps: int) -> str:
@@ -115,8 +99,10 @@ def gradient_mode(clip_norm: float | None, two_pass: bool, accumulation_steps: i
     return "kept" if clip_norm is not None or accumulation_steps > 1 else "fused"
 
 
-class _Pieces:
-    """One micro-batch's forward and head VJP, shared by the three gradient modes."""
+class _StepModel:
+    """The model as one step sees it: its configuration and memory policy, the trainable and
+    frozen parameters (separate, so the frozen ones are only ever closed over), and the pass
+    every gradient mode starts with -- one micro-batch's forward and the head's VJP."""
 
     def __init__(self, config, lora, policy, constrain, trainable, frozen) -> None:
         self.config, self.lora, self.policy, self.constrain = config, lora, policy, constrain
@@ -158,20 +144,48 @@ class _Pieces:
         head_grads, cotangent = head_vjp(jnp.asarray(weight, loss.dtype))
         return loss, head_grads, cotangent, stored, context
 
+    def update_top(self, optimizer, ok, names, gradient_of, opt_state):
+        """(trainable, top optimizer state) with each of `names` the model trains (the head's
+        tensors, and the embedding where given) updated at once by `gradient_of(name)`; the
+        layers are the backward loop's."""
+        trainable, new_trainable, new_top_state = (
+            self.trainable,
+            dict(self.trainable),
+            dict(opt_state.top),
+        )
+        for name in names:
+            if name in trainable:
+                new_trainable[name], new_top_state[name] = top_update(
+                    optimizer, ok, gradient_of(name), opt_state.top[name], trainable[name],
+                    self.policy.vocab_chunk,
+                )  # fmt: skip
+        return new_trainable, new_top_state
+
 
 def _head_sq(head_grads) -> jax.Array:
     return squared_norm({k: v for k, v in head_grads.items() if k != "embed"})
 
 
-def _fused(pieces: _Pieces, optimizer, opt_state, batch, key, clip_norm, two_pass):
+def _metrics(loss, grad_sq, ok, params_finite) -> dict[str, jax.Array]:
+    """What every gradient mode reports: the loss, the global norm before clipping, whether the
+    update was applied (a finite loss) and whether the parameters it wrote are finite."""
+    return {
+        "loss": loss,
+        "grad_norm": jnp.sqrt(grad_sq),
+        "updated": ok,
+        "params_finite": params_finite,
+    }
+
+
+def _fused(model: _StepModel, optimizer, opt_state, batch, key, clip_norm, two_pass):
     """The one-pass step (and, with `two_pass`, its norm-only first pass before it)."""
-    trainable = pieces.trainable
-    loss, head_grads, cotangent, stored, context = pieces.forward_and_head(batch, key, 1.0)
+    trainable = model.trainable
+    loss, head_grads, cotangent, stored, context = model.forward_and_head(batch, key, 1.0)
     ok = jnp.isfinite(loss)
     scale = None
     if two_pass:
         cotangent_in, _, layers_sq = backward_layers(
-            cotangent, stored, pieces.frozen_layers, context, norm_sink(pieces.trainable_layers), ()
+            cotangent, stored, model.frozen_layers, context, norm_sink(model.trainable_layers), ()
         )
         embed_sq = (
             embedding_squared_norm(batch.input_ids, cotangent_in, head_grads, trainable["embed"])
@@ -180,34 +194,26 @@ def _fused(pieces: _Pieces, optimizer, opt_state, batch, key, clip_norm, two_pas
         )
         grad_sq = _head_sq(head_grads) + layers_sq + embed_sq
         scale = clip_scale(grad_sq, clip_norm)
-    new_trainable, new_top_state = dict(trainable), dict(opt_state.top)
-    for name in HEAD_PARAMS:
-        if name in trainable:
-            new_trainable[name], new_top_state[name] = top_update(
-                optimizer, ok, scaled(head_grads[name], scale), opt_state.top[name],
-                trainable[name], pieces.policy.vocab_chunk,
-            )  # fmt: skip
-    stacks, treedef = jax.tree.flatten(pieces.trainable_layers)
+    new_trainable, new_top_state = model.update_top(
+        optimizer, ok, HEAD_PARAMS, lambda name: scaled(head_grads[name], scale), opt_state
+    )
+    stacks, treedef = jax.tree.flatten(model.trainable_layers)
     sink, target = update_sink(optimizer, ok, treedef, stacks, opt_state.layers, scale)
     cotangent, (stacks, layer_states, layers_finite), layers_sq = backward_layers(
-        cotangent, stored, pieces.frozen_layers, context, sink, target
+        cotangent, stored, model.frozen_layers, context, sink, target
     )
-    if pieces.trainable_layers:
+    if model.trainable_layers:
         new_trainable["layers"] = jax.tree.unflatten(treedef, stacks)
     embed_sq, embed_finite = jnp.float32(0), jnp.bool_(True)
     if "embed" in trainable:
         new_trainable["embed"], new_top_state["embed"], embed_sq, embed_finite = embedding_update(
             optimizer, ok, batch.input_ids, cotangent, head_grads, opt_state.top["embed"],
-            trainable["embed"], pieces.policy.vocab_chunk, scale,
+            trainable["embed"], model.policy.vocab_chunk, scale,
         )  # fmt: skip
     if not two_pass:
         grad_sq = _head_sq(head_grads) + layers_sq + embed_sq
-    metrics = {
-        "loss": loss,
-        "grad_norm": jnp.sqrt(grad_sq),
-        "updated": ok,
-        "params_finite": layers_finite & embed_finite & _top_finite(new_trainable, "embed"),
-    }
+    finite = layers_finite & embed_finite & _top_finite(new_trainable, "embed")
+    metrics = _metrics(loss, grad_sq, ok, finite)
     return new_trainable, StreamedOptState(layer_states, new_top_state), metrics
 
 
@@ -219,9 +225,10 @@ def _top_finite(trainable, *checked: str) -> jax.Array:
     return all_finite({name: value for name, value in trainable.items() if name not in skip})
 
 
-def _kept(pieces: _Pieces, optimizer, opt_state, batch, key, clip_norm, accumulation_steps):
-    """Gradients summed into a float32 buffer over the micro-batches, then clip and update."""
-    trainable = pieces.trainable
+def _accumulate(model: _StepModel, batch, key, accumulation_steps):
+    """(float32 gradient buffer of every trainable tensor, the batch's loss, whether every
+    micro-batch's loss was finite): the micro-batches scanned, each one's gradient added in."""
+    trainable = model.trainable
     total_tokens = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
     buffer = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, jnp.float32), trainable)
     if key is None:
@@ -235,18 +242,18 @@ def _kept(pieces: _Pieces, optimizer, opt_state, batch, key, clip_norm, accumula
         buffer, loss_sum, ok = carry
         micro, micro_key = inputs
         weight = jnp.sum(micro.loss_mask.astype(jnp.float32)) / total_tokens
-        loss, head_grads, cotangent, stored, context = pieces.forward_and_head(
+        loss, head_grads, cotangent, stored, context = model.forward_and_head(
             micro, micro_key, weight
         )
         buffer = dict(buffer)
         for name in HEAD_PARAMS:
             if name in trainable:
                 buffer[name] = buffer[name] + head_grads[name].astype(jnp.float32)
-        if pieces.trainable_layers:
+        if model.trainable_layers:
             layer_buffer, treedef = jax.tree.flatten(buffer["layers"])
             cotangent, layer_buffer, _ = backward_layers(
-                cotangent, stored, pieces.frozen_layers, context,
-                accumulate_sink(pieces.trainable_layers), layer_buffer,
+                cotangent, stored, model.frozen_layers, context,
+                accumulate_sink(model.trainable_layers), layer_buffer,
             )  # fmt: skip
             buffer["layers"] = jax.tree.unflatten(treedef, layer_buffer)
         if "embed" in trainable:
@@ -266,29 +273,28 @@ def _kept(pieces: _Pieces, optimizer, opt_state, batch, key, clip_norm, accumula
         (buffer, jnp.float32(0), jnp.bool_(True)),
         (micro_batches(batch, accumulation_steps), keys),
     )
+    return buffer, loss, ok
+
+
+def _kept(model: _StepModel, optimizer, opt_state, batch, key, clip_norm, accumulation_steps):
+    """Gradients summed into a float32 buffer over the micro-batches, then clip and update."""
+    trainable = model.trainable
+    buffer, loss, ok = _accumulate(model, batch, key, accumulation_steps)
     grad_sq = squared_norm(buffer)
     scale = None if clip_norm is None else clip_scale(grad_sq, clip_norm)
-    new_trainable, new_top_state = dict(trainable), dict(opt_state.top)
-    for name in (*HEAD_PARAMS, "embed"):
-        if name in trainable:
-            grad = scaled(buffer[name], scale).astype(trainable[name].dtype)
-            new_trainable[name], new_top_state[name] = top_update(
-                optimizer, ok, grad, opt_state.top[name], trainable[name], pieces.policy.vocab_chunk
-            )
+    new_trainable, new_top_state = model.update_top(
+        optimizer, ok, (*HEAD_PARAMS, "embed"),
+        lambda name: scaled(buffer[name], scale).astype(trainable[name].dtype), opt_state,
+    )  # fmt: skip
     layer_states, layers_finite = opt_state.layers, jnp.bool_(True)
-    if pieces.trainable_layers:
-        stacks, treedef = jax.tree.flatten(pieces.trainable_layers)
+    if model.trainable_layers:
+        stacks, treedef = jax.tree.flatten(model.trainable_layers)
         sink, target = update_sink(optimizer, ok, treedef, stacks, opt_state.layers, scale)
         stacks, layer_states, layers_finite = update_layers(
-            sink, jax.tree.leaves(buffer["layers"]), target, pieces.config.num_layers
+            sink, jax.tree.leaves(buffer["layers"]), target, model.config.num_layers
         )
         new_trainable["layers"] = jax.tree.unflatten(treedef, stacks)
-    metrics = {
-        "loss": loss,
-        "grad_norm": jnp.sqrt(grad_sq),
-        "updated": ok,
-        "params_finite": layers_finite & _top_finite(new_trainable),
-    }
+    metrics = _metrics(loss, grad_sq, ok, layers_finite & _top_finite(new_trainable))
     return new_trainable, StreamedOptState(layer_states, new_top_state), metrics
 
 
@@ -327,14 +333,14 @@ def build_streamed_step(
     constrain = activation_constraint(shardings)
 
     def step(trainable, opt_state: StreamedOptState, frozen, batch: Batch, key):
-        pieces = _Pieces(config, lora, policy, constrain, trainable, frozen)
+        model = _StepModel(config, lora, policy, constrain, trainable, frozen)
         if mode == "kept":
             new_trainable, new_state, metrics = _kept(
-                pieces, optimizer, opt_state, batch, key, clip_norm, accumulation_steps
+                model, optimizer, opt_state, batch, key, clip_norm, accumulation_steps
             )
         else:
             new_trainable, new_state, metrics = _fused(
-                pieces, optimizer, opt_state, batch, key, clip_norm, mode == "two_pass"
+                model, optimizer, opt_state, batch, key, clip_norm, mode == "two_pass"
             )
         metrics = {**metrics, "tokens": jnp.sum(batch.loss_mask)}
         # each result in the memory its argument came from: host outputs declared as such

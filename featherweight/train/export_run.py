@@ -12,9 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
-import yaml
 
-from featherweight.errors import CheckpointNotFoundError, CorruptCheckpointError, ExportError
+from featherweight.errors import ExportError
 from featherweight.io.atomic import check_output_dir, refuse_foreign_output
 from featherweight.io.convert import convert
 from featherweight.io.gguf_export import export_adapter_gguf, export_merged_gguf
@@ -23,7 +22,7 @@ from featherweight.io.hf_writer import iter_hf_tensors, save_hf_checkpoint
 from featherweight.io.hub import is_hub_name
 from featherweight.io.model_source import model_config_from
 from featherweight.io.names import expected_shapes, hf_name
-from featherweight.io.output_paths import refuse_inside, refuse_overlap, resolved
+from featherweight.io.output_paths import refuse_inside, refuse_overlap
 from featherweight.io.peft_export import (
     MERGED_DEFAULT_DTYPE,
     check_merged_dtype,
@@ -31,60 +30,19 @@ from featherweight.io.peft_export import (
     export_peft,
 )
 from featherweight.models.config import ModelConfig
-from featherweight.recipe.build import (
-    abstract_split,
-    lora_config_of,
-    opt_state_initializer,
-    split_params,
-)
-from featherweight.recipe.optimizer import make_optimizer
+from featherweight.recipe.build import lora_config_of, split_params
 from featherweight.recipe.schema import TrainConfig
-from featherweight.train.checkpoint import Checkpointer
-from featherweight.train.run import (
-    CHECKPOINT_DIR,
-    CONFIG_FILE,
-    check_same_model,
-    load_weights,
-    read_header,
-    resolve_model_path,
+from featherweight.train.run import load_weights, read_header
+from featherweight.train.run_dir import CHECKPOINT_DIR, CONFIG_FILE
+from featherweight.train.saved_run import (
+    base_model_path,
+    locate,
+    read_run_config,
+    restore_trainable,
 )
 
 FORMATS = ("merged", "peft", "gguf", "gguf-adapter")
 ADAPTER_FORMATS = ("peft", "gguf-adapter")
-
-
-def locate(run_or_checkpoint: str | Path) -> tuple[Path, int]:
-    """(run directory, checkpoint step) for a run dir or a checkpoint dir inside one."""
-    path = resolved(run_or_checkpoint)
-    if not path.exists():
-        raise CheckpointNotFoundError(
-            f"{path} does not exist; pass a run directory (train's output_dir)"
-        )
-    if path.parent.name == CHECKPOINT_DIR and path.name.isdigit():
-        return path.parent.parent, int(path.name)
-    if not (path / CONFIG_FILE).is_file():
-        raise CheckpointNotFoundError(
-            f"{path} is not a featherweight run (no {CONFIG_FILE}); pass train's output_dir or "
-            f"one of its {CHECKPOINT_DIR}/STEP directories"
-        )
-    steps = Checkpointer(path / CHECKPOINT_DIR, keep=1_000_000, read_only=True).all_steps()
-    if not steps:
-        raise CheckpointNotFoundError(
-            f"run {path} has no checkpoint yet; train at least until the first save"
-        )
-    return path, max(steps)
-
-
-def read_run_config(run_dir: Path) -> TrainConfig:
-    """The settings a run was trained with (its config.yaml)."""
-    path = run_dir / CONFIG_FILE
-    try:
-        return TrainConfig.model_validate(yaml.safe_load(path.read_text()))
-    except (yaml.YAMLError, ValueError) as error:  # pydantic's ValidationError is a ValueError
-        raise CorruptCheckpointError(
-            f"{path} cannot be read ({type(error).__name__}); the run's record of its settings is "
-            "damaged -- restore it from the YAML config the run was trained with"
-        ) from None
 
 
 def check_base_model(base_model: str, model_config: ModelConfig) -> None:
@@ -117,14 +75,7 @@ def export_run(
     A PEFT adapter records a base transformers loads: `base_model` (an HF id or directory) when
     given, else the run's HF directory, else (a GGUF base) the base written as an HF directory
     into `out/base` in the run's dtype."""
-    if export_format not in FORMATS:
-        raise ExportError(
-            f"export format {export_format!r} is unknown; use one of {', '.join(FORMATS)}"
-        )
-    if export_format == "merged":
-        check_merged_dtype(dtype)
-    if export_format == "gguf":
-        check_quant(quant)
+    _check_format(export_format, dtype, quant)
     run_dir, step = locate(run_or_checkpoint)
     config = read_run_config(run_dir)
     lora = lora_config_of(config)
@@ -135,6 +86,53 @@ def export_run(
         )
     out = check_output_dir(Path(out), overwrite)
     refuse_inside(out, run_dir / CHECKPOINT_DIR, "export --out", "holds the run's checkpoints")
+    _check_recorded_path(run_dir, config)
+    model_path = base_model_path(run_dir, config)
+    refuse_overlap(out, {"run": run_dir, "base model": model_path}, "export --out")
+    refuse_foreign_output(out)
+    model_config, tokenizer = read_header(model_path)
+    if base_model is not None:
+        check_base_model(base_model, model_config)
+    trainable = restore_trainable(run_dir, step, config, model_config)
+
+    if export_format == "peft":
+        return _export_peft(trainable, config, model_config, model_path, out, base_model, overwrite)
+    if export_format == "gguf-adapter":
+        return export_adapter_gguf(
+            trainable, model_config, lora, out, model_path, tokenizer, overwrite=overwrite
+        )
+    if lora is None and export_format == "merged":
+        return save_hf_checkpoint(
+            out, model_config, iter_hf_tensors(trainable, model_config), tokenizer, dtype=dtype,
+            overwrite=overwrite,
+        )  # fmt: skip
+    frozen = trainable
+    if lora is not None:  # the base the adapters merge into
+        model = load_weights(config, model_path)
+        _, frozen = split_params(model.params, config, model_config, jax.random.PRNGKey(0))
+    if export_format == "gguf":
+        return export_merged_gguf(
+            frozen, trainable, model_config, lora, tokenizer, out, quant, overwrite=overwrite
+        )
+    return export_merged(
+        frozen, trainable, model_config, lora, tokenizer, out, dtype=dtype, overwrite=overwrite
+    )
+
+
+def _check_format(export_format: str, dtype: str | None, quant: str) -> None:
+    """Refuse an unknown format, and a dtype or GGUF type the format cannot write."""
+    if export_format not in FORMATS:
+        raise ExportError(
+            f"export format {export_format!r} is unknown; use one of {', '.join(FORMATS)}"
+        )
+    if export_format == "merged":
+        check_merged_dtype(dtype)
+    if export_format == "gguf":
+        check_quant(quant)
+
+
+def _check_recorded_path(run_dir: Path, config: TrainConfig) -> None:
+    """Refuse a base model recorded as a relative path: it depends on where training ran."""
     recorded = config.model.path
     if not (
         Path(recorded).expanduser().is_absolute() or recorded == "demo" or is_hub_name(recorded)
@@ -144,58 +142,21 @@ def export_run(
             "which depends on the directory training ran from; edit model.path in "
             f"{run_dir / CONFIG_FILE} to the model's absolute path, then export again"
         )
-    model_path = resolve_model_path(config, run_dir)
-    check_same_model(run_dir, model_path)
-    refuse_overlap(out, {"run": run_dir, "base model": model_path}, "export --out")
-    refuse_foreign_output(out)
-    model_config, tokenizer = read_header(model_path)
-    if base_model is not None:
-        check_base_model(base_model, model_config)
 
-    abstract_trainable, _ = abstract_split(config, model_config)
-    optimizer = make_optimizer(config.optimizer, config.steps)
-    abstract_state = jax.eval_shape(opt_state_initializer(config, optimizer), abstract_trainable)
-    checkpointer = Checkpointer(run_dir / CHECKPOINT_DIR, keep=1_000_000, read_only=True)
-    (trainable, _), _ = checkpointer.restore(step, (abstract_trainable, abstract_state))
 
-    if export_format == "peft":
-        write_base = None
-        if base_model is None and not model_path.is_dir():
-            write_base = lambda directory: convert(model_path, directory, config.model.dtype)
-        base = base_model or (
-            config.model.path  # a Hub name: what peft loads, not this machine's cache
-            if is_hub_name(config.model.path)
-            else str(model_path)
-            if model_path.is_dir()
-            else None
-        )
-        return export_peft(
-            trainable, model_config, lora, out, base, overwrite, write_base,
-            quantized_base=config.method == "qlora",
-        )  # fmt: skip
-    if export_format == "gguf-adapter":
-        return export_adapter_gguf(
-            trainable, model_config, lora, out, model_path, tokenizer, overwrite=overwrite
-        )
-    if export_format == "gguf":
-        frozen = trainable
-        if lora is not None:
-            model = load_weights(config, model_path)
-            _, frozen = split_params(model.params, config, model_config, jax.random.PRNGKey(0))
-        return export_merged_gguf(
-            frozen, trainable, model_config, lora, tokenizer, out, quant, overwrite=overwrite
-        )
-    if lora is None:
-        return save_hf_checkpoint(
-            out,
-            model_config,
-            iter_hf_tensors(trainable, model_config),
-            tokenizer,
-            dtype=dtype,
-            overwrite=overwrite,
-        )
-    model = load_weights(config, model_path)
-    _, frozen = split_params(model.params, config, model_config, jax.random.PRNGKey(0))
-    return export_merged(
-        frozen, trainable, model_config, lora, tokenizer, out, dtype=dtype, overwrite=overwrite
+def _export_peft(trainable, config, model_config, model_path, out, base_model, overwrite) -> Path:
+    """The adapter in PEFT's format, recording a base transformers loads (see `export_run`)."""
+    write_base = None
+    if base_model is None and not model_path.is_dir():
+        write_base = lambda directory: convert(model_path, directory, config.model.dtype)
+    base = base_model or (
+        config.model.path  # a Hub name: what peft loads, not this machine's cache
+        if is_hub_name(config.model.path)
+        else str(model_path)
+        if model_path.is_dir()
+        else None
     )
+    return export_peft(
+        trainable, model_config, lora_config_of(config), out, base, overwrite, write_base,
+        quantized_base=config.method == "qlora",
+    )  # fmt: skip

@@ -93,12 +93,6 @@ def printing_planner(console: Console) -> Callable:
         )
         for change in describe_changes(config, planned_config, model_config):
             console.print(f"budget changed {change}", highlight=False)
-        # on a GPU: the plan against JAX's pool, before any weight is read
-        pool = device_memory.check_pool(
-            memory_plan.device_bytes, device_memory.local_memory_stats()
-        )
-        if pool is not None:
-            console.print(pool, highlight=False)
         return planned_config, memory_plan
 
     return plan
@@ -264,6 +258,8 @@ def train(
 def _train(config, overwrite, console, plan_fn, on_step, stop: StopRequest) -> TrainResult:
     run = prepare_run(config, overwrite, plan_fn or printing_planner(console))
     config = run.config
+    if run.fit is not None:  # the plan against this device (on a GPU: JAX's pool)
+        console.print(f"device memory: {run.fit.line} ({run.fit.limit_note})", highlight=False)
     print_data_summary(run, console)
     trainable, opt_state = run.trainable, run.opt_state
     run.step_fn = compile_step(run, trainable, opt_state, console)

@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,8 +27,8 @@ from featherweight.data.demo_task import invented_world, write_training_data
 from featherweight.data.iterator import DataIterator
 from featherweight.data.records import Dataset
 from featherweight.errors import (
-    BudgetError,
     ConfigError,
+    DataError,
     ModelChangedError,
     ModelConfigError,
     OutputExistsError,
@@ -40,7 +39,9 @@ from featherweight.io.hub import model_location, snapshot_revision
 from featherweight.io.loader import load_model, open_checkpoint
 from featherweight.io.output_paths import refuse_escape, refuse_overlap, resolved
 from featherweight.io.tokenizer import Tokenizer
-from featherweight.memory.defaults import LEAN_DEFAULT_FIELDS, with_lean_defaults
+from featherweight.memory import capacity
+from featherweight.memory.capacity import Verdict, refuse_unless_fits
+from featherweight.memory.defaults import resolve
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params
 from featherweight.models.model import Model
@@ -61,7 +62,7 @@ from featherweight.recipe.build import (
 from featherweight.recipe.optimizer import make_optimizer
 from featherweight.recipe.paths import absolute_paths
 from featherweight.recipe.placement import arguments_on_host, place
-from featherweight.recipe.schema import TrainConfig, changed_settings
+from featherweight.recipe.schema import TrainConfig, changed_settings, take_saved_choices
 from featherweight.step.loss import resolve_chunk_size
 from featherweight.train import run_dir
 from featherweight.train.checkpoint import Checkpointer
@@ -90,6 +91,7 @@ class Run:
     start_step: int
     plan: Any = None
     mesh: Any = None  # the device mesh (jax.sharding.Mesh), None on one device
+    fit: Verdict | None = None  # the plan against this device (`memory.capacity`)
 
 
 def _comparable(config: TrainConfig) -> dict[str, Any]:
@@ -101,19 +103,18 @@ def _comparable(config: TrainConfig) -> dict[str, Any]:
     return values
 
 
-def _with_saved_choices(config: TrainConfig, saved: TrainConfig) -> TrainConfig:
-    """`config` with the chunks it leaves unset taken from the saved run, which recorded what the
-    lean defaults chose for it (`memory/defaults.py`): the same settings resume that run."""
-    unset = {
-        field: getattr(saved.memory, field)
-        for field in LEAN_DEFAULT_FIELDS
-        if field not in config.memory.model_fields_set
-    }
-    return config.model_copy(update={"memory": config.memory.model_copy(update=unset)})
+class RunDirectory(NamedTuple):
+    """Where a run writes, whether it resumes the run already there, and its config: when
+    resuming, each setting it leaves "auto" is the one the run recorded (`take_saved_choices`)."""
+
+    path: Path
+    resuming: bool
+    config: TrainConfig
 
 
-def check_run_dir(config: TrainConfig, overwrite: bool) -> tuple[Path, bool]:
-    """(resolved output dir, resuming?) -- refusing another run's directory unless `overwrite`.
+def check_run_dir(config: TrainConfig, overwrite: bool) -> RunDirectory:
+    """The output dir (resolved) and whether the run resumes -- refusing another run's directory
+    unless `overwrite`.
 
     The directory is locked here when it exists (one trainer at a time). With `overwrite` nothing
     is removed yet: `write_run_files` clears the old run's files once the new run's settings,
@@ -137,7 +138,7 @@ def check_run_dir(config: TrainConfig, overwrite: bool) -> tuple[Path, bool]:
         saved = out / CONFIG_FILE
         saved_config = _saved_config(saved) if saved.is_file() else None
         if saved_config is not None:
-            config = _with_saved_choices(config, saved_config)
+            config = take_saved_choices(config, saved_config)
             resuming = _comparable(saved_config) == _comparable(config)
         if not resuming:
             what = (
@@ -150,7 +151,7 @@ def check_run_dir(config: TrainConfig, overwrite: bool) -> tuple[Path, bool]:
                 "resumes automatically)"
             )
     probe_writable(out, "output_dir")
-    return out, resuming
+    return RunDirectory(out, resuming, config)
 
 
 def _replace_advice(out: Path) -> str:
@@ -263,43 +264,6 @@ def check_tokenizer_fits(
         )
 
 
-class DeviceCapacity(NamedTuple):
-    """One local device's memory: how many bytes, read from where, and whether host-placed
-    parts share it (a CPU backend's "device" is the host)."""
-
-    bytes: int
-    source: str
-    holds_host: bool
-
-
-def device_capacity() -> DeviceCapacity | None:
-    """The allocator's limit on an accelerator; the machine's physical memory on a CPU backend."""
-    device = jax.local_devices()[0]
-    stats = device.memory_stats() or {}
-    if stats.get("bytes_limit"):
-        return DeviceCapacity(int(stats["bytes_limit"]), "memory_stats bytes_limit", False)
-    if device.platform == "cpu":
-        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return DeviceCapacity(physical, "physical memory of the CPU backend", True)
-    return None
-
-
-def check_plan_fits(plan, capacity: DeviceCapacity | None) -> None:
-    """Refuse a run whose planned step needs more memory than the device has (an absurd
-    batch_size or seq_len): it would fail after loading and compiling -- or take the machine's
-    memory first -- instead of now."""
-    if plan is None or capacity is None:
-        return
-    needed = plan.device_bytes + (plan.host_bytes if capacity.holds_host else 0)
-    if needed > capacity.bytes:
-        raise BudgetError(
-            f"the memory plan needs {needed / 2**30:.2f} GiB but the device has "
-            f"{capacity.bytes / 2**30:.2f} GiB ({capacity.source}); lower batch_size or "
-            f"data.seq_len, or set memory.budget (e.g. {max(capacity.bytes // 2**30, 1)}GiB) to "
-            "let the planner fit the step"
-        )
-
-
 def load_weights(config: TrainConfig, model_path: Path) -> Model:
     quantize = "nf4" if config.method == "qlora" else None
     return load_model(
@@ -364,16 +328,13 @@ def restore_state(
     return checkpointer.restore(step, targets)
 
 
-def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> Run:
-    """Check, plan, load and (when resuming) restore: a run ready for its first step.
-
-    `plan_fn(config, model_config) -> (config, plan)` plans memory (and may change settings to fit
-    a budget) before any weights are read.
-    """
-    config = absolute_paths(config)
-    output_dir, resuming = check_run_dir(config, overwrite)
-    model_path = resolve_model_path(config, output_dir if resuming else None)
-    if resuming:
+def _check_inputs(config: TrainConfig, overwrite: bool) -> tuple[RunDirectory, Path]:
+    """The run directory and the base model's path, checked before anything is read: the same
+    base when resuming, no input inside the output, nothing foreign to replace."""
+    directory = check_run_dir(absolute_paths(config), overwrite)
+    output_dir, config = directory.path, directory.config
+    model_path = resolve_model_path(config, output_dir if directory.resuming else None)
+    if directory.resuming:
         check_same_model(output_dir, model_path)
     inputs = {
         "model": model_path,
@@ -383,22 +344,32 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     refuse_overlap(output_dir, inputs, "output_dir")
     if overwrite:
         run_dir.check_replaceable(output_dir)  # only featherweight's own files, before any work
-    model_config, tokenizer = read_header(model_path)
-    check_tokenizer_fits(tokenizer, model_config, model_path)
-    check_method_settings(config, model_config)
-    config = with_lean_defaults(config, model_config)  # unset chunks chosen from the shapes
-    plan = None
+    return directory, model_path
+
+
+def _resolve_and_plan(
+    config: TrainConfig, model_config: ModelConfig, mesh, plan_fn
+) -> tuple[TrainConfig, Any, Verdict | None]:
+    """(the config with every "auto" chosen from the shapes -- and fitted to its budget by
+    `plan_fn` --, its plan, the plan's verdict on this device), refused when the plan does not
+    fit (`memory.capacity`)."""
+    config = resolve(config, model_config, mesh)
+    plan = fit = None
     if plan_fn is not None:
         config, plan = plan_fn(config, model_config)
-        check_plan_fits(plan, device_capacity())
+        fit = refuse_unless_fits(plan, capacity.of_device())
     check_step_settings(config)
-    mesh = mesh_from_settings(config.mesh)
     if mesh is not None:
         global_batch = config.batch_size * jax.process_count()
         check_layout(mesh, *abstract_split(config, model_config), global_batch)
-    if tokenizer is None:
-        from featherweight.errors import DataError
+    return config, plan, fit
 
+
+def _read_data(
+    config: TrainConfig, tokenizer: Tokenizer | None, model_path: Path
+) -> tuple[Dataset, DataIterator, TrainConfig]:
+    """The dataset, its batch iterator, and the config with `epochs` turned into steps."""
+    if tokenizer is None:
         raise DataError(f"{model_path} has no tokenizer; the trainer needs one to read the dataset")
     dataset = build_dataset(config, tokenizer, resolve_data_path(config))
     data = DataIterator(
@@ -408,8 +379,26 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
         jax.process_index(),
         jax.process_count(),
     )
-    config = steps_from_epochs(config, data.steps_per_epoch)
-    if resuming:
+    return dataset, data, steps_from_epochs(config, data.steps_per_epoch)
+
+
+def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> Run:
+    """Check, resolve, plan, load and (when resuming) restore: a run ready for its first step.
+
+    The config is resolved once (`memory.defaults.resolve`; a resumed run keeps what it
+    recorded) and that config is planned, built and written to the run's config file.
+    `plan_fn(config, model_config) -> (config, plan)` plans memory (and may change settings to fit
+    a budget) before any weights are read.
+    """
+    directory, model_path = _check_inputs(config, overwrite)
+    output_dir, config = directory.path, directory.config
+    model_config, tokenizer = read_header(model_path)
+    check_tokenizer_fits(tokenizer, model_config, model_path)
+    check_method_settings(config, model_config)
+    mesh = mesh_from_settings(config.mesh)
+    config, plan, fit = _resolve_and_plan(config, model_config, mesh, plan_fn)
+    dataset, data, config = _read_data(config, tokenizer, model_path)
+    if directory.resuming:
         check_steps_ahead(config, output_dir)
 
     with loading_device(mesh):
@@ -431,12 +420,12 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     trainable, opt_state, frozen = place(config, trainable, opt_state, frozen)
     checkpointer = Checkpointer(output_dir / CHECKPOINT_DIR, keep=config.checkpoint.keep)
     start_step = 0
-    latest = checkpointer.latest_step() if resuming else None
+    latest = checkpointer.latest_step() if directory.resuming else None
     if latest is not None:
         (trainable, opt_state), metadata = restore_state(checkpointer, latest, trainable, opt_state)
         data.restore(metadata["data"])
         start_step = int(metadata["step"])
     return Run(
         config, output_dir, model_config, tokenizer, model_path, dataset, data, trainable, frozen,
-        opt_state, step_fn, checkpointer, start_step, plan, mesh,
+        opt_state, step_fn, checkpointer, start_step, plan, mesh, fit,
     )  # fmt: skip

@@ -19,37 +19,15 @@ from featherweight.errors import ConfigError
 from featherweight.inference.generate import generate_ids
 from featherweight.models.llama import Params
 from featherweight.models.model import Model
-from featherweight.recipe.build import abstract_split, lora_config_of, opt_state_initializer
-from featherweight.recipe.optimizer import make_optimizer
-from featherweight.recipe.schema import TrainConfig
-from featherweight.train.checkpoint import Checkpointer
-from featherweight.train.export_run import locate, read_run_config
-from featherweight.train.run import (
-    CHECKPOINT_DIR,
-    CONFIG_FILE,
-    check_same_model,
-    load_weights,
-    read_header,
-    resolve_model_path,
+from featherweight.recipe.build import lora_config_of
+from featherweight.train.run import load_weights, read_header
+from featherweight.train.run_dir import CHECKPOINT_DIR
+from featherweight.train.saved_run import (
+    base_model_path,
+    locate,
+    read_run_config,
+    restore_trainable,
 )
-
-
-def is_run_dir(path: str | Path) -> bool:
-    """Whether `path` is a training run's directory (or one of its checkpoints)."""
-    path = Path(path).expanduser()
-    return (path / CONFIG_FILE).is_file() or (
-        path.parent.name == CHECKPOINT_DIR and (path.parent.parent / CONFIG_FILE).is_file()
-    )
-
-
-def restore_trainable(run_dir: Path, step: int, config: TrainConfig, model_config) -> Params:
-    """The trainable arrays of checkpoint `step` (the optimizer state is read and dropped)."""
-    abstract_trainable, _ = abstract_split(config, model_config)
-    optimizer = make_optimizer(config.optimizer, config.steps)
-    abstract_state = jax.eval_shape(opt_state_initializer(config, optimizer), abstract_trainable)
-    checkpointer = Checkpointer(run_dir / CHECKPOINT_DIR, keep=1_000_000, read_only=True)
-    (trainable, _), _ = checkpointer.restore(step, (abstract_trainable, abstract_state))
-    return trainable
 
 
 def _overlay(base: Params, trained: Params) -> Params:
@@ -68,8 +46,7 @@ def load_run_model(run_or_checkpoint: str | Path, dtype: str | None = None) -> t
     it (an NF4 base stays NF4) and the trained arrays are cast to it."""
     run_dir, step = locate(run_or_checkpoint)
     config = read_run_config(run_dir)
-    model_path = resolve_model_path(config, run_dir)
-    check_same_model(run_dir, model_path)
+    model_path = base_model_path(run_dir, config)
     model_config, _ = read_header(model_path)
     trainable = restore_trainable(run_dir, step, config, model_config)
     if dtype is not None:

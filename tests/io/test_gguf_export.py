@@ -13,7 +13,8 @@ from featherweight.inference.generate import logits
 from featherweight.io.gguf_reader import unpermute_rotary_rows
 from featherweight.io.loader import load_model, open_checkpoint
 from featherweight.io.ollama import ADAPTER_FILE, MODEL_FILE, MODELFILE
-from featherweight.train.export_run import export_run, read_run_config
+from featherweight.train.export_run import export_run
+from featherweight.train.saved_run import read_run_config
 from tests.reliability.conftest import trained_run
 
 __all__ = ["trained_run"]  # the shared 4-step LoRA run (q and v adapters, rank 4)

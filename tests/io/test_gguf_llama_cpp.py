@@ -13,8 +13,9 @@ from featherweight.io.convert import convert
 from featherweight.io.loader import load_model
 from featherweight.io.ollama import ADAPTER_FILE, MODEL_FILE, MODELFILE
 from featherweight.recipe.schema import parse_config
-from featherweight.train.export_run import export_run, read_run_config
+from featherweight.train.export_run import export_run
 from featherweight.train.loop import train
+from featherweight.train.saved_run import read_run_config
 from tests.conftest import run_settings
 from tests.io.test_gguf_kquants import KQUANT_SIZES, q4_k_m
 from tests.reliability.conftest import trained_run

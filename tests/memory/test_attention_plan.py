@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from featherweight.errors import StepConfigError
+from featherweight.memory.defaults import resolve
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.measure import measure_compiled
 from featherweight.memory.working_set import StepShapes, attention_of, raw_terms
@@ -20,15 +21,14 @@ TEMP_WORST = 0.5
 
 
 def _config(attention: str, seq: int, batch: int = 1):
-    return parse_config(
-        {
-            "method": "lora",
-            "batch_size": batch,
-            "model": {"dtype": "float32"},
-            "data": {"seq_len": seq},
-            "memory": {"attention": attention},
-        }
-    )
+    settings = {
+        "method": "lora",
+        "batch_size": batch,
+        "model": {"dtype": "float32"},
+        "data": {"seq_len": seq},
+        "memory": {"attention": attention},
+    }
+    return resolve(parse_config(settings), MODEL)  # the chunks the trainer would choose
 
 
 def _planned_attention(config) -> int:

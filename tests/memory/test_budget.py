@@ -19,7 +19,7 @@ from featherweight.memory.budget import (
     parse_budget,
     plan_within_budget,
 )
-from featherweight.memory.defaults import with_lean_defaults
+from featherweight.memory.defaults import resolve
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.step_cost import CPU_RATES, head_matmul_bytes, step_seconds
 from featherweight.memory.working_set import calibration_for, plan_reserve
@@ -65,7 +65,7 @@ def test_a_budget_at_the_total_keeps_the_plan_and_one_byte_less_changes_it(model
     config, model_config = config_of(**values), builtin_config(model)
     plan = plan_for_config(config, model_config)
     kept, kept_plan = fit_budget(config, model_config, plan.device_bytes, reserve=0.0)
-    assert kept == with_lean_defaults(config, model_config) and kept_plan == plan
+    assert kept == resolve(config, model_config) and kept_plan == plan
     try:
         smaller, smaller_plan = fit_budget(config, model_config, plan.device_bytes - 1, reserve=0.0)
     except BudgetError:
@@ -81,7 +81,8 @@ def test_loss_chunk_is_tried_first_when_the_logits_are_the_peak():
     plan = plan_for_config(config, model)
     assert plan.peak_phase == "loss"
     fitted, _ = fit_budget(config, model, plan.device_bytes - 1, reserve=0.0)
-    assert describe_changes(config, fitted) == [f"memory.loss_chunk: None -> {1024 // 2}"]
+    changes = describe_changes(resolve(config, model), fitted)
+    assert changes == [f"memory.loss_chunk: None -> {1024 // 2}"]
 
 
 def test_micro_batch_comes_last_and_every_kept_change_is_needed():
@@ -104,7 +105,7 @@ def test_micro_batch_comes_last_and_every_kept_change_is_needed():
     fitted, plan = fit_budget(config, model, budget, reserve=0.0)
     assert describe_changes(config, fitted)[-1].startswith("batch_size: 4 -> ")
     assert plan.device_bytes <= budget
-    start = with_lean_defaults(config, model)
+    start = resolve(config, model)
     changed = [f for f in SEARCHED_FIELDS if _value(start, *f) != _value(fitted, *f)]
     assert len(changed) >= 2
     for section, field in changed:  # undoing any one change no longer fits (or is refused)
@@ -122,7 +123,7 @@ def test_the_search_weighs_time_a_vocabulary_chunk_only_when_needed():
     model = builtin_config("SmolLM2-135M")
     head_forward = 2 * 2 * 256 * model.vocab_size * model.hidden_size
     for method, extra in (("full", head_forward), ("lora", 0)):
-        config = config_of(method=method, batch_size=2, data={"seq_len": 256})
+        config = resolve(config_of(method=method, batch_size=2, data={"seq_len": 256}), model)
         chunked = _replace(config, "memory", vocab_chunk=16384)
         costs = change_costs(config, chunked, model, "cpu")
         base = step_seconds(config, model, CPU_RATES)
@@ -136,7 +137,7 @@ def test_the_search_weighs_time_a_vocabulary_chunk_only_when_needed():
         fitted, _ = fit_budget(config, model, plan.device_bytes - 2**20, reserve=0.0)
         if method == "full":
             assert fitted.memory.vocab_chunk is None
-        elif with_lean_defaults(config, model).memory.vocab_chunk is None and (
+        elif resolve(config, model).memory.vocab_chunk is None and (
             fitted.memory.vocab_chunk is not None
         ):  # the search added it (not the lean defaults): undoing it no longer fits
             undone = _replace(fitted, "memory", vocab_chunk=None)
@@ -169,7 +170,7 @@ def test_a_frozen_heads_sequence_chunk_costs_the_heads_bytes_and_comes_after_its
 
 def test_nothing_fits_names_the_largest_component_the_shortfall_and_options():
     config, model = config_of(**LLAMA_QLORA), builtin_config("Llama-3.1-8B")
-    _, smallest = _search(with_lean_defaults(config, model), model, 0)  # every change that helps
+    _, smallest = _search(resolve(config, model), model, 0)  # every change that helps
     with pytest.raises(BudgetError) as error:
         fit_budget(
             config, model, smallest.device_bytes - 2**20, reserve=0.0
@@ -187,7 +188,7 @@ def test_the_trainer_entry_point_uses_memory_budget():
     unbounded = config_of(**LLAMA_QLORA)
     same, plan = plan_within_budget(unbounded, model)
     # without a budget the config is planned as given, its unset chunks chosen from the shapes
-    assert same == with_lean_defaults(unbounded, model) != unbounded
+    assert same == resolve(unbounded, model) != unbounded
     assert plan == plan_for_config(unbounded, model)
     bounded = config_of(**LLAMA_QLORA, memory={"budget": "8GiB"})
     fitted, fitted_plan = plan_within_budget(bounded, model)
@@ -211,9 +212,9 @@ def test_the_base_goes_to_the_host_last_and_only_when_nothing_cheaper_fits():
     fitted, plan = fit_budget(config, model, 4 * GIB, reserve=0.0)
     assert fitted.memory.base == "host" and plan.device_bytes <= 4 * GIB
     assert "memory.base: device -> host" in describe_changes(config, fitted)
-    residuals = _replace(with_lean_defaults(config, model), "memory", residuals="host")
+    residuals = _replace(resolve(config, model), "memory", residuals="host")
     budget = plan_for_config(residuals, model).device_bytes
-    base = _replace(with_lean_defaults(config, model), "memory", base="host")
+    base = _replace(resolve(config, model), "memory", base="host")
     assert plan_for_config(base, model).device_bytes <= budget  # the base alone would fit too
     fitted, _ = fit_budget(config, model, budget, reserve=0.0)
     assert fitted.memory.base == "device"
@@ -243,7 +244,7 @@ def test_a_budget_keeps_the_plans_error_in_reserve():
     config = config_of(method="qlora", batch_size=2, data={"seq_len": 2048})
     budget = parse_budget("5.5GiB")
     with calibration_for("xla-gpu"):
-        reserve = plan_reserve(with_lean_defaults(config, model))
+        reserve = plan_reserve(resolve(config, model))
         assert 0.0 < reserve < 0.15
         _, plan = fit_budget(config, model, budget)
         assert plan.device_bytes <= budget * (1 - reserve)

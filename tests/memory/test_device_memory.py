@@ -1,6 +1,7 @@
-"""The plan against a GPU's memory in `featherweight train`: JAX's pool checked before any weight
-is read, the device's peak_bytes_in_use printed beside the plan after the first steps. No GPU
-here: a fake device's `memory_stats()` (the keys and meaning a CUDA device reports)."""
+"""The plan against a GPU's memory in `featherweight train`: JAX's pool judged before any weight is
+read (`memory/capacity.py`, whose own tests hold the numbers), the device's peak_bytes_in_use
+printed beside the plan after the first steps. No GPU here: a fake device's `memory_stats()` (the
+keys and meaning a CUDA device reports)."""
 
 import importlib
 import io
@@ -19,29 +20,9 @@ GIB = 2**30
 H100_POOL = int(0.75 * 80 * GIB)  # JAX's default pool on an 80 GiB device
 
 
-def test_no_statistics_no_check():
-    assert device_memory.check_pool(10 * GIB, None) is None
-    assert device_memory.check_pool(10 * GIB, {}) is None
+def test_no_statistics_no_peak_line():
     assert device_memory.peak_line(10 * GIB, None, 2) is None
-
-
-def test_a_plan_inside_the_pool_says_so():
-    line = device_memory.check_pool(50 * GIB, {"bytes_limit": H100_POOL})
-    usable = (H100_POOL - LIBRARY_ALLOWANCE_BYTES) / GIB
-    assert line.startswith(f"GPU memory: plan 50.00 GiB of {usable:.2f} GiB usable")
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION 0.75" in line
-
-
-def test_a_plan_beyond_the_pool_names_the_fraction_that_holds_it(monkeypatch):
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    with pytest.raises(BudgetError, match=r"XLA_PYTHON_CLIENT_MEM_FRACTION=0\.85") as error:
-        device_memory.check_pool(67 * GIB, {"bytes_limit": H100_POOL})
-    # (67 GiB + the allowance) / 80 GiB = 0.844: the next hundredth up
-    assert "memory.budget: 59.50GiB" in str(error.value) and "\n" not in str(error.value)
-    # more than the device can give: no fraction, only the budget
-    with pytest.raises(BudgetError) as error:
-        device_memory.check_pool(79 * GIB, {"bytes_limit": H100_POOL})
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=" not in str(error.value)
+    assert device_memory.peak_line(10 * GIB, {}, 2) is None
 
 
 def test_the_peak_line_sets_peak_bytes_in_use_beside_the_plan():
@@ -71,7 +52,8 @@ def test_train_checks_the_pool_then_prints_the_peak_after_its_first_steps(
     settings = run_settings(tiny_model_dir, demo_data, tmp_path / "run", steps=4, log_every=2)
     train(parse_config(settings), console=Console(file=out, width=300))
     lines = out.getvalue().splitlines()
-    pool = [line for line in lines if line.startswith("GPU memory: plan ")]
+    pool = [line for line in lines if line.startswith("device memory: fits: ")]
+    assert pool and "on this GPU" in pool[0] and "XLA_PYTHON_CLIENT_MEM_FRACTION" in pool[0]
     peak = [line for line in lines if line.startswith("device peak after step ")]
     assert len(pool) == 1 and len(peak) == 1  # once each: before the weights, after step 2
     assert peak[0].startswith("device peak after step 2: 123.00 MiB peak_bytes_in_use; plan ")

@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from featherweight.cli.main import app
 from featherweight.errors import ShardingError
+from featherweight.memory.defaults import resolve
 from featherweight.memory.measure import measure_compiled
 from featherweight.memory.mesh_plan import plan_for_mesh
 from featherweight.memory.plan import plan_for_config
@@ -40,8 +41,9 @@ def _measure_on(config, model, devices):
 
 
 def _check(method, devices):
-    config = _config(method)
-    plan = plan_for_mesh(config, SMALL, abstract_mesh({"data": 1, "fsdp": devices}))
+    mesh = abstract_mesh({"data": 1, "fsdp": devices})
+    config = resolve(_config(method), SMALL, mesh)  # as the trainer on that mesh resolves it
+    plan = plan_for_mesh(config, SMALL, mesh)
     measured = _measure_on(config, SMALL, devices)
     for name in PERSISTENT:  # this device's shards, exactly
         assert plan.bytes_of(name) == measured.components[name], name
@@ -119,4 +121,5 @@ def test_cli_refuses_a_mesh_it_cannot_read_or_fill(tmp_path):
         assert result.exit_code == 2
         assert result.output.startswith("error: ShardingError") and message in result.output
     with pytest.raises(ShardingError, match="global batch of 6 rows"):
-        plan_for_mesh(_config("lora", batch_size=6), SMALL, abstract_mesh({"data": 1, "fsdp": 4}))
+        mesh = abstract_mesh({"data": 1, "fsdp": 4})
+        plan_for_mesh(resolve(_config("lora", batch_size=6), SMALL, mesh), SMALL, mesh)

@@ -5,6 +5,7 @@ the placements."""
 import jax
 import pytest
 
+from featherweight.memory.defaults import resolve
 from featherweight.memory.measure import abstract_step_arguments
 from featherweight.memory.state_bytes import host_base_bytes
 from featherweight.memory.step_cost import (
@@ -26,9 +27,8 @@ MODEL = tiny_config(vocab_size=512)
 
 
 def _config(method: str, **memory):
-    return parse_config(
-        {"method": method, "batch_size": BATCH, "data": {"seq_len": SEQ}, "memory": memory}
-    )
+    settings = {"method": method, "batch_size": BATCH, "data": {"seq_len": SEQ}, "memory": memory}
+    return resolve(parse_config(settings), MODEL)  # the chunks the trainer would choose
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,9 @@ from featherweight.optim.blockwise8bit import (
     quantize_blockwise,
 )
 from featherweight.step.loss import batch_from_tokens
+from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.reference import build_reference_step
-from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
+from featherweight.step.streamed import build_streamed_step
 from tests.conftest import relative_difference, tiny_config
 
 # Every per-layer tensor of tiny_config with >= 1024 values (k, v: 2048) is 8-bit, and so is its

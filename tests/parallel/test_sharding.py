@@ -29,7 +29,8 @@ from featherweight.parallel.sharding import (
 from featherweight.quant.nf4 import abstract_nf4
 from featherweight.recipe.schema import MeshSettings, parse_config
 from featherweight.step.loss import batch_from_tokens
-from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
+from featherweight.step.opt_state import init_streamed_opt_state
+from featherweight.step.streamed import build_streamed_step
 from tests.conftest import tiny_config, training_case
 
 CONFIG = tiny_config()

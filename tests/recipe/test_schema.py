@@ -1,5 +1,8 @@
 """Training settings: defaults, overrides, and errors that name the key, the line and the fix."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from featherweight.errors import ConfigError
@@ -95,5 +98,8 @@ def test_a_bad_override_is_named_as_the_override_not_as_a_yaml_line(tmp_path):
 def test_a_missing_config_points_at_an_example_that_exists(tmp_path):
     with pytest.raises(ConfigError) as error:
         load_config(tmp_path / "missing.yaml")
-    assert "examples/" not in str(error.value)
+    repository = Path(__file__).resolve().parents[2]
+    named = re.findall(r"examples/[\w.-]*", str(error.value))
+    assert named and all((repository / name).exists() for name in named), named
     assert "README.md" in str(error.value)
+    load_config(repository / "examples" / "lora-csv-qa.yaml")  # the one it names parses

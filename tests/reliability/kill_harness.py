@@ -263,14 +263,14 @@ def inspect_checkpoints(run_dir: Path, reference: Reference) -> list[str]:
 
 def settings_as_saved(settings: dict) -> dict:
     """A config dict as the trainer writes it to config.yaml (every field, validated, the chunks
-    it leaves unset chosen from the model's shapes)."""
-    from featherweight.memory.defaults import with_lean_defaults
+    it leaves "auto" chosen from the model's shapes)."""
+    from featherweight.memory.defaults import resolve
     from featherweight.recipe.schema import parse_config
     from featherweight.train.run import read_header, resolve_model_path
 
     config = parse_config(settings)
     model_config, _ = read_header(resolve_model_path(config))
-    return with_lean_defaults(config, model_config).model_dump(mode="json")
+    return resolve(config, model_config).model_dump(mode="json")
 
 
 # --- chains of trials --------------------------------------------------------------------------

@@ -9,12 +9,14 @@ import numpy as np
 import optax
 import pytest
 
+from featherweight.memory.defaults import resolve
 from featherweight.models.init import init_params
 from featherweight.recipe.build import build_train_step, split_params
 from featherweight.recipe.optimizer import make_optimizer
 from featherweight.recipe.schema import parse_config
 from featherweight.step.loss import batch_from_tokens
-from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
+from featherweight.step.opt_state import init_streamed_opt_state
+from featherweight.step.streamed import build_streamed_step
 from featherweight.step.top_update import embedding_gradient, embedding_squared_norm
 from tests.conftest import relative_difference, tiny_config
 
@@ -43,6 +45,7 @@ def _config(method, clipping=None, accumulation=1, step="streamed"):
 
 
 def _train(config, model_config, trainable, frozen, batches):
+    config = resolve(config, model_config)  # the chunks the trainer would choose
     optimizer = make_optimizer(config.optimizer, config.steps)
     step, init_opt_state = build_train_step(config, model_config, trainable, frozen, optimizer)
     params, state = jax.tree.map(jnp.copy, trainable), init_opt_state(trainable)

@@ -14,8 +14,9 @@ from featherweight.parallel.memory_kinds import to_device, to_host
 from featherweight.peft.lora import LoraConfig, init_lora
 from featherweight.recipe.schema import parse_config
 from featherweight.step.loss import batch_from_tokens
+from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.reference import model_loss
-from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
+from featherweight.step.streamed import build_streamed_step
 from tests.conftest import tiny_config, training_case
 
 UNTIED = tiny_config(vocab_size=512, num_layers=3, tie_word_embeddings=False)

@@ -12,9 +12,10 @@ from featherweight.models.llama import LINEAR_NAMES, LoraSpec
 from featherweight.models.shapes import abstract_params
 from featherweight.quant.nf4 import quantize_nf4
 from featherweight.step.loss import Batch, batch_from_tokens
+from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.reference import build_reference_step
-from featherweight.step.streamed import build_streamed_step, init_streamed_opt_state
+from featherweight.step.streamed import build_streamed_step
 from tests.conftest import relative_difference, tiny_config
 
 OPTIMIZERS = {

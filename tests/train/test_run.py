@@ -94,7 +94,7 @@ def test_a_refused_resume_names_the_changed_keys_with_old_and_new_values(tmp_pat
     ):
         check_run_dir(changed, overwrite=False)
     more_steps = parse_config({"output_dir": str(tmp_path), "steps": 500})
-    assert check_run_dir(more_steps, overwrite=False) == (tmp_path.resolve(), True)
+    assert check_run_dir(more_steps, overwrite=False)[:2] == (tmp_path.resolve(), True)
 
 
 def test_changed_settings_are_bounded():
@@ -109,7 +109,7 @@ def test_a_run_with_a_relative_output_dir_resumes(tmp_path, monkeypatch):
     first = absolute_paths(parse_config(settings))  # before the directory exists
     _saved_run(tmp_path / "runs" / "my-run", first)
     again = absolute_paths(parse_config(settings))  # now it exists
-    assert check_run_dir(again, overwrite=False) == (tmp_path / "runs" / "my-run", True)
+    assert check_run_dir(again, overwrite=False)[:2] == (tmp_path / "runs" / "my-run", True)
 
 
 def test_a_run_saved_with_a_relative_output_dir_still_resumes(tmp_path, monkeypatch):
@@ -150,3 +150,17 @@ def test_resuming_with_steps_below_the_checkpoint_is_refused_before_weights_are_
     monkeypatch.setattr(run_module, "load_weights", lambda *_: pytest.fail("weights read"))
     with pytest.raises(ConfigError, match=r"steps: 2 is below step 4, where run \S+ already is"):
         prepare_run(parse_config({**settings, "steps": 2}))
+
+
+def test_a_resumed_run_keeps_the_chunks_it_recorded(tmp_path):
+    # the run's config.yaml holds what `resolve` chose then; "auto" takes it from there, whatever
+    # resolve would choose today, and a chunk set to another value is a changed setting
+    recorded = {"output_dir": str(tmp_path), "memory": {"loss_chunk": 128, "vocab_chunk": None,
+                                                        "mlp_chunk": 64}}  # fmt: skip
+    _saved_run(tmp_path, parse_config(recorded))
+    directory = check_run_dir(parse_config({"output_dir": str(tmp_path)}), overwrite=False)
+    assert directory.resuming and not directory.config.memory.unresolved
+    assert directory.config.memory == parse_config(recorded).memory
+    changed = parse_config({"output_dir": str(tmp_path), "memory": {"mlp_chunk": 32}})
+    with pytest.raises(OutputExistsError, match=r"memory\.mlp_chunk: 64 -> 32"):
+        check_run_dir(changed, overwrite=False)

@@ -14,7 +14,8 @@ from featherweight.io.loader import load_model
 from featherweight.recipe.schema import parse_config
 from featherweight.train.export_run import export_run
 from featherweight.train.loop import train
-from featherweight.train.run_model import chat_replies, is_run_dir, load_run_model
+from featherweight.train.run_model import chat_replies, load_run_model
+from featherweight.train.saved_run import is_run_dir
 from tests.conftest import run_settings
 
 PROMPT = "What colour is the planet Thodorlex?"

@@ -1,0 +1,61 @@
+"""examples/: each config parses, resolves and is planned for the device its comment names, and
+fits it; the CSV example's data is read as the trainer reads it. A new example needs its row in
+`EXAMPLES` (the model its Hub name is planned as, and the device), or this test fails."""
+
+from pathlib import Path
+
+import pytest
+
+from featherweight.memory import capacity
+from featherweight.memory.budget import parse_budget, plan_within_budget
+from featherweight.memory.defaults import resolve
+from featherweight.memory.targets import get_target
+from featherweight.memory.working_set import calibration_for
+from featherweight.models.registry import builtin_config
+from featherweight.recipe.build import check_method_settings
+from featherweight.recipe.schema import load_config
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+# example -> (the built-in config its model is planned as, the target GPU it is written for)
+EXAMPLES = {
+    "qlora-8b-24gb.yaml": ("Llama-3.1-8B", "rtx4090"),
+    "lora-csv-qa.yaml": ("SmolLM2-135M", None),  # the demo model, on this machine
+    "full-1b.yaml": ("Llama-3.2-1B", "rtx4090"),
+    "long-context.yaml": ("Llama-3.1-8B", "rtx4090"),
+    "mesh.yaml": ("Llama-3.1-8B", "h100"),  # per device of the mesh
+}
+
+
+def test_every_example_is_listed():
+    assert sorted(path.name for path in EXAMPLES_DIR.glob("*.yaml")) == sorted(EXAMPLES)
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_an_example_is_planned_and_fits_the_device_it_is_written_for(name):
+    model_name, target_name = EXAMPLES[name]
+    config = load_config(EXAMPLES_DIR / name)
+    model = builtin_config(model_name)
+    check_method_settings(config, model)
+    target = None if target_name is None else get_target(target_name)
+    with calibration_for("xla-gpu") if target else calibration_for("xla-cpu"):
+        planned, plan = plan_within_budget(resolve(config, model), model)
+    assert not planned.memory.unresolved
+    if target is not None:
+        judged = capacity.verdict(plan, capacity.of_target(target))
+        assert judged.fits, (name, judged.line)
+    if config.memory.budget is not None:
+        assert plan.device_bytes <= parse_budget(config.memory.budget)
+
+
+def test_the_csv_example_reads_its_question_answer_pairs(demo_gguf):
+    from featherweight.io.gguf_reader import GGUFSource
+    from featherweight.train.dataset import build_dataset
+
+    config = load_config(EXAMPLES_DIR / "lora-csv-qa.yaml")
+    assert Path(config.data.train) == EXAMPLES_DIR / "qa.csv"
+    source = GGUFSource(demo_gguf)
+    tokenizer = source.tokenizer()
+    source.close()
+    dataset = build_dataset(config, tokenizer, Path(config.data.train))
+    assert dataset.records == 12 and not dataset.skipped  # every row an instruction record
+    assert dataset.train_stats.examples + dataset.eval_stats.examples == 12
