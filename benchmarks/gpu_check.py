@@ -42,8 +42,9 @@ what finished), each case's output in DIR/<case>.log, and at the end the table
 `benchmarks/results/gpu_check_<gpu>.md` (`--table-dir`), copied to DIR.
 
 `--tiny`: the same cases on CPU at SmolLM2-135M layer shapes (2 layers, a 4096-token
-vocabulary; untied for the 8B's cases, tied for the 1B's), float32, b2 x 128, with a budget of
-85% of QLoRA's default plan: the script runs in CI (tests/test_gpu_check.py) and cannot rot.
+vocabulary; untied for the 8B's cases, tied for the 1B's), float32, b2 x 128, with a budget that
+leaves 85% of QLoRA's default plan once the plan's reserve is kept (`budget.fit_budget`): the
+script runs in CI (tests/test_gpu_check.py) and cannot rot.
 """
 
 from __future__ import annotations
