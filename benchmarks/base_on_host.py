@@ -39,13 +39,13 @@ from featherweight.memory.report import format_bytes
 from featherweight.memory.step_cost import host_base_estimate
 from featherweight.memory.targets import get_target
 from featherweight.memory.working_set import calibration_for
+from featherweight.models.batch import batch_from_tokens
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
 from featherweight.models.registry import builtin_config
 from featherweight.parallel.memory_kinds import to_host
 from featherweight.peft.lora import LoraConfig, init_lora
 from featherweight.recipe.schema import parse_config
-from featherweight.step.loss import batch_from_tokens
 from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.streamed import build_streamed_step
 

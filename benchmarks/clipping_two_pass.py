@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import optax
 from results_file import emit
 
+from featherweight.models.batch import batch_from_tokens
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
-from featherweight.step.loss import batch_from_tokens
 from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.reference import build_reference_step
 from featherweight.step.streamed import build_streamed_step

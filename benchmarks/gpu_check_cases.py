@@ -26,6 +26,7 @@ from featherweight.memory.defaults import with_lean_defaults
 from featherweight.memory.measure import measurement_of
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.working_set import plan_reserve
+from featherweight.models.batch import Batch, batch_from_tokens
 from featherweight.models.config import ModelConfig
 from featherweight.models.registry import builtin_config
 from featherweight.parallel.memory_kinds import host_sharding
@@ -40,7 +41,6 @@ from featherweight.recipe.build import (
 from featherweight.recipe.optimizer import make_optimizer
 from featherweight.recipe.placement import HOST_SETTINGS, on_host, place, place_abstract
 from featherweight.recipe.schema import TrainConfig, parse_config
-from featherweight.step.loss import Batch, batch_from_tokens
 
 STEPS = 7  # 6 updates, and a 7th step whose loss is the loss after them
 TIMED = slice(2, 6)  # steps 3-6: past the first calls, before the last

@@ -34,12 +34,12 @@ from results_file import emit
 from featherweight.memory.defaults import resolve
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.measure import measure_compiled
+from featherweight.models.batch import batch_from_tokens
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
 from featherweight.models.registry import builtin_config
 from featherweight.peft.lora import LoraConfig, init_lora
 from featherweight.recipe.schema import parse_config
-from featherweight.step.loss import batch_from_tokens
 from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.streamed import build_streamed_step

@@ -31,6 +31,7 @@ import optax
 
 from featherweight.io.embedded_model import demo_model_path
 from featherweight.io.loader import open_checkpoint, params_nbytes
+from featherweight.models.batch import Batch, batch_from_tokens
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
 from featherweight.models.llama import Params
@@ -41,7 +42,6 @@ from featherweight.peft.lora import (
     init_lora,
     quantize_frozen_base,
 )
-from featherweight.step.loss import Batch, batch_from_tokens
 from featherweight.step.reference import build_reference_step
 
 LORA = LoraConfig(rank=16, alpha=32)

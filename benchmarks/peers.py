@@ -55,11 +55,11 @@ from results_file import emit
 from featherweight.memory.defaults import resolve
 from featherweight.memory.measure import abstract_step_arguments, measurement_of
 from featherweight.memory.step_cost import hlo_dot_flops
+from featherweight.models.batch import Batch
 from featherweight.models.init import init_params
 from featherweight.models.registry import builtin_config
 from featherweight.peft.lora import LoraConfig, init_lora, quantize_frozen_base
 from featherweight.recipe.optimizer import make_optimizer
-from featherweight.step.loss import Batch
 
 MIB = 2**20
 METHODS = ("lora", "qlora", "full")

@@ -20,9 +20,9 @@ import optax
 from results_file import emit
 from streamed_step import SMOLLM2_135M
 
+from featherweight.models.batch import Batch
 from featherweight.models.config import ModelConfig
 from featherweight.models.shapes import abstract_params
-from featherweight.step.loss import Batch
 from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.reference import build_reference_step

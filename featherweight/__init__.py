@@ -32,6 +32,7 @@ from featherweight.memory.defaults import resolve
 from featherweight.memory.measure import MemoryMeasurement, measure_compiled, measure_device_peak
 from featherweight.memory.plan import MemoryPlan, plan_for_config
 from featherweight.memory.step_cost import host_base_estimate
+from featherweight.models.batch import Batch
 from featherweight.models.config import ModelConfig, config_from_hf_dict
 from featherweight.models.model import Model
 from featherweight.models.registry import BUILTIN_MODELS, builtin_config
@@ -39,7 +40,6 @@ from featherweight.optim.adamw8bit import adam_8bit_state_bytes, adamw_8bit, sca
 from featherweight.peft.lora import LoraConfig, init_lora, merge_lora_weight, quantize_frozen_base
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
 from featherweight.recipe.schema import TrainConfig, load_config
-from featherweight.step.loss import Batch
 from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.reference import build_reference_step

@@ -189,3 +189,17 @@ def test_the_design_check_finds_a_missing_module():
     # negative control: a name planted in the design's text is reported missing
     planted = DESIGN.read_text() + "\nsee `memory/verdict.py` and `sharding_rules.py`\n"
     assert missing_files(named_files(planted)) == ["memory/verdict.py", "sharding_rules.py"]
+
+
+def test_the_data_pipeline_does_not_import_the_steps():
+    """`data` builds batches and `step` consumes them; the batch type sits below both
+    (models/batch.py), so the data pipeline needs nothing from the steps."""
+    edges = module_imports()
+    from_data = {
+        target
+        for module, targets in edges.items()
+        if module.startswith("featherweight.data")
+        for target in targets
+        if target.startswith("featherweight.step")
+    }
+    assert not from_data, f"featherweight.data imports {sorted(from_data)}"

@@ -21,7 +21,7 @@ import numpy as np
 
 from featherweight.data.packing import PackedRows, make_batch
 from featherweight.errors import ConfigError, DataError
-from featherweight.step.loss import Batch
+from featherweight.models.batch import Batch
 
 _EPOCH_STREAM = 2  # keeps epoch orders apart from the train/eval split's stream of the same seed
 

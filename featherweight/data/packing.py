@@ -19,7 +19,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from featherweight.errors import ConfigError, DataError
-from featherweight.step.loss import Batch
+from featherweight.models.batch import Batch
 
 Overflow = Literal["truncate", "error"]
 

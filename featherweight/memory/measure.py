@@ -47,6 +47,7 @@ from featherweight.memory.targets import (
     require_gpu_compiler,
     target_mesh,
 )
+from featherweight.models.batch import Batch
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
 from featherweight.parallel.backend import native_stderr_silenced
@@ -57,7 +58,6 @@ from featherweight.recipe.build import abstract_split, build_train_step, split_p
 from featherweight.recipe.optimizer import make_optimizer
 from featherweight.recipe.placement import arguments_on_host, place_abstract
 from featherweight.recipe.schema import TrainConfig
-from featherweight.step.loss import Batch
 
 MEASURED_COMPONENTS = (
     "frozen_base",

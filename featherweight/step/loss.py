@@ -1,4 +1,4 @@
-"""Batches and the language-model loss, with chunked cross-entropy and its own backward pass.
+"""The language-model loss, with chunked cross-entropy and its own backward pass.
 
 Full logits for Llama 3's 128k vocabulary at B=8, S=4096 would be 16 GiB. With a sequence chunk
 (`loss_chunk`) and/or a vocabulary chunk (`vocab_chunk`), at most `B x chunk x vocab_chunk`
@@ -39,28 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from featherweight.errors import StepConfigError
+from featherweight.models.batch import Batch
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params, rms_norm
 from featherweight.parallel.memory_kinds import host_row_slice, on_host, to_device, to_host
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, take_rows_nf4
-
-
-class Batch(NamedTuple):
-    """One micro-batch, all [B, S]: inputs, next-token targets, a loss mask (1 = counted),
-    positions (reset per packed example) and segment ids (packed examples never attend across)."""
-
-    input_ids: jax.Array
-    target_ids: jax.Array
-    loss_mask: jax.Array
-    positions: jax.Array
-    segment_ids: jax.Array | None = None
-
-
-def batch_from_tokens(tokens: jax.Array) -> Batch:
-    """A plain causal-LM batch from token rows [B, S+1]: predict token t+1 from tokens <= t."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
-    return Batch(inputs, targets, jnp.ones(inputs.shape, jnp.float32), positions, None)
 
 
 def resolve_chunk_size(seq_len: int, chunk_size: int | None) -> int:

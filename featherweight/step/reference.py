@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from featherweight.errors import StepConfigError
+from featherweight.models.batch import Batch
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import (
     LoraSpec,
@@ -32,7 +33,7 @@ from featherweight.step.common import (
     micro_batches,
     squared_norm,
 )
-from featherweight.step.loss import Batch, head_loss
+from featherweight.step.loss import head_loss
 from featherweight.step.validate import check_optimizer
 
 

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import optax
 
 from featherweight.errors import StepConfigError
+from featherweight.models.batch import Batch
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LoraSpec, Params, attention_inputs, embed, merge_params
 from featherweight.parallel.memory_kinds import on_host, placed_like
@@ -70,7 +71,7 @@ from featherweight.step.layer_loop import (
     update_layers,
     update_sink,
 )
-from featherweight.step.loss import Batch, head_loss
+from featherweight.step.loss import head_loss
 from featherweight.step.opt_state import StreamedOptState
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.top_update import (

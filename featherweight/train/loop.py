@@ -32,13 +32,13 @@ from featherweight.memory.budget import describe_changes, plan_within_budget
 from featherweight.memory.measure import abstract_batch, measurement_of
 from featherweight.memory.plan import MemoryPlan
 from featherweight.memory.report import format_bytes, print_report
+from featherweight.models.batch import Batch
 from featherweight.models.llama import Params
 from featherweight.parallel.distributed import any_process, is_primary
 from featherweight.parallel.sharding import place_batch
 from featherweight.recipe.build import evaluation_fn
 from featherweight.recipe.optimizer import learning_rate_schedule
 from featherweight.recipe.schema import TrainConfig
-from featherweight.step.loss import Batch
 from featherweight.train import run_dir
 from featherweight.train.dataset import data_summary, summary_lines, write_summary
 from featherweight.train.loggers import check_loggers, open_loggers

@@ -20,8 +20,8 @@ from featherweight.errors import AdapterConfigError, ExportError, OutputExistsEr
 from featherweight.io.atomic import OUTPUT_MARKER
 from featherweight.io.loader import load_model
 from featherweight.io.peft_export import export_merged, export_peft
+from featherweight.models.batch import batch_from_tokens
 from featherweight.peft.lora import LoraConfig, init_lora, merge_lora_weight
-from featherweight.step.loss import batch_from_tokens
 from featherweight.step.reference import build_reference_step
 from tests.peft.lora_helpers import lora_logits
 from tests.tiny_checkpoints import VOCAB, hf_config, hf_logits, random_hf_model, save_hf

@@ -8,6 +8,7 @@ import optax
 import pytest
 
 from featherweight.errors import ConfigError
+from featherweight.models.batch import batch_from_tokens
 from featherweight.models.init import init_params
 from featherweight.optim.adamw8bit import (
     ScaleByAdam8bitState,
@@ -22,7 +23,6 @@ from featherweight.optim.blockwise8bit import (
     dequantize_blockwise,
     quantize_blockwise,
 )
-from featherweight.step.loss import batch_from_tokens
 from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.reference import build_reference_step
 from featherweight.step.streamed import build_streamed_step

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from featherweight.errors import ShardingError
+from featherweight.models.batch import batch_from_tokens
 from featherweight.models.init import init_params
 from featherweight.parallel.sharding import (
     check_batch_size,
@@ -28,7 +29,6 @@ from featherweight.parallel.sharding import (
 )
 from featherweight.quant.nf4 import abstract_nf4
 from featherweight.recipe.schema import MeshSettings, parse_config
-from featherweight.step.loss import batch_from_tokens
 from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.streamed import build_streamed_step
 from tests.conftest import tiny_config, training_case

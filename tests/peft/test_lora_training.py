@@ -14,9 +14,9 @@ import numpy as np
 import optax
 import pytest
 
+from featherweight.models.batch import batch_from_tokens
 from featherweight.models.init import init_params
 from featherweight.peft.lora import LoraConfig, init_lora, quantize_frozen_base
-from featherweight.step.loss import batch_from_tokens
 from featherweight.step.reference import build_reference_step
 from tests.conftest import tiny_config
 

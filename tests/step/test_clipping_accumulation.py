@@ -10,11 +10,11 @@ import optax
 import pytest
 
 from featherweight.memory.defaults import resolve
+from featherweight.models.batch import batch_from_tokens
 from featherweight.models.init import init_params
 from featherweight.recipe.build import build_train_step, split_params
 from featherweight.recipe.optimizer import make_optimizer
 from featherweight.recipe.schema import parse_config
-from featherweight.step.loss import batch_from_tokens
 from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.streamed import build_streamed_step
 from featherweight.step.top_update import embedding_gradient, embedding_squared_norm

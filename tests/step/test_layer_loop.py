@@ -9,11 +9,11 @@ import pytest
 
 from featherweight.memory.measure import measure_compiled
 from featherweight.memory.state_bytes import frozen_layer_bytes
+from featherweight.models.batch import batch_from_tokens
 from featherweight.models.init import init_params
 from featherweight.parallel.memory_kinds import to_device, to_host
 from featherweight.peft.lora import LoraConfig, init_lora
 from featherweight.recipe.schema import parse_config
-from featherweight.step.loss import batch_from_tokens
 from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.reference import model_loss
 from featherweight.step.streamed import build_streamed_step

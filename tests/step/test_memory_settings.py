@@ -12,12 +12,12 @@ import pytest
 from featherweight.errors import ConfigError
 from featherweight.memory.measure import measure_compiled
 from featherweight.memory.plan import plan_for_config
+from featherweight.models.batch import batch_from_tokens
 from featherweight.optim.adamw8bit import adamw_8bit
 from featherweight.parallel.memory_kinds import to_host
 from featherweight.quant.nf4 import quantize_nf4
 from featherweight.recipe.build import check_method_settings
 from featherweight.recipe.schema import parse_config
-from featherweight.step.loss import batch_from_tokens
 from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.streamed import build_streamed_step

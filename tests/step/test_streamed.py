@@ -7,11 +7,11 @@ import optax
 import pytest
 
 from featherweight.errors import StepConfigError
+from featherweight.models.batch import Batch, batch_from_tokens
 from featherweight.models.init import init_params
 from featherweight.models.llama import LINEAR_NAMES, LoraSpec
 from featherweight.models.shapes import abstract_params
 from featherweight.quant.nf4 import quantize_nf4
-from featherweight.step.loss import Batch, batch_from_tokens
 from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.reference import build_reference_step
