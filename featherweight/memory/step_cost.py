@@ -6,6 +6,11 @@ Two counts that must agree:
   (`compiled.as_text()`): every `dot` counts 2 x output elements x contracted size, and a dot
   inside a loop counts once per iteration (XLA's `known_trip_count`). XLA's own
   `cost_analysis()` counts a loop body once, so it cannot see a chunked loss or a layer loop.
+  XLA's GPU compiler leaves few plain dots: a matmul becomes a Triton gemm fusion (a dot inside
+  the fused computation, counted through the call) or a cuBLAS custom call (`__cublas$gemm`,
+  `__cublas$lt$matmul`: the dot's dimension numbers are in its backend config), counted alike.
+  A loop whose trip count XLA does not know (blockwise attention's causal sweep over the key
+  blocks below the diagonal, S > 512) counts once; tests compare at S <= 512.
 - `step_flops(config, model_config)`: the same count from the shapes, phase by phase (forward,
   the remat forward, the backward's input and weight gradients, the LM head) -- what the budget
   search weighs, without compiling. tests/memory/test_step_cost.py checks it against
@@ -89,14 +94,33 @@ def _array(shape: str) -> _Array | None:
     return _Array(dims, _ITEMSIZE.get(shape.split("[")[0], 4))
 
 
-def _dot_counts(line: str, arrays: dict[str, _Array | None], output: _Array) -> tuple[int, int]:
-    """(FLOPs, operand bytes) of one dot instruction."""
-    operands = re.search(r"\bdot\(\s*%?([\w.\-]+),\s*%?([\w.\-]+)", line)
-    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+# a matmul the GPU compiler hands to cuBLAS: a custom call whose backend_config carries the dot's
+# dimension numbers (`__cublas$gemm`, `__cublas$lt$matmul`, `__cublas$lt$matmul$f8`)
+_GEMM_TARGET = re.compile(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)[^"]*"')
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+
+
+def _matmul_counts(
+    line: str, opcode: str, arrays: dict[str, _Array | None], shape: str
+) -> tuple[int, int] | None:
+    """(FLOPs, operand bytes) of one matmul instruction -- an HLO `dot`, or a cuBLAS gemm custom
+    call (its result is a tuple: the product, then cuBLAS's workspace) -- or None for any other
+    instruction. 2 x output elements x contracted size, whatever the batch dimensions."""
+    if opcode == "dot":
+        operands = re.search(r"\bdot\(\s*%?([\w.\-]+),\s*%?([\w.\-]+)", line)
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+        output = _array(shape)
+    elif opcode == "custom-call" and _GEMM_TARGET.search(line):
+        operands = re.search(r"\bcustom-call\(\s*%?([\w.\-]+),\s*%?([\w.\-]+)", line)
+        contracting = _GEMM_CONTRACTING.search(line)
+        output = _array(shape.lstrip("("))
+    else:
+        return None
     lhs, rhs = (arrays.get(operands.group(i)) for i in (1, 2)) if operands else (None, None)
-    if lhs is None or rhs is None or contracting is None:
-        raise ValueError(f"cannot read the operands of a dot in the HLO: {line.strip()[:200]}")
-    contracted = math.prod(lhs.dims[int(d)] for d in contracting.group(1).split(",") if d)
+    if lhs is None or rhs is None or contracting is None or output is None:
+        raise ValueError(f"cannot read the operands of a matmul in the HLO: {line.strip()[:200]}")
+    dims = (int(d.strip('" ')) for d in contracting.group(1).split(",") if d.strip('" '))
+    contracted = math.prod(lhs.dims[d] for d in dims)
     return 2 * math.prod(output.dims) * contracted, lhs.bytes + rhs.bytes
 
 
@@ -121,9 +145,9 @@ def _hlo_dot_totals(compiled) -> tuple[int, int]:
         name, rest = instruction.groups()
         shape, opcode = _shape_and_opcode(rest)
         arrays[name] = _array(shape)
-        if opcode == "dot":
-            flops, moved = _dot_counts(line, arrays, arrays[name])
-            own[current] = (own[current][0] + flops, own[current][1] + moved)
+        counts = _matmul_counts(line, opcode, arrays, shape)
+        if counts is not None:
+            own[current] = (own[current][0] + counts[0], own[current][1] + counts[1])
         trips = _TRIP_COUNT.search(line)
         repeat = int(trips.group(1)) if opcode == "while" and trips else 1
         for called in _CALLED.findall(line):

@@ -19,6 +19,8 @@ from featherweight.memory.step_cost import (
     step_flops,
     step_seconds,
 )
+from featherweight.memory.targets import DEVICELESS_COMPILER_OPTIONS, target_mesh
+from featherweight.parallel.backend import cuda_plugin_installed
 from featherweight.recipe.schema import parse_config
 from tests.conftest import tiny_config
 
@@ -47,6 +49,26 @@ def test_step_flops_from_the_shapes_equal_the_compiled_programs(method, memory):
     config = _config(method, **memory)
     step, arguments = abstract_step_arguments(config, MODEL)
     assert step_flops(config, MODEL).total == hlo_dot_flops(step.lower(*arguments).compile())
+
+
+@pytest.mark.skipif(
+    not cuda_plugin_installed(),
+    reason='XLA\'s GPU compiler is not installed (pip install "jax[cuda12-local]")',
+)
+@pytest.mark.parametrize("triton_gemm", [True, False], ids=["triton-gemm", "cublas"])
+def test_the_counter_reads_the_gpu_compilers_matmuls(triton_gemm):
+    # XLA's GPU compiler (deviceless, for an H100) turns the step's dots into Triton gemm fusions
+    # (a dot inside a fused computation) or, with Triton gemms off -- as its autotuner may choose
+    # on a GPU -- into cuBLAS custom calls whose dimension numbers sit in the backend config
+    mesh = target_mesh("h100")
+    settings = {"method": "qlora", "batch_size": BATCH, "data": {"seq_len": 64}}
+    config = resolve(parse_config(settings), MODEL, mesh)
+    step, arguments = abstract_step_arguments(config, MODEL, mesh)
+    options = {**DEVICELESS_COMPILER_OPTIONS, "xla_gpu_enable_triton_gemm": triton_gemm}
+    compiled = step.lower(*arguments).compile(options)
+    text = compiled.as_text()
+    assert ("__cublas$" in text) != triton_gemm and (" dot(" in text) == triton_gemm
+    assert hlo_dot_flops(compiled) == step_flops(config, MODEL).total
 
 
 # the head's settings, against the whole head and sequence; float32: XLA:CPU computes a bfloat16
