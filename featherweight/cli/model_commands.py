@@ -177,7 +177,7 @@ def plan(
         str, typer.Option(callback=chunk_option, help="MLP sequence chunk" + CHUNK_HELP)
     ] = "auto",
     attention: Annotated[
-        str, typer.Option(help="auto, blockwise, cudnn (NVIDIA GPUs) or materialized")
+        str, typer.Option(help="auto, blockwise, cudnn or pallas (NVIDIA GPUs), materialized")
     ] = "auto",
     quantize_head: Annotated[bool, typer.Option(help="QLoRA: NF4 LM head")] = False,
     measure: Annotated[bool, typer.Option(help="compile the step on abstract shapes")] = True,

@@ -17,8 +17,14 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
                            blockwise: its log-sum-exps and row terms (2 B H S x 4) and four float32
                            tiles of B x H x t x t (scores, probabilities, their cotangents; t the
                            tile edge; on XLA:CPU three for a lone tile, S <= t), counted once;
-                           cudnn: the log-sum-exps and cuDNN's float32 dQ accumulator,
-                           B H S (h + 1) x 4
+                           cudnn, cudnn_padded: the log-sum-exps and cuDNN's float32 dQ
+                           accumulator, B H S (h + 1) x 4, and (cudnn) the packed layout's
+                           int32 lengths and offsets and their shifted copies, 4 x B (S + 1) x 4;
+                           cuDNN's workspace is not counted (known only to a GPU compile);
+                           pallas: its log-sum-exps and row terms (2 B H S' x 4, S' the
+                           sequence padded to its tile) and, for grouped K/V, the repeated K
+                           and V and their gradients, 4 B S' H h x itemsize (compiled for an
+                           H100 without a GPU: tests/memory/test_attention_plan.py)
     loss phase: LM head + cross-entropy over one sequence chunk, with its VJP
       logits_chunk         c_l x B x chunk x V x 4 (V: vocab_chunk when the head is chunked)
       embedding_gradient   as in the backward phase (tied: it is the head's gradient)
@@ -83,8 +89,10 @@ from featherweight.memory.state_bytes import (
     layer_optimizer_bytes,
     top_optimizer_bytes,
 )
-from featherweight.models.attention import AttentionTarget, block_size
+from featherweight.models.attention import block_size
+from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.config import ModelConfig
+from featherweight.models.fused_attention import pallas_tile
 from featherweight.models.shapes import layer_shapes
 from featherweight.optim.adamw8bit import BLOCK_SIZE
 from featherweight.recipe.build import attention_implementation
@@ -168,7 +176,7 @@ def attention_of(
     config: TrainConfig, model_config: ModelConfig, target: AttentionTarget | None = None
 ) -> str:
     """The attention implementation the configured step calls on `target` (default: this
-    process's device): "blockwise", "cudnn" or "materialized"."""
+    process's device), one of `models.attention.IMPLEMENTATIONS`."""
     return attention_implementation(config, model_config, target)
 
 
@@ -177,13 +185,26 @@ def attention_bytes(shapes: StepShapes) -> tuple[int, int]:
     implementations' buffers counted once); one of the two is zero."""
     if shapes.attention == "materialized":
         return 4 * shapes.batch * shapes.heads * shapes.seq * shapes.seq, 0
-    if shapes.attention == "cudnn":
-        return 0, 4 * shapes.batch * shapes.heads * shapes.seq * (shapes.head_dim + 1)
+    if shapes.attention in ("cudnn", "cudnn_padded"):
+        layout = 4 * 4 * shapes.batch * (shapes.seq + 1) if shapes.attention == "cudnn" else 0
+        return 0, 4 * shapes.batch * shapes.heads * shapes.seq * (shapes.head_dim + 1) + layout
+    if shapes.attention == "pallas":
+        padded = pallas_padded(shapes.seq)
+        repeated = 4 * padded * shapes.heads * shapes.head_dim * shapes.itemsize
+        grouped = shapes.heads > shapes.kv_heads
+        return 0, shapes.batch * (8 * shapes.heads * padded + (repeated if grouped else 0))
     tile = block_size(shapes.seq)
     padded = -(-shapes.seq // tile) * tile
     return 0, 4 * shapes.batch * shapes.heads * (
         2 * padded + blockwise_tiles(shapes.seq) * tile * tile
     )
+
+
+def pallas_padded(seq_len: int) -> int:
+    """The positions the Pallas kernel computes for `seq_len`: padded to its tile (at most
+    `models.fused_attention.pallas_tile`)."""
+    tile = pallas_tile(seq_len)
+    return -(-seq_len // tile) * tile
 
 
 def blockwise_tiles(seq_len: int, compiler: str | None = None) -> int:
@@ -474,10 +495,20 @@ def _attention_buffer(
             f"materialized: {counts['attention_scores']} x B x H x S x S x 4 = "
             f"{counts['attention_scores']} x {shapes.batch} x {shapes.heads} x {shapes.seq}^2 x 4",
         )
-    if shapes.attention == "cudnn":
+    if shapes.attention in ("cudnn", "cudnn_padded"):
         formula = (
-            f"cudnn: B x H x S x (h + 1) x 4 = {shapes.batch} x {shapes.heads} x {shapes.seq} x "
-            f"{shapes.head_dim + 1} x 4"
+            f"{shapes.attention}: B x H x S x (h + 1) x 4 = {shapes.batch} x {shapes.heads} x "
+            f"{shapes.seq} x {shapes.head_dim + 1} x 4"
+            + (" + the packed layout 4 x B x (S + 1) x 4" if shapes.attention == "cudnn" else "")
+            + " (cuDNN's workspace not counted)"
+        )
+    elif shapes.attention == "pallas":
+        padded, heads = pallas_padded(shapes.seq), shapes.heads
+        repeated = f" + 4 x {heads} x {shapes.head_dim} x {shapes.itemsize}"
+        grouped = heads > shapes.kv_heads  # the repeated K/V and their gradients
+        formula = (
+            f"pallas: B x S' x (8 H{' + 4 H h x itemsize' if grouped else ''}) = "
+            f"{shapes.batch} x {padded} x (8 x {heads}{repeated if grouped else ''})"
         )
     else:
         tile = block_size(shapes.seq)

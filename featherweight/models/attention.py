@@ -1,16 +1,16 @@
-"""Causal self-attention as the step calls it, and which implementation that is.
+"""Causal self-attention as the step calls it.
 
-Three implementations (`IMPLEMENTATIONS`), one call (`attend`):
+The implementations (`IMPLEMENTATIONS`), one call (`attend`):
 
 - "blockwise": the tiled ("flash") attention below, in plain JAX, on every backend;
-- "cudnn": cuDNN's fused kernel through `jax.nn.dot_product_attention(implementation="cudnn")`,
-  on NVIDIA GPUs where it applies (`cudnn_refusal` says where it does not);
+- "cudnn": cuDNN's fused kernel; packed rows (segment ids) in cuDNN's packed layout, Hopper and
+  later (`models/fused_attention.py`);
+- "cudnn_padded": cuDNN's fused kernel on rows of one document each, by their lengths;
+- "pallas": jax's Pallas Triton flash attention with segment ids (NVIDIA GPUs);
 - "materialized": XLA's path of `jax.nn.dot_product_attention`: float32 B x H x S x S scores,
   forward and backward (the reference the others are tested against).
 
-`choose_attention` turns the user's choice ("auto" or one of the three) into the implementation
-for a target (`AttentionTarget`: the platform and GPU generation the run compiles for), refusing
-what cannot run there; the planner plans the same choice (`memory/working_set.py`).
+Which one a run calls on its target is `models/attention_choice.py`.
 
 Blockwise attention: no S x S array, forward or backward.
 
@@ -50,16 +50,19 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from featherweight.errors import StepConfigError
+from featherweight.models.fused_attention import cudnn_attention, pallas_attention
 
-IMPLEMENTATIONS = ("blockwise", "cudnn", "materialized")
-ATTENTION_CHOICES = ("auto", *IMPLEMENTATIONS)
+# what a step calls; "cudnn" keeps packed rows apart by cuDNN's packed layout, "cudnn_padded"
+# gives it rows of one document each by their lengths
+IMPLEMENTATIONS = ("blockwise", "cudnn", "cudnn_padded", "pallas", "materialized")
+# what a config names
+ATTENTION_CHOICES = ("auto", "blockwise", "cudnn", "pallas", "materialized")
 BLOCK = 512
 # the score of a masked pair: finite, so a row with no visible key in a tile keeps finite maxima
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
@@ -327,11 +330,6 @@ _lone_tile.defvjp(_lone_tile_fwd, _lone_tile_bwd)
 
 # --- the implementations behind one call -----------------------------------------------------
 
-_PACKED_ROWS = (
-    "cudnn attention cannot keep packed rows apart: jax.nn.dot_product_attention takes no "
-    "segment ids for cuDNN (MaxText #4476 attended across documents); use blockwise"
-)
-
 
 def attention_mask(segment_ids: jax.Array | None, query_len: int, key_len: int) -> jax.Array:
     """Boolean [B or 1, 1, T, S]: causal, and within one segment when segments are given."""
@@ -350,7 +348,8 @@ def attend(
     implementation: str,
 ) -> jax.Array:
     """Causal (and segment-masked) grouped-query self-attention: q [B, S, H, h], k, v [B, S, K, h]
-    -> [B, S, H, h], by `implementation` (one of `IMPLEMENTATIONS`)."""
+    -> [B, S, H, h], by `implementation` (one of `IMPLEMENTATIONS`; "cudnn" gives cuDNN packed
+    rows, "cudnn_padded" rows of one document each: `models/fused_attention.py`)."""
     if implementation == "blockwise":
         return blockwise_attention(q, k, v, segment_ids)
     if implementation == "materialized":
@@ -358,83 +357,11 @@ def attend(
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
         mask = attention_mask(segment_ids, q.shape[1], k.shape[1])
         return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
-    if implementation == "cudnn":
-        if segment_ids is not None:
-            raise StepConfigError(_PACKED_ROWS)
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    if implementation in ("cudnn", "cudnn_padded"):
+        rows = "packed" if implementation == "cudnn" else "padded"
+        return cudnn_attention(q, k, v, segment_ids, rows if segment_ids is not None else "plain")
+    if implementation == "pallas":
+        return pallas_attention(q, k, v, segment_ids)
     raise StepConfigError(
         f"attention implementation {implementation!r} is unknown; use one of {IMPLEMENTATIONS}"
     )
-
-
-# --- which implementation a target runs ------------------------------------------------------
-
-
-class AttentionTarget(NamedTuple):
-    """What the attention is compiled for: the platform ("cpu", "gpu", "tpu") and, for an NVIDIA
-    GPU, its compute capability ("8.0" A100, "8.9" Ada, "9.0" H100); None elsewhere."""
-
-    platform: str
-    compute_capability: str | None = None
-
-    @classmethod
-    def of_device(cls, device: jax.Device | None = None) -> AttentionTarget:
-        """The target of `device` (default: the first device, the one a run computes on)."""
-        device = device or jax.devices()[0]
-        return cls(device.platform, getattr(device, "compute_capability", None))
-
-    def __str__(self) -> str:
-        if self.compute_capability is None:
-            return self.platform
-        return f"{self.platform} (compute capability {self.compute_capability})"
-
-
-def cudnn_refusal(
-    target: AttentionTarget, dtype: str, head_dim: int, segment_ids: bool, backward: bool = True
-) -> str | None:
-    """Why cuDNN's fused attention cannot run this call (None when it can): an NVIDIA GPU, bf16 or
-    fp16, head dim a multiple of 8 and <= 128 (<= 256 on Hopper and later; Ampere/Ada's backward
-    stops at 128), causal, and no segment ids."""
-    if target.platform != "gpu" or target.compute_capability is None:
-        return f"cuDNN needs an NVIDIA GPU, the target is {target}"
-    if dtype not in ("bfloat16", "float16"):
-        return f"cuDNN's fused attention needs bfloat16 or float16, the dtype is {dtype}"
-    hopper = int(target.compute_capability.split(".")[0]) >= 9
-    limit = 256 if hopper else 128
-    if head_dim % 8 or head_dim > limit:
-        why = "" if hopper or head_dim > 256 else " (Ampere/Ada: the backward stops at 128)"
-        work = "training" if backward else "the forward pass"
-        return (
-            f"head dim {head_dim} is not a multiple of 8 up to {limit} on {target}{why} for {work}"
-        )
-    if segment_ids:
-        return _PACKED_ROWS
-    return None
-
-
-def choose_attention(
-    choice: str,
-    target: AttentionTarget,
-    dtype: str,
-    head_dim: int,
-    segment_ids: bool,
-    backward: bool = True,
-) -> str:
-    """The implementation `choice` means on `target`: "auto" is cudnn where `cudnn_refusal` finds
-    nothing against it and blockwise otherwise; an explicit choice is kept, or refused with the
-    reason when it cannot run (`StepConfigError`)."""
-    if choice == "flash":
-        raise StepConfigError(
-            "memory.attention: flash is gone (it only changed the plan); use blockwise (tiled "
-            "attention on every backend), cudnn (NVIDIA GPUs) or auto"
-        )
-    if choice not in ATTENTION_CHOICES:
-        raise StepConfigError(
-            f"memory.attention={choice!r} is unknown; use one of {', '.join(ATTENTION_CHOICES)}"
-        )
-    refusal = cudnn_refusal(target, dtype, head_dim, segment_ids, backward)
-    if choice == "auto":
-        return "blockwise" if refusal else "cudnn"
-    if choice == "cudnn" and refusal:
-        raise StepConfigError(f"memory.attention=cudnn cannot run: {refusal}")
-    return choice

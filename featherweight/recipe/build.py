@@ -17,7 +17,7 @@ import optax
 from jax.sharding import Mesh
 
 from featherweight.errors import ConfigError
-from featherweight.models.attention import AttentionTarget, choose_attention
+from featherweight.models.attention_choice import AttentionTarget, choose_attention
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LINEAR_NAMES, LoraSpec, Params
 from featherweight.models.shapes import layer_shapes, top_level_shapes
@@ -171,16 +171,16 @@ def attention_implementation(
     config: TrainConfig, model_config: ModelConfig, target: AttentionTarget | None = None
 ) -> str:
     """The attention implementation the configured step calls on `target` (default: the device
-    this process computes on), from `memory.attention`: "auto" is cudnn where cuDNN's kernel
-    applies and blockwise otherwise (`models.attention.choose_attention`). Training batches always
-    carry segment ids (packed rows, padding), which cuDNN cannot mask, so a train step's auto is
-    blockwise and an explicit cudnn is refused."""
+    this process computes on), from `memory.attention` and the rows the run's batches hold:
+    several documents each (`data.pack: true`) or one document and padding
+    (`models.attention_choice.choose_attention`: "auto" is cuDNN where it masks those rows
+    exactly, blockwise otherwise)."""
     return choose_attention(
         config.memory.attention,
         target or AttentionTarget.of_device(),
         config.model.dtype,
         model_config.head_dim,
-        segment_ids=True,
+        rows="packed" if config.data.pack else "padded",
     )
 
 

@@ -207,12 +207,13 @@ class MemorySettings(_Section):
             "the base on the device instead of all of them, the stack moved twice per step"
         ),
     )
-    attention: Literal["auto", "blockwise", "cudnn", "materialized"] = Field(
+    attention: Literal["auto", "blockwise", "cudnn", "pallas", "materialized"] = Field(
         "auto",
         description=(
             "the attention the step calls: blockwise (tiled, no S x S scores, every backend), "
-            "cudnn (cuDNN's fused kernel, NVIDIA GPUs), materialized (XLA: S x S scores); auto: "
-            "cudnn where it applies on the run's target, blockwise otherwise"
+            "cudnn (cuDNN's fused kernel, NVIDIA GPUs; packed rows on Hopper and later), pallas "
+            "(jax's Triton flash kernel, NVIDIA GPUs), materialized (XLA: S x S scores); auto: "
+            "cudnn where it masks the run's rows exactly on its target, blockwise otherwise"
         ),
     )
     save: tuple[str, ...] = ()

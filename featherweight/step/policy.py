@@ -12,8 +12,9 @@
   B x S x (H+2K) x h per layer); "mlp_hidden": the gate and up projections (skips the two largest
   matmuls, costs 2 x B x S x F per layer). Empty = full remat of the block (least memory).
 - attention: the attention implementation every layer calls (`featherweight.models.attention`):
-  "blockwise" (tiled, no S x S array, every backend), "cudnn" (NVIDIA GPUs; batches without
-  segment ids) or "materialized" (XLA: float32 B x H x S x S scores). A config's "auto" is
+  "blockwise" (tiled, no S x S array, every backend), "cudnn" / "cudnn_padded" (cuDNN on NVIDIA
+  GPUs: packed rows, rows of one document), "pallas" (jax's Triton kernel) or "materialized" (XLA:
+  float32 B x H x S x S scores). A config's "auto" is
   resolved before the policy is built (`recipe.build.attention_implementation`).
 """
 

@@ -2,6 +2,8 @@
 its bytes against the compiled attention, and the whole step's temporaries against the compiled
 step for each implementation that runs on CPU (XLA:CPU, float32)."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -10,8 +12,12 @@ from featherweight.errors import StepConfigError
 from featherweight.memory.defaults import resolve
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.measure import measure_compiled
-from featherweight.memory.working_set import StepShapes, attention_of, raw_terms
-from featherweight.models.attention import AttentionTarget, attend
+from featherweight.memory.targets import compile_as_run
+from featherweight.memory.working_set import StepShapes, attention_bytes, attention_of, raw_terms
+from featherweight.models.attention import attend
+from featherweight.models.attention_choice import AttentionTarget
+from featherweight.models.fused_attention import pallas_attention
+from featherweight.parallel.backend import cuda_plugin_installed
 from featherweight.recipe.schema import parse_config
 from tests.conftest import tiny_config
 
@@ -56,7 +62,14 @@ def test_auto_is_resolved_for_the_device_and_written_into_the_plan():
     config = _config("auto", 64)
     assert attention_of(config, MODEL) == "blockwise"  # this machine is a CPU
     assert plan_one_device(config, MODEL).settings["attention"] == "blockwise"
-    assert attention_of(config, MODEL, AttentionTarget("gpu", "9.0")) == "blockwise"  # packed rows
+    h100 = AttentionTarget("gpu", "9.0")
+    assert attention_of(config, MODEL, h100) == "blockwise"  # float32: no cuDNN
+    bf16 = config.model_copy(
+        update={"model": config.model.model_copy(update={"dtype": "bfloat16"})}
+    )
+    assert attention_of(bf16, MODEL, h100) == "cudnn"  # packed rows: cuDNN's packed layout
+    one_document = bf16.model_copy(update={"data": bf16.data.model_copy(update={"pack": False})})
+    assert attention_of(one_document, MODEL, h100) == "cudnn_padded"
     with pytest.raises(StepConfigError, match="NVIDIA GPU"):
         plan_one_device(_config("cudnn", 64), MODEL)
 
@@ -86,3 +99,37 @@ def test_the_plan_of_each_implementation_matches_its_compiled_step(attention):
     # negative control: planning the other implementation misses the compiled step by far more
     assert miss(planned_temp(other)) > 4 * TEMP_WORST
     assert StepShapes(config, MODEL).attention == attention
+
+
+def _pallas_shapes(heads: int, kv_heads: int, seq: int = 2048, batch: int = 1):
+    """The shapes `attention_bytes` reads, for the Pallas kernel (bfloat16, head dim 128)."""
+    return types.SimpleNamespace(
+        attention="pallas", batch=batch, seq=seq, heads=heads, kv_heads=kv_heads,
+        head_dim=128, itemsize=2,
+    )  # fmt: skip
+
+
+def _pallas_compiled_for_h100(heads: int, kv_heads: int, seq: int = 2048, batch: int = 1) -> int:
+    """Temp bytes of the Pallas attention's forward and backward compiled by XLA's GPU compiler
+    for an H100, without a GPU, less the output and its cotangent (the step's activations)."""
+    q = jax.ShapeDtypeStruct((batch, seq, heads, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, 128), jnp.bfloat16)
+    segments = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+
+    def loss(q, k, v, segments):
+        return jnp.sum(pallas_attention(q, k, v, segments).astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, (0, 1, 2)))
+    lowered = grad.trace(q, kv, kv, segments).lower(lowering_platforms=("cuda",))
+    stats = compile_as_run(lowered, "h100").get_compiled_memory_stats()
+    return stats.temp_size_in_bytes - 2 * batch * seq * heads * 128 * 2
+
+
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="needs XLA's GPU compiler")
+def test_planned_pallas_bytes_match_its_attention_compiled_for_an_h100():
+    # grouped K/V (Llama-3.1-8B's 32 query, 8 K/V heads): the repeated K/V and their gradients
+    planned = attention_bytes(_pallas_shapes(32, 8))[1]
+    compiled = _pallas_compiled_for_h100(32, 8)
+    assert abs(planned / compiled - 1) < 0.02
+    # negative control: a plan without the repeated K/V (as for equal head counts) is far off
+    assert attention_bytes(_pallas_shapes(32, 32))[1] < 0.1 * compiled

@@ -1,18 +1,12 @@
 """Blockwise attention equals the materialized attention, keeps no S x S array, skips the tiles
-above the diagonal; the implementation choice refuses what cannot run."""
+above the diagonal."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from featherweight.errors import StepConfigError
-from featherweight.models.attention import (
-    AttentionTarget,
-    attend,
-    blockwise_attention,
-    choose_attention,
-)
+from featherweight.models.attention import attend, blockwise_attention
 
 # batch, seq, heads, kv heads, head dim, block, packed
 CASES = [
@@ -209,49 +203,3 @@ def test_blockwise_memory_is_linear_in_the_sequence_with_no_score_matrix():
     assert _is_linear_without_scores(_blockwise(64))
     # negative control: the materialized path fails the same bound
     assert not _is_linear_without_scores(_materialized)
-
-
-# --- the choice of implementation ---------------------------------------------------------------
-
-CPU = AttentionTarget("cpu")
-H100 = AttentionTarget("gpu", "9.0")
-A100 = AttentionTarget("gpu", "8.0")
-
-
-def test_auto_is_cudnn_only_where_it_applies():
-    assert choose_attention("auto", CPU, "bfloat16", 64, segment_ids=False) == "blockwise"
-    assert choose_attention("auto", AttentionTarget("tpu"), "bfloat16", 64, False) == "blockwise"
-    assert choose_attention("auto", H100, "bfloat16", 64, segment_ids=False) == "cudnn"
-    assert choose_attention("auto", H100, "bfloat16", 256, segment_ids=False) == "cudnn"
-    assert choose_attention("auto", H100, "bfloat16", 64, segment_ids=True) == "blockwise"
-    assert choose_attention("auto", H100, "float32", 64, segment_ids=False) == "blockwise"
-    assert choose_attention("auto", A100, "bfloat16", 256, segment_ids=False) == "blockwise"
-    assert choose_attention("materialized", H100, "bfloat16", 64, False) == "materialized"
-
-
-@pytest.mark.parametrize(
-    "target,dtype,head_dim,segments,words",
-    [
-        (CPU, "bfloat16", 64, False, "NVIDIA GPU"),
-        (H100, "bfloat16", 64, True, "segment ids"),
-        (A100, "bfloat16", 256, False, "Ampere/Ada"),
-        (H100, "float32", 64, False, "bfloat16 or float16"),
-    ],
-)
-def test_cudnn_is_refused_where_it_cannot_run(target, dtype, head_dim, segments, words):
-    with pytest.raises(StepConfigError, match=words) as error:
-        choose_attention("cudnn", target, dtype, head_dim, segments)
-    assert "\n" not in str(error.value)
-
-
-def test_the_old_flash_value_and_unknown_values_are_refused():
-    with pytest.raises(StepConfigError, match="blockwise"):
-        choose_attention("flash", CPU, "bfloat16", 64, False)
-    with pytest.raises(StepConfigError, match="auto, blockwise, cudnn, materialized"):
-        choose_attention("fast", CPU, "bfloat16", 64, False)
-
-
-def test_cudnn_refuses_segment_ids_at_the_call():
-    q, k, v, segments, _ = _inputs(1, 8, 2, 1, 8, True, jnp.bfloat16)
-    with pytest.raises(StepConfigError, match="segment ids"):
-        attend(q, k, v, segments, "cudnn")

@@ -1,0 +1,139 @@
+"""Which attention implementation a run calls on its target, and why not another.
+
+`choose_attention` turns the user's choice ("auto" or one of `ATTENTION_CHOICES`) into the
+implementation a step calls (`models.attention.IMPLEMENTATIONS`) for a target (`AttentionTarget`:
+the platform and GPU generation the run compiles for) and the rows its batches hold (`Rows`):
+"plain" (no segment ids), "padded" (one document per row, then padding: `data.pack: false`) or
+"packed" (several documents per row: `data.pack: true`). An explicit choice that cannot run is
+refused with the reason, before anything is built; the planner plans the same choice
+(`memory/working_set.py`).
+
+"auto" is cuDNN's fused kernel wherever it masks exactly what the rows need
+(`cudnn_refusal` finds nothing against it): rows of one document by their lengths on any
+cuDNN GPU ("cudnn_padded"), packed rows by cuDNN's packed layout on Hopper and later ("cudnn"),
+and blockwise otherwise. Pallas is never chosen by "auto": it has not been timed on a GPU here,
+and jax#24934 reports it slower than cuDNN on Hopper; name it to use it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+from featherweight.errors import StepConfigError
+from featherweight.models.attention import ATTENTION_CHOICES
+from featherweight.models.fused_attention import Rows, cudnn_packed_refusal
+
+
+class AttentionTarget(NamedTuple):
+    """What the attention is compiled for: the platform ("cpu", "gpu", "tpu") and, for an NVIDIA
+    GPU, its compute capability ("8.0" A100, "8.9" Ada, "9.0" H100); None elsewhere."""
+
+    platform: str
+    compute_capability: str | None = None
+
+    @classmethod
+    def of_device(cls, device: jax.Device | None = None) -> AttentionTarget:
+        """The target of `device` (default: the first device, the one a run computes on)."""
+        device = device or jax.devices()[0]
+        return cls(device.platform, getattr(device, "compute_capability", None))
+
+    @property
+    def hopper_or_later(self) -> bool:
+        """An NVIDIA GPU of compute capability 9.0 or later."""
+        capability = self.compute_capability
+        return capability is not None and int(capability.split(".")[0]) >= 9
+
+    def __str__(self) -> str:
+        if self.compute_capability is None:
+            return self.platform
+        return f"{self.platform} (compute capability {self.compute_capability})"
+
+
+def _nvidia_refusal(target: AttentionTarget, kernel: str) -> str | None:
+    if target.platform != "gpu" or target.compute_capability is None:
+        return f"{kernel} needs an NVIDIA GPU, the target is {target}"
+    return None
+
+
+def cudnn_refusal(
+    target: AttentionTarget, dtype: str, head_dim: int, rows: Rows, backward: bool = True
+) -> str | None:
+    """Why cuDNN's fused attention cannot run this call exactly (None when it can): an NVIDIA GPU,
+    bf16 or fp16, head dim a multiple of 8 and <= 128 (<= 256 on Hopper and later; Ampere/Ada's
+    backward stops at 128), causal; packed rows only on Hopper and later, through a jax whose
+    private cuDNN API takes the packed layout."""
+    refusal = _nvidia_refusal(target, "cuDNN")
+    if refusal:
+        return refusal
+    if dtype not in ("bfloat16", "float16"):
+        return f"cuDNN's fused attention needs bfloat16 or float16, the dtype is {dtype}"
+    limit = 256 if target.hopper_or_later else 128
+    if head_dim % 8 or head_dim > limit:
+        why = (
+            ""
+            if target.hopper_or_later or head_dim > 256
+            else " (Ampere/Ada: the backward stops at 128)"
+        )
+        work = "training" if backward else "the forward pass"
+        return (
+            f"head dim {head_dim} is not a multiple of 8 up to {limit} on {target}{why} for {work}"
+        )
+    if rows == "packed" and not target.hopper_or_later:
+        return (
+            f"cuDNN keeps packed rows apart only on Hopper and later, the target is {target}; "
+            "set data.pack: false (one document per row) or use blockwise"
+        )
+    if rows == "packed":
+        return cudnn_packed_refusal()
+    return None
+
+
+def pallas_refusal(target: AttentionTarget, head_dim: int) -> str | None:
+    """Why jax's Pallas Triton flash attention cannot run on `target` (None when it can): an
+    NVIDIA GPU (elsewhere it runs only in interpret mode, for tests) and a head dim that is a
+    power of two from 16 (the kernel's tiles are powers of two)."""
+    refusal = _nvidia_refusal(target, "the Pallas (Triton) attention kernel")
+    if refusal:
+        return refusal
+    try:
+        from jax.experimental.pallas.ops.gpu import attention  # noqa: F401
+    except ImportError as error:
+        return f"this jax ({jax.__version__}) has no Pallas GPU attention ({error})"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"the Pallas attention kernel needs a head dim that is a power of two from 16, not {head_dim}"
+    return None
+
+
+def choose_attention(
+    choice: str,
+    target: AttentionTarget,
+    dtype: str,
+    head_dim: int,
+    rows: Rows,
+    backward: bool = True,
+) -> str:
+    """The implementation `choice` means on `target` for batches of `rows`: "auto" is cuDNN where
+    `cudnn_refusal` finds nothing against it and blockwise otherwise; an explicit choice is
+    kept (cudnn as "cudnn_padded" for rows of one document), or refused with the reason when it
+    cannot run (`StepConfigError`)."""
+    if choice == "flash":
+        raise StepConfigError(
+            "memory.attention: flash is gone (it only changed the plan); use blockwise (tiled "
+            "attention on every backend), cudnn or pallas (NVIDIA GPUs) or auto"
+        )
+    if choice not in ATTENTION_CHOICES:
+        raise StepConfigError(
+            f"memory.attention={choice!r} is unknown; use one of {', '.join(ATTENTION_CHOICES)}"
+        )
+    cudnn = "cudnn_padded" if rows == "padded" else "cudnn"
+    if choice == "auto":
+        return "blockwise" if cudnn_refusal(target, dtype, head_dim, rows, backward) else cudnn
+    refusal = {
+        "cudnn": lambda: cudnn_refusal(target, dtype, head_dim, rows, backward),
+        "pallas": lambda: pallas_refusal(target, head_dim),
+    }.get(choice, lambda: None)()
+    if refusal:
+        raise StepConfigError(f"memory.attention={choice} cannot run: {refusal}")
+    return cudnn if choice == "cudnn" else choice

@@ -1,0 +1,83 @@
+"""The attention a run calls, per target and rows: "auto" is cuDNN only where it masks the rows
+exactly; an explicit choice that cannot run is refused in one line naming why."""
+
+import pytest
+
+from featherweight.errors import StepConfigError
+from featherweight.models import attention_choice
+from featherweight.models.attention_choice import AttentionTarget, choose_attention
+
+CPU = AttentionTarget("cpu")
+TPU = AttentionTarget("tpu")
+H100 = AttentionTarget("gpu", "9.0")
+A100 = AttentionTarget("gpu", "8.0")
+
+# target, dtype, head dim, rows -> what "auto" calls
+AUTO = [
+    (CPU, "bfloat16", 128, "packed", "blockwise"),
+    (TPU, "bfloat16", 128, "packed", "blockwise"),
+    (H100, "bfloat16", 128, "packed", "cudnn"),  # cuDNN's packed layout
+    (H100, "bfloat16", 128, "padded", "cudnn_padded"),  # one document per row: lengths
+    (H100, "bfloat16", 128, "plain", "cudnn"),
+    (H100, "bfloat16", 256, "packed", "cudnn"),
+    (H100, "float32", 128, "packed", "blockwise"),
+    (A100, "bfloat16", 128, "packed", "blockwise"),  # no packed layout before Hopper
+    (A100, "bfloat16", 128, "padded", "cudnn_padded"),
+    (A100, "bfloat16", 256, "padded", "blockwise"),  # Ampere's backward stops at 128
+]
+
+
+@pytest.mark.parametrize("target,dtype,head_dim,rows,expected", AUTO)
+def test_auto_picks_cudnn_only_where_it_masks_the_rows_exactly(
+    target, dtype, head_dim, rows, expected
+):
+    assert choose_attention("auto", target, dtype, head_dim, rows) == expected
+
+
+def test_explicit_choices_are_kept_where_they_run():
+    assert choose_attention("cudnn", H100, "bfloat16", 128, "packed") == "cudnn"
+    assert choose_attention("cudnn", A100, "bfloat16", 128, "padded") == "cudnn_padded"
+    assert choose_attention("pallas", A100, "bfloat16", 128, "packed") == "pallas"
+    assert choose_attention("materialized", H100, "bfloat16", 64, "packed") == "materialized"
+    assert choose_attention("blockwise", H100, "bfloat16", 64, "packed") == "blockwise"
+
+
+@pytest.mark.parametrize(
+    "choice,target,dtype,head_dim,rows,words",
+    [
+        ("cudnn", CPU, "bfloat16", 64, "plain", "NVIDIA GPU"),
+        ("cudnn", A100, "bfloat16", 128, "packed", "Hopper and later"),
+        ("cudnn", A100, "bfloat16", 256, "padded", "Ampere/Ada"),
+        ("cudnn", H100, "float32", 64, "packed", "bfloat16 or float16"),
+        ("pallas", CPU, "bfloat16", 128, "packed", "NVIDIA GPU"),
+        ("pallas", H100, "bfloat16", 96, "packed", "power of two"),
+    ],
+)
+def test_what_cannot_run_is_refused_in_one_line(choice, target, dtype, head_dim, rows, words):
+    with pytest.raises(StepConfigError, match=words) as error:
+        choose_attention(choice, target, dtype, head_dim, rows)
+    assert "\n" not in str(error.value)
+
+
+def test_packed_rows_are_refused_when_this_jax_lacks_the_private_layout(monkeypatch):
+    # a jax without the private packed API: auto falls back, an explicit cudnn says why
+    def missing():
+        return "this jax lacks q_offsets"
+
+    monkeypatch.setattr(attention_choice, "cudnn_packed_refusal", missing)
+    assert choose_attention("auto", H100, "bfloat16", 128, "packed") == "blockwise"
+    assert choose_attention("auto", H100, "bfloat16", 128, "padded") == "cudnn_padded"
+    with pytest.raises(StepConfigError, match="lacks q_offsets"):
+        choose_attention("cudnn", H100, "bfloat16", 128, "packed")
+
+
+def test_the_installed_jax_has_the_private_packed_layout():
+    # the guard reads the real signature: the jax this project pins takes the packed layout
+    assert attention_choice.cudnn_packed_refusal() is None
+
+
+def test_the_old_flash_value_and_unknown_values_are_refused():
+    with pytest.raises(StepConfigError, match="blockwise"):
+        choose_attention("flash", CPU, "bfloat16", 64, "packed")
+    with pytest.raises(StepConfigError, match="auto, blockwise, cudnn, pallas, materialized"):
+        choose_attention("fast", CPU, "bfloat16", 64, "packed")
