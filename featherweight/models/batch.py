@@ -14,13 +14,20 @@ import jax.numpy as jnp
 
 class Batch(NamedTuple):
     """One micro-batch, all [B, S]: inputs, next-token targets, a loss mask (1 = counted),
-    positions (reset per packed example) and segment ids (packed examples never attend across)."""
+    positions (reset per packed example) and segment ids (packed examples never attend across).
+
+    Preference pairs (DPO, ORPO) add `sequence_ids` int32: the completion each target belongs
+    to (pair p's chosen 2p, rejected 2p + 1, -1 none; `featherweight.step.preference`), and with
+    precomputed reference log-probs `reference_logps` float32: the reference model's log-prob of
+    each target."""
 
     input_ids: jax.Array
     target_ids: jax.Array
     loss_mask: jax.Array
     positions: jax.Array
     segment_ids: jax.Array | None = None
+    sequence_ids: jax.Array | None = None
+    reference_logps: jax.Array | None = None
 
 
 def batch_from_tokens(tokens: jax.Array) -> Batch:

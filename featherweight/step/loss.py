@@ -407,6 +407,36 @@ def token_losses_sum(
     return jnp.sum(nll * loss_mask.astype(jnp.float32))
 
 
+def token_nll(
+    head_params: Params,
+    hidden: jax.Array,
+    target_ids: jax.Array,
+    config: ModelConfig,
+    chunk_size: int | None = None,
+    vocab_chunk: int | None = None,
+) -> jax.Array:
+    """Each token's cross-entropy [B, S] float32, forward only, over the same sequence and
+    vocabulary chunks as the loss (at most B x chunk x vocab_chunk logits at a time): what the
+    preference objectives read before the weighted loss is differentiated."""
+    head = head_params.get("lm_head")
+    head = head_params["embed"] if head is None else head
+    seq, vocab = hidden.shape[1], head.shape[0]
+    layout = _Chunks(
+        config.rms_norm_eps,
+        resolve_chunk_size(seq, chunk_size),
+        vocab if vocab_chunk is None else min(vocab_chunk, vocab),
+    )
+
+    def body(_, chunk_inputs):
+        h, chunk_targets = chunk_inputs
+        normed = rms_norm(h, head_params["final_norm"], layout.eps)
+        logsumexp, target_logit = _chunk_logsumexp(normed, head, chunk_targets, layout.vocab)
+        return None, logsumexp - target_logit
+
+    xs = (_to_chunks(hidden, layout.seq), _to_chunks(target_ids, layout.seq))
+    return _from_chunks(jax.lax.scan(body, None, xs)[1])
+
+
 def head_loss(
     head_params: Params,
     hidden: jax.Array,

@@ -22,6 +22,7 @@ from featherweight.models.llama import (
     Params,
     attention_inputs,
     embed,
+    head,
     merge_params,
     run_layers,
 )
@@ -34,6 +35,12 @@ from featherweight.step.common import (
     squared_norm,
 )
 from featherweight.step.loss import head_loss
+from featherweight.step.preference import (
+    PreferenceObjective,
+    check_objective,
+    pair_logps,
+    preference_loss,
+)
 from featherweight.step.validate import check_optimizer
 
 
@@ -68,6 +75,44 @@ def model_loss(
     return head_loss(head_params, hidden, batch, config, chunk_size, vocab_chunk)
 
 
+def _token_nll(params: Params, hidden: jax.Array, target_ids: jax.Array, config) -> jax.Array:
+    """Each token's cross-entropy [B, S] from the whole logits (no chunks: the plain form)."""
+    logits = head(params, hidden, config)
+    target = jnp.take_along_axis(logits, target_ids[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - target
+
+
+def preference_model_loss(
+    trainable: Params,
+    frozen: Params,
+    batch: Batch,
+    config: ModelConfig,
+    objective: PreferenceObjective,
+    lora: LoraSpec | None = None,
+    key: jax.Array | None = None,
+    attention: str = "blockwise",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(loss, metrics) of a preference objective, differentiated by `jax.grad` through the whole
+    model: the policy's per-token log-probs, summed per completion; DPO's reference is the same
+    frozen base with the adapters off (`lora=None`), or the batch's precomputed log-probs."""
+    params = merge_params(frozen, trainable)
+    inputs = attention_inputs(config, batch.positions, batch.segment_ids, attention)
+    keys = layer_dropout_keys(key, lora, config.num_layers)
+    hidden = run_layers(
+        params["layers"], embed(params, batch.input_ids), inputs, config, lora, True, keys
+    )
+    policy = pair_logps(-_token_nll(params, hidden, batch.target_ids, config), batch.loss_mask,
+                        batch.sequence_ids)  # fmt: skip
+    reference = None
+    if objective.needs_reference and objective.reference == "precomputed":
+        reference = pair_logps(batch.reference_logps, batch.loss_mask, batch.sequence_ids)
+    elif objective.needs_reference:
+        base = run_layers(frozen["layers"], embed(params, batch.input_ids), inputs, config, None)
+        reference_nll = _token_nll(params, base, batch.target_ids, config)
+        reference = pair_logps(-reference_nll, batch.loss_mask, batch.sequence_ids)
+    return preference_loss(objective, policy, reference)
+
+
 def build_reference_step(
     config: ModelConfig,
     optimizer: optax.GradientTransformation,
@@ -78,6 +123,7 @@ def build_reference_step(
     shardings: Any = None,
     accumulation_steps: int = 1,
     attention: str = "blockwise",
+    objective: PreferenceObjective | None = None,
 ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """A jitted `step(trainable, opt_state, frozen, batch, key) -> (trainable, opt_state, metrics)`.
 
@@ -89,20 +135,28 @@ def build_reference_step(
     micro-batch's activations. `metrics["grad_norm"]` is the gradient's global norm (before any
     clipping). `shardings` (`featherweight.parallel.sharding.StepShardings`) compiles for a
     device mesh; None for one device. `attention` names the implementation every layer calls
-    (`featherweight.models.attention`).
+    (`featherweight.models.attention`). `objective` (a `PreferenceObjective`) differentiates
+    that objective instead of the cross-entropy; its metrics join the step's.
     """
     check_optimizer(optimizer)
     if accumulation_steps < 1:
         raise StepConfigError(f"accumulation_steps={accumulation_steps} must be at least 1")
+    check_objective(objective, lora, accumulation_steps)
 
     def loss_and_grad(trainable, frozen, batch, key, weight):
         def weighted(trainable):
+            if objective is not None:
+                loss, extra = preference_model_loss(
+                    trainable, frozen, batch, config, objective, lora, key, attention
+                )
+                return loss * weight, extra
             loss = model_loss(
                 trainable, frozen, batch, config, lora, key, chunk_size, remat, attention=attention
             )
-            return loss * weight
+            return loss * weight, {}
 
-        return jax.value_and_grad(weighted)(trainable)
+        (loss, extra), grads = jax.value_and_grad(weighted, has_aux=True)(trainable)
+        return loss, grads, extra
 
     def accumulated(trainable, frozen, batch, key):
         total = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
@@ -112,7 +166,7 @@ def build_reference_step(
             loss_sum, grad_sum = carry
             micro, micro_key = inputs
             weight = jnp.sum(micro.loss_mask.astype(jnp.float32)) / total
-            loss, grads = loss_and_grad(trainable, frozen, micro, micro_key, weight)
+            loss, grads, _ = loss_and_grad(trainable, frozen, micro, micro_key, weight)
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
             return (loss_sum + loss, grad_sum), None
 
@@ -123,8 +177,9 @@ def build_reference_step(
         return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
 
     def step(trainable, opt_state, frozen, batch, key):
+        extra = {}
         if accumulation_steps == 1:
-            loss, grads = loss_and_grad(trainable, frozen, batch, key, 1.0)
+            loss, grads, extra = loss_and_grad(trainable, frozen, batch, key, 1.0)
         else:
             loss, grads = accumulated(trainable, frozen, batch, key)
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
@@ -134,6 +189,7 @@ def build_reference_step(
             "tokens": jnp.sum(batch.loss_mask),
             "grad_norm": jnp.sqrt(squared_norm(grads)),
             "params_finite": all_finite(trainable),
+            **extra,
         }
         return trainable, opt_state, metrics
 

@@ -48,7 +48,14 @@ import optax
 from featherweight.errors import StepConfigError
 from featherweight.models.batch import Batch
 from featherweight.models.config import ModelConfig
-from featherweight.models.llama import LoraSpec, Params, attention_inputs, embed, merge_params
+from featherweight.models.llama import (
+    LoraSpec,
+    Params,
+    attention_inputs,
+    embed,
+    merge_params,
+    run_layers,
+)
 from featherweight.parallel.memory_kinds import on_host, placed_like
 from featherweight.step.common import (
     HEAD_PARAMS,
@@ -71,9 +78,14 @@ from featherweight.step.layer_loop import (
     update_layers,
     update_sink,
 )
-from featherweight.step.loss import head_loss
+from featherweight.step.loss import head_loss, token_losses_sum, token_nll
 from featherweight.step.opt_state import StreamedOptState
 from featherweight.step.policy import MemoryPolicy
+from featherweight.step.preference import (
+    PreferenceObjective,
+    check_objective,
+    preference_weights,
+)
 from featherweight.step.top_update import (
     embedding_gradient,
     embedding_squared_norm,
@@ -102,12 +114,13 @@ def gradient_mode(clip_norm: float | None, two_pass: bool, accumulation_steps: i
 
 class _StepModel:
     """The model as one step sees it: its configuration and memory policy, the trainable and
-    frozen parameters (separate, so the frozen ones are only ever closed over), and the pass
-    every gradient mode starts with -- one micro-batch's forward and the head's VJP."""
+    frozen parameters (separate, so the frozen ones are only ever closed over), the objective
+    (None: next-token cross-entropy; else a `PreferenceObjective`), and the pass every gradient
+    mode starts with -- one micro-batch's forward and the head's VJP."""
 
-    def __init__(self, config, lora, policy, constrain, trainable, frozen) -> None:
+    def __init__(self, config, lora, policy, constrain, trainable, frozen, objective=None) -> None:
         self.config, self.lora, self.policy, self.constrain = config, lora, policy, constrain
-        self.trainable, self.frozen = trainable, frozen
+        self.trainable, self.frozen, self.objective = trainable, frozen, objective
         self.frozen_layers = frozen.get("layers", {})
         self.trainable_layers = trainable.get("layers", {})
 
@@ -123,7 +136,8 @@ class _StepModel:
 
     def forward_and_head(self, batch: Batch, key, weight):
         """(loss, head gradients, cotangent of the last hidden state, stored activations,
-        context), the VJP seeded with `weight` (1, or a micro-batch's share of the tokens)."""
+        context, the objective's metrics), the VJP seeded with `weight` (1, or a micro-batch's
+        share of the tokens)."""
         top = merge_params(self.frozen, self.trainable)
         context = self.context(batch, key)
         hidden, stored = forward_layers(
@@ -134,16 +148,50 @@ class _StepModel:
             name: self.trainable[name] for name in head_names if name in self.trainable
         }
         head_frozen = {name: top[name] for name in head_names if name not in self.trainable}
+        hidden = self.constrain(hidden)
+        chunks = (self.policy.loss_chunk, self.policy.vocab_chunk)
+        if self.objective is None:
+            metrics, mask = {}, None
+        else:  # the objective's token weights, then the weighted token loss's VJP
+            head_params = {**head_frozen, **head_trainable}
+            nll = token_nll(head_params, hidden, batch.target_ids, self.config, *chunks)
+            loss, mask, metrics = preference_weights(
+                self.objective, nll, batch.loss_mask, batch.sequence_ids,
+                self.reference_logps(batch, top, context, head_params),
+            )  # fmt: skip
 
         def head_fn(head_params, h):
             params = {**head_frozen, **head_params}
-            return head_loss(
-                params, h, batch, self.config, self.policy.loss_chunk, self.policy.vocab_chunk
-            )
+            if mask is None:
+                return head_loss(params, h, batch, self.config, *chunks)
+            head = params.get("lm_head", params.get("embed"))
+            return token_losses_sum(
+                h, params["final_norm"], head, batch.target_ids, mask,
+                self.config.rms_norm_eps, *chunks,
+            )  # fmt: skip
 
-        loss, head_vjp = jax.vjp(head_fn, head_trainable, self.constrain(hidden))
-        head_grads, cotangent = head_vjp(jnp.asarray(weight, loss.dtype))
-        return loss, head_grads, cotangent, stored, context
+        value, head_vjp = jax.vjp(head_fn, head_trainable, hidden)
+        head_grads, cotangent = head_vjp(jnp.asarray(weight, value.dtype))
+        loss = value if mask is None else loss
+        return loss, head_grads, cotangent, stored, context, metrics
+
+    def reference_logps(self, batch: Batch, top, context: LayerContext, head_params):
+        """The reference model's log-prob of each target [B, S] for DPO (None for ORPO): read
+        from the batch when precomputed, else one forward pass of the frozen base with the
+        adapters off (`lora=None`: the same weights, no second copy), nothing kept for a
+        backward pass."""
+        objective = self.objective
+        if not objective.needs_reference:
+            return None
+        if objective.reference == "precomputed":
+            return batch.reference_logps
+        hidden = run_layers(
+            self.frozen_layers, embed(top, batch.input_ids), context.inputs, self.config,
+            None, mlp_chunk=self.policy.mlp_chunk,
+        )  # fmt: skip
+        chunks = (self.policy.loss_chunk, self.policy.vocab_chunk)
+        nll = token_nll(head_params, self.constrain(hidden), batch.target_ids, self.config, *chunks)
+        return -jax.lax.stop_gradient(nll)
 
     def update_top(self, optimizer, ok, names, gradient_of, opt_state):
         """(trainable, top optimizer state) with each of `names` the model trains (the head's
@@ -181,7 +229,7 @@ def _metrics(loss, grad_sq, ok, params_finite) -> dict[str, jax.Array]:
 def _fused(model: _StepModel, optimizer, opt_state, batch, key, clip_norm, two_pass):
     """The one-pass step (and, with `two_pass`, its norm-only first pass before it)."""
     trainable = model.trainable
-    loss, head_grads, cotangent, stored, context = model.forward_and_head(batch, key, 1.0)
+    loss, head_grads, cotangent, stored, context, extra = model.forward_and_head(batch, key, 1.0)
     ok = jnp.isfinite(loss)
     scale = None
     if two_pass:
@@ -214,7 +262,7 @@ def _fused(model: _StepModel, optimizer, opt_state, batch, key, clip_norm, two_p
     if not two_pass:
         grad_sq = _head_sq(head_grads) + layers_sq + embed_sq
     finite = layers_finite & embed_finite & _top_finite(new_trainable, "embed")
-    metrics = _metrics(loss, grad_sq, ok, finite)
+    metrics = {**_metrics(loss, grad_sq, ok, finite), **extra}
     return new_trainable, StreamedOptState(layer_states, new_top_state), metrics
 
 
@@ -228,7 +276,8 @@ def _top_finite(trainable, *checked: str) -> jax.Array:
 
 def _accumulate(model: _StepModel, batch, key, accumulation_steps):
     """(float32 gradient buffer of every trainable tensor, the batch's loss, whether every
-    micro-batch's loss was finite): the micro-batches scanned, each one's gradient added in."""
+    micro-batch's loss was finite, the objective's metrics): the micro-batches scanned, each
+    one's gradient added in."""
     trainable = model.trainable
     total_tokens = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
     buffer = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, jnp.float32), trainable)
@@ -243,7 +292,7 @@ def _accumulate(model: _StepModel, batch, key, accumulation_steps):
         buffer, loss_sum, ok = carry
         micro, micro_key = inputs
         weight = jnp.sum(micro.loss_mask.astype(jnp.float32)) / total_tokens
-        loss, head_grads, cotangent, stored, context = model.forward_and_head(
+        loss, head_grads, cotangent, stored, context, extra = model.forward_and_head(
             micro, micro_key, weight
         )
         buffer = dict(buffer)
@@ -267,20 +316,20 @@ def _accumulate(model: _StepModel, batch, key, accumulation_steps):
                 micro.input_ids, cotangent, head_grads, trainable["embed"]
             )
             buffer["embed"] = buffer["embed"] + embed_grad.astype(jnp.float32)
-        return (buffer, loss_sum + loss * weight, ok & jnp.isfinite(loss)), None
+        return (buffer, loss_sum + loss * weight, ok & jnp.isfinite(loss)), extra
 
-    (buffer, loss, ok), _ = jax.lax.scan(
+    (buffer, loss, ok), extra = jax.lax.scan(
         micro_step,
         (buffer, jnp.float32(0), jnp.bool_(True)),
         (micro_batches(batch, accumulation_steps), keys),
     )
-    return buffer, loss, ok
+    return buffer, loss, ok, jax.tree.map(lambda values: jnp.mean(values, axis=0), extra)
 
 
 def _kept(model: _StepModel, optimizer, opt_state, batch, key, clip_norm, accumulation_steps):
     """Gradients summed into a float32 buffer over the micro-batches, then clip and update."""
     trainable = model.trainable
-    buffer, loss, ok = _accumulate(model, batch, key, accumulation_steps)
+    buffer, loss, ok, extra = _accumulate(model, batch, key, accumulation_steps)
     grad_sq = squared_norm(buffer)
     scale = None if clip_norm is None else clip_scale(grad_sq, clip_norm)
     new_trainable, new_top_state = model.update_top(
@@ -295,7 +344,7 @@ def _kept(model: _StepModel, optimizer, opt_state, batch, key, clip_norm, accumu
             sink, jax.tree.leaves(buffer["layers"]), target, model.config.num_layers
         )
         new_trainable["layers"] = jax.tree.unflatten(treedef, stacks)
-    metrics = _metrics(loss, grad_sq, ok, layers_finite & _top_finite(new_trainable))
+    metrics = {**_metrics(loss, grad_sq, ok, layers_finite & _top_finite(new_trainable)), **extra}
     return new_trainable, StreamedOptState(layer_states, new_top_state), metrics
 
 
@@ -311,6 +360,7 @@ def build_streamed_step(
     two_pass: bool = False,
     donate: bool = True,
     shardings: Any = None,
+    objective: PreferenceObjective | None = None,
 ) -> Callable[..., tuple[Params, StreamedOptState, dict[str, jax.Array]]]:
     """A jitted `step(trainable, opt_state, frozen, batch, key) -> (trainable, opt_state, metrics)`.
 
@@ -324,9 +374,12 @@ def build_streamed_step(
     (`featherweight.parallel.sharding.StepShardings`) compiles for a device mesh: the arguments
     and results keep their layouts, and the residual stream and its cotangent stay split over
     the batch (so XLA gathers each layer's weights, FSDP-style, rather than resharding
-    activations); None compiles for one device.
+    activations); None compiles for one device. `objective` (a `PreferenceObjective`; None:
+    next-token cross-entropy) trains on preference pairs: its per-token weights become the loss
+    mask of the same backward pass, and the metrics gain TRL's rewards/* and logps/* names.
     """
     policy = policy or MemoryPolicy()
+    check_objective(objective, lora, accumulation_steps)
     check_optimizer(optimizer)
     refuse_multisteps(optimizer, trainable)
     mode = gradient_mode(clip_norm, two_pass, accumulation_steps)
@@ -334,7 +387,7 @@ def build_streamed_step(
     constrain = activation_constraint(shardings)
 
     def step(trainable, opt_state: StreamedOptState, frozen, batch: Batch, key):
-        model = _StepModel(config, lora, policy, constrain, trainable, frozen)
+        model = _StepModel(config, lora, policy, constrain, trainable, frozen, objective)
         if mode == "kept":
             new_trainable, new_state, metrics = _kept(
                 model, optimizer, opt_state, batch, key, clip_norm, accumulation_steps
