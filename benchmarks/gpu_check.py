@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(CASE_NAMES), help="a subset, in this order")
     parser.add_argument("--deadline", type=float, default=510.0, help="seconds for all cases")
     parser.add_argument("--table-dir", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--attention", action="store_true", help="then gpu_check_attention.py")
     parser.add_argument("--case", choices=CASE_NAMES, help=argparse.SUPPRESS)  # the child
     args = parser.parse_args(argv)
     scale = TINY if args.tiny else GPU
@@ -291,6 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     table.parent.mkdir(parents=True, exist_ok=True)
     emit(table_lines(records, cases, scale, command), str(table))
     shutil.copy(table, args.out / table.name)
+    if args.attention:  # issue 31's rows: packed rows kept apart, long context
+        import gpu_check_attention
+
+        tiny = ["--tiny"] if args.tiny else []
+        gpu_check_attention.main(
+            ["--out", str(args.out), "--table-dir", str(args.table_dir), *tiny]
+        )
     return 0
 
 

@@ -52,13 +52,19 @@ class AttentionCheck(NamedTuple):
 
 
 def packed_inputs(
-    seq: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, dtype=jnp.float32
+    seq: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    dtype=jnp.float32,
+    documents: tuple[int, ...] = DOCUMENTS,
 ) -> CheckInputs:
-    """Two rows of `seq` positions: three documents of `DOCUMENTS` lengths then padding, and a
-    row of padding only; random q, k, v (fixed seed) in `dtype`."""
-    if sum(DOCUMENTS) >= seq:
-        raise ValueError(f"seq={seq} must exceed the documents' {sum(DOCUMENTS)} tokens")
-    row = np.concatenate([np.full(n, i + 1) for i, n in enumerate(DOCUMENTS)])
+    """Two rows of `seq` positions: `documents` (default three of unequal length; one for rows
+    of one document) then padding, and a row of padding only; random q, k, v (fixed seed) in
+    `dtype`."""
+    if sum(documents) >= seq:
+        raise ValueError(f"seq={seq} must exceed the documents' {sum(documents)} tokens")
+    row = np.concatenate([np.full(n, i + 1) for i, n in enumerate(documents)])
     segments = np.zeros((2, seq), np.int32)
     segments[0, : row.size] = row
     rng = np.random.default_rng(0)
@@ -79,14 +85,16 @@ def _loss(attention: Attention, inputs: CheckInputs):
 
 
 def cross_document_gradient(attention: Attention, inputs: CheckInputs) -> float:
-    """The largest |gradient| of the second document's last token's output with respect to q, k
-    and v of every token outside that document (other documents and padding)."""
+    """The largest |gradient| of the second document's last token's output (the first's, for a
+    row of one document) with respect to q, k and v of every token outside that document (other
+    documents and padding)."""
     segments = np.asarray(inputs.segment_ids)
-    token = int(np.flatnonzero(segments[0] == 2)[-1])
+    document = min(2, int(segments.max()))
+    token = int(np.flatnonzero(segments[0] == document)[-1])
     one_token = jnp.zeros(inputs.weights.shape, jnp.float32).at[0, token].set(1.0)
     probe = inputs._replace(weights=one_token)
     grads = jax.jit(jax.grad(_loss(attention, probe), (0, 1, 2)))(*probe[:3])
-    outside = segments != 2
+    outside = segments != document
     return max(float(jnp.abs(g.astype(jnp.float32)[outside]).max()) for g in grads)
 
 

@@ -1,0 +1,400 @@
+"""The GPU check's attention rows (issue 31): packed rows kept apart, and long context, measured.
+
+    python benchmarks/gpu_check_attention.py --out DIR [--tiny] [--deadline SECONDS]
+    python benchmarks/gpu_check.py --out DIR --attention ...   (after the check's own cases)
+
+Jobs, each in its own process (`peak_bytes_in_use` is a process-lifetime high-water mark), in
+order of importance, each recorded as a JSON line in DIR/attention.jsonl as it ends:
+
+- `packed-rows`: every attention implementation that can run here against blockwise
+  (`models/attention_check.py`): packed rows of three documents of unequal length and a row of
+  padding (cudnn: cuDNN's packed layout; pallas; materialized), rows of one document
+  (cudnn_padded); bf16, 32 query and 8 K/V heads, head dim 128. Records each one's largest
+  differences from blockwise (forward and the q, k, v gradients, relative to blockwise's largest
+  value) and the largest cross-document gradient, which must be exactly 0. An implementation
+  the target cannot run is recorded with the refusal's reason, not skipped silently.
+- `fw-b1x16384`, `fw-b2x2048`: Llama-3.1-8B QLoRA (random weights, `gpu_check_cases.set_up`,
+  the trainer's path) with `memory.attention: auto` -- the implementation it resolves to is
+  recorded -- and `-blockwise` beside them: compile seconds, the median of steps 3-6 and
+  `peak_bytes_in_use`.
+- `torch-b1x16384`, `torch-b2x2048`: torch + peft + bitsandbytes at the same shapes (bf16 on the
+  GPU, NF4 linears, LoRA r 8 on every linear, SDPA attention, gradient checkpointing, AdamW),
+  skipped with the reason printed where CUDA torch, peft or bitsandbytes are absent.
+- `longest-<S>`: QLoRA at b1 x S for S = 32K, 64K, 128K, 192K, 256K, 384K, 512K tokens (from
+  128K on with `memory.residuals: host`: the bf16 residual stream, L x S x D, is 32 GiB at 128K),
+  until one fails: the longest that ran, with its `peak_bytes_in_use`.
+
+Speed is the median of steps 3-6 of one process; featherweight and torch run in separate
+processes one after the other (each needs the GPU's whole memory), so their ratio is of
+consecutive runs on one GPU, not interleaved repeats. `--tiny`: the same jobs on CPU at
+SmolLM2-135M layer shapes (2 layers), float32, short sequences, Pallas in interpret mode: the
+script runs in CI (tests/test_gpu_check_attention.py) and cannot rot; its times are no measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from gpu_check_cases import GPU, TIMED, TINY, Case, Scale, case_config, run_steps, set_up
+from results_file import emit
+
+from featherweight.errors import StepConfigError
+from featherweight.memory.report import format_bytes
+from featherweight.models.attention import attend
+from featherweight.models.attention_check import check_against_blockwise, packed_inputs
+from featherweight.models.attention_choice import AttentionTarget, choose_attention
+from featherweight.models.fused_attention import pallas_attention
+from featherweight.recipe.build import attention_implementation
+
+REPO = Path(__file__).resolve().parent.parent
+LONGEST = (32768, 65536, 131072, 196608, 262144, 393216, 524288)
+TINY_LONGEST = (256,)
+TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}  # largest difference / blockwise's largest value
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One process: what it runs ("check", "featherweight" or "torch") at batch x seq."""
+
+    name: str
+    kind: str
+    batch: int = 1
+    seq: int = 0
+    attention: str = "auto"
+
+
+def jobs(tiny: bool) -> list[Job]:
+    """The jobs in order of importance (see the module docstring)."""
+    long, short = ((1, 256), (2, 128)) if tiny else ((1, 16384), (2, 2048))
+    listed = [Job("packed-rows", "check")]
+    for batch, seq in (long, short):
+        shape = f"b{batch}x{seq}"
+        listed += [
+            Job(f"fw-{shape}", "featherweight", batch, seq),
+            Job(f"fw-{shape}-blockwise", "featherweight", batch, seq, "blockwise"),
+            Job(f"torch-{shape}", "torch", batch, seq),
+        ]
+    return listed + [
+        Job(f"longest-{seq}", "featherweight", 1, seq)
+        for seq in (TINY_LONGEST if tiny else LONGEST)
+    ]
+
+
+# ---------------------------------------------------------------- packed rows kept apart
+
+
+def _check_one(name: str, rows: str, tiny: bool) -> dict[str, Any]:
+    """One implementation against blockwise, or the reason it cannot run on this device."""
+    dtype = jnp.float32 if tiny else jnp.bfloat16
+    shape = dict(seq=64, heads=4, kv_heads=2, head_dim=16) if tiny else dict(
+        seq=256, heads=32, kv_heads=8, head_dim=128
+    )  # fmt: skip
+    documents = (40,) if rows == "padded" else (11, 29, 17)
+    inputs = packed_inputs(**shape, dtype=dtype, documents=documents)
+    interpret = jax.default_backend() != "gpu"
+    if name == "pallas" and interpret:
+        implementation = "pallas (interpret mode)"
+
+        def attention(q, k, v, segments):
+            return pallas_attention(q, k, v, segments, interpret=True)
+    else:
+        choice = "cudnn" if name.startswith("cudnn") else name
+        try:
+            target = AttentionTarget.of_device()
+            implementation = choose_attention(
+                choice, target, jnp.dtype(dtype).name, shape["head_dim"], rows
+            )
+        except StepConfigError as refusal:
+            return {"implementation": name, "rows": rows, "refused": str(refusal)}
+
+        def attention(q, k, v, segments):
+            return attend(q, k, v, segments, implementation)
+
+    check = check_against_blockwise(attention, inputs)
+    relative = [check.output_error / check.output_scale] + [
+        error / scale for error, scale in zip(check.gradient_errors, check.gradient_scales)
+    ]
+    tolerance = TOLERANCE[jnp.dtype(dtype).name]
+    return {
+        "implementation": implementation,
+        "rows": rows,
+        "relative_errors": dict(zip(("out", "dq", "dk", "dv"), relative)),
+        "cross_document_gradient": check.cross_document_gradient,
+        "passed": max(relative) <= tolerance and check.cross_document_gradient == 0.0,
+    }
+
+
+def packed_rows_check(tiny: bool) -> dict[str, Any]:
+    """`packed-rows`: every implementation against blockwise (see the module docstring)."""
+    cases = [("cudnn", "packed"), ("cudnn_padded", "padded"), ("pallas", "packed")]
+    cases.append(("materialized", "packed"))
+    results = []
+    for name, rows in cases:
+        try:
+            results.append(_check_one(name, rows, tiny))
+        except Exception as error:  # a kernel that fails to run is a finding: record it
+            traceback.print_exc()
+            results.append({"implementation": name, "rows": rows, "error": repr(error)[:2000]})
+    return {"implementations": results}
+
+
+# ---------------------------------------------------------------- long context
+
+
+def _peak() -> int | None:
+    return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+
+
+def featherweight_job(job: Job, scale: Scale) -> dict[str, Any]:
+    """QLoRA at the job's shape with its attention, as the trainer sets it up and runs it."""
+    scale = dataclasses.replace(scale, batch=job.batch, seq=job.seq)
+    model = scale.models["large"]()
+    if job.seq > model.max_position_embeddings:
+        model = dataclasses.replace(model, max_position_embeddings=job.seq)
+    memory = (("attention", job.attention),)
+    if job.name.startswith("longest") and job.seq > 65536:
+        memory += (("residuals", "host"),)  # L x S x D bf16 residuals: 64 GiB at 1M tokens
+    config, _ = case_config(Case(job.name, "large", "qlora", job.name, memory), scale, model)
+    step, arguments = set_up(config, model, scale)
+    start = time.perf_counter()
+    compiled = step.lower(*arguments).compile()
+    compile_s = time.perf_counter() - start
+    history = run_steps(compiled, arguments)
+    step_s = statistics.median(history["step_s"][TIMED])
+    return {
+        "attention": attention_implementation(config, model),
+        "settings": {"residuals": config.memory.residuals},
+        "compile_s": compile_s,
+        "median_step_s": step_s,
+        "tokens_per_s": job.batch * job.seq / step_s,
+        "peak_bytes_in_use": _peak(),
+        "losses": history["losses"],
+    }
+
+
+def torch_job(job: Job, scale: Scale) -> dict[str, Any]:
+    """torch + peft + bitsandbytes QLoRA at the job's shape on the GPU, or why it cannot run."""
+    try:
+        import bitsandbytes  # noqa: F401
+        import peft  # noqa: F401
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as error:
+        return {"skipped": f"torch + peft + bitsandbytes not installed ({error})"}
+    if not torch.cuda.is_available():
+        return {"skipped": "torch has no CUDA device here"}
+    step = _torch_qlora_step(scale.models["large"](), job.batch, job.seq)
+    torch.cuda.reset_peak_memory_stats()
+    seconds = []
+    for _ in range(7):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    step_s = statistics.median(seconds[TIMED])
+    return {
+        "torch": torch.__version__,
+        "median_step_s": step_s,
+        "tokens_per_s": job.batch * job.seq / step_s,
+        "peak_bytes_in_use": torch.cuda.max_memory_allocated(),
+    }
+
+
+def _torch_qlora_step(model_config, batch: int, seq: int):
+    """A closure running one torch + peft + bitsandbytes QLoRA step on the GPU: the model in bf16
+    with SDPA attention and gradient checkpointing, every decoder linear an NF4 `Linear4bit`
+    (double quantization, bf16 compute), peft LoRA r 8 / alpha 16 on them, AdamW, random weights
+    and tokens (fixed seeds)."""
+    import bitsandbytes as bnb
+    import peft
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from featherweight.peft.lora import PEFT_MODULES
+
+    torch.manual_seed(0)
+    hf = model_config.to_hf_dict()
+    hf.pop("architectures")
+    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], seq)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**hf, attn_implementation="sdpa")).to(torch.bfloat16)
+    for layer in model.model.layers:
+        for path in PEFT_MODULES.values():
+            parent_name, name = path.split(".")
+            parent, dense = getattr(layer, parent_name), getattr(getattr(layer, parent_name), name)
+            quantized = bnb.nn.Linear4bit(
+                dense.in_features, dense.out_features, bias=False, compute_dtype=torch.bfloat16,
+                compress_statistics=True, quant_type="nf4",
+            )  # fmt: skip
+            quantized.weight = bnb.nn.Params4bit(
+                dense.weight.data.cpu(), requires_grad=False, compress_statistics=True,
+                quant_type="nf4",
+            )  # fmt: skip
+            setattr(parent, name, quantized.to("cuda"))  # quantizes on the way to the GPU
+    torch.cuda.empty_cache()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    targets = [path.split(".")[1] for path in PEFT_MODULES.values()]
+    lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets)
+    model = peft.get_peft_model(model, lora)
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model_config.vocab_size, (batch, seq + 1), generator=generator)
+    inputs, targets_ = tokens[:, :-1].cuda(), tokens[:, 1:].cuda()
+
+    def step() -> float:
+        logits = model(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets_.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def job_main(job: Job, tiny: bool) -> dict[str, Any]:
+    """The child process: run one job; its record."""
+    scale = TINY if tiny else GPU
+    device = jax.devices()[0]
+    record = {"job": job.name, "device": device.device_kind, "jax": jax.__version__}
+    record["platform"] = jax.default_backend()
+    if job.kind == "check":
+        return {**record, **packed_rows_check(tiny)}
+    run = featherweight_job if job.kind == "featherweight" else torch_job
+    return {**record, "batch": job.batch, "seq": job.seq, **run(job, scale)}
+
+
+# ---------------------------------------------------------------- the driver and the table
+
+
+def run_jobs(out: Path, tiny: bool, deadline_s: float) -> dict[str, dict[str, Any]]:
+    """Each job in its own process, in order, within the deadline; the longest-context search
+    stops at the first length that fails."""
+    started, records = time.monotonic(), {}
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    if tiny:
+        env["JAX_PLATFORMS"] = "cpu"
+    results = out / "attention.jsonl"
+    results.unlink(missing_ok=True)
+    for job in jobs(tiny):
+        left = deadline_s - (time.monotonic() - started)
+        if left < 20:
+            records[job.name] = {"job": job.name, "error": "not run: the deadline came first"}
+            continue
+        command = [sys.executable, __file__, "--job", job.name, "--out", str(out)]
+        command += ["--tiny"] if tiny else []
+        print(f"[gpu_check_attention] {job.name}", flush=True)
+        try:
+            done = subprocess.run(
+                command, capture_output=True, text=True, env=env, timeout=left
+            )  # fmt: skip
+            (out / f"attention-{job.name}.log").write_text(done.stdout + done.stderr)
+        except subprocess.TimeoutExpired:
+            records[job.name] = {"job": job.name, "error": f"timed out after {left:.0f} s"}
+            break
+        lines = [line for line in done.stdout.splitlines() if line.startswith('{"job"')]
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        records[job.name] = json.loads(lines[-1]) if lines else {"job": job.name, "error": tail}
+        with open(results, "a") as file:
+            file.write(json.dumps(records[job.name]) + "\n")
+        if job.name.startswith("longest") and "error" in records[job.name]:
+            break  # the first length that does not fit ends the search
+    return records
+
+
+def _ratio(records: dict, shape: str) -> str:
+    mine, theirs = records.get(f"fw-{shape}", {}), records.get(f"torch-{shape}", {})
+    if "median_step_s" in mine and "median_step_s" in theirs:
+        return f"{mine['median_step_s'] / theirs['median_step_s']:.2f}x torch+peft's time"
+    return "not measured"
+
+
+def _row(record: dict[str, Any]) -> str:
+    if "error" in record or "skipped" in record:
+        return f"| {record['job']} | {record.get('error') or record.get('skipped')} | | | |"
+    peak = record.get("peak_bytes_in_use")
+    return (
+        f"| {record['job']} | {record.get('attention', 'torch SDPA')} | "
+        f"{record['median_step_s']:.3f} s | {record['tokens_per_s']:,.0f} | "
+        f"{format_bytes(peak) if peak else 'no device peak (CPU)'} |"
+    )
+
+
+def table_lines(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
+    """The results as markdown: the packed-rows check, the long-context rows, their ratios."""
+    some = next((r for r in records.values() if "device" in r), {})
+    lines = [
+        f"# GPU check, attention (issue 31): {some.get('device', 'no device')}, jax "
+        f"{some.get('jax', '?')}" + (" (--tiny, CPU: no speed measure)" if tiny else ""),
+        "",
+        "Measured on that device by `python benchmarks/gpu_check_attention.py`.",
+        "",
+        "| implementation | rows | relative error out / dq / dk / dv | cross-document gradient |"
+        " passed |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for result in records.get("packed-rows", {}).get("implementations", []):
+        why = result.get("refused") or result.get("error")
+        if why:
+            lines.append(f"| {result['implementation']} | {result['rows']} | {why} | | not run |")
+            continue
+        errors = " / ".join(f"{e:.1e}" for e in result["relative_errors"].values())
+        lines.append(
+            f"| {result['implementation']} | {result['rows']} | {errors} | "
+            f"{result['cross_document_gradient']:g} | {'yes' if result['passed'] else 'NO'} |"
+        )
+    lines += ["", "| job | attention | median step (3-6) | tokens/s | peak_bytes_in_use |"]
+    lines.append("| --- | --- | --- | --- | --- |")
+    lines += [_row(record) for name, record in records.items() if name != "packed-rows"]
+    shapes = {name.split("-")[1] for name in records if name.startswith("fw-")}
+    lines += ["", *(f"- {shape}: {_ratio(records, shape)}" for shape in sorted(shapes))]
+    fits = [r for n, r in records.items() if n.startswith("longest") and "error" not in r]
+    if fits:
+        longest = max(fits, key=lambda record: record["seq"])
+        peak = longest["peak_bytes_in_use"]
+        lines.append(
+            f"- longest context that ran: {longest['seq']:,} tokens (b1), peak_bytes_in_use "
+            f"{format_bytes(peak) if peak else 'none (CPU)'}"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tiny", action="store_true", help="SmolLM2 shapes on CPU (CI)")
+    parser.add_argument("--deadline", type=float, default=1500.0, help="seconds for all jobs")
+    parser.add_argument("--table-dir", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--job", help=argparse.SUPPRESS)  # the child
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.job:
+        job = next(job for job in jobs(args.tiny) if job.name == args.job)
+        print(json.dumps(job_main(job, args.tiny)), flush=True)
+        return 0
+    records = run_jobs(args.out, args.tiny, args.deadline)
+    device = next((r["device"] for r in records.values() if "device" in r), "none")
+    name = "cpu_tiny" if args.tiny else device.lower().replace(" ", "-")
+    table = args.table_dir / f"gpu_check_attention_{name}.md"
+    table.parent.mkdir(parents=True, exist_ok=True)
+    emit(table_lines(records, args.tiny), str(table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
