@@ -346,8 +346,22 @@ class PlannedStep(NamedTuple):
 def _plan_on_target(requested, model_config, target, budget_bytes, measure) -> PlannedStep:
     """The plan of `requested` for `target` (None: this machine's backend), resolved as train
     resolves it, with the target compiler's calibration and fitted to the budget when one is
-    given; the step compiled for the target; and, where the plan does not fit a GPU, the settings
-    the budget search would pick as an option."""
+    given; the step compiled for the target, its attention chosen for the target's GPU; and,
+    where the plan does not fit a GPU, the settings the budget search would pick as an option."""
+    from featherweight.models.attention_choice import AttentionTarget, compiling_for
+
+    if target is None:
+        return _plan_and_measure(requested, model_config, target, budget_bytes, measure)
+    capability = target.facts.get("compute_capability")
+    attention_target = AttentionTarget(
+        target.platform, None if capability is None else ".".join(map(str, capability))
+    )
+    with compiling_for(attention_target):
+        return _plan_and_measure(requested, model_config, target, budget_bytes, measure)
+
+
+def _plan_and_measure(requested, model_config, target, budget_bytes, measure) -> PlannedStep:
+    """`_plan_on_target`'s plan, measurement and verdict, with the attention target set."""
     from featherweight.memory import capacity
     from featherweight.memory.budget import describe_changes, fit_budget
     from featherweight.memory.defaults import resolve

@@ -17,6 +17,10 @@ and jax#24934 reports it slower than cuDNN on Hopper; name it to use it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import jax
@@ -39,6 +43,12 @@ class AttentionTarget(NamedTuple):
         device = device or jax.devices()[0]
         return cls(device.platform, getattr(device, "compute_capability", None))
 
+    @classmethod
+    def current(cls) -> AttentionTarget:
+        """The target a step is built for: the one `compiling_for` names (a GPU compiled for
+        without it), else the device this process computes on."""
+        return _COMPILING_FOR.get() or cls.of_device()
+
     @property
     def hopper_or_later(self) -> bool:
         """An NVIDIA GPU of compute capability 9.0 or later."""
@@ -51,6 +61,34 @@ class AttentionTarget(NamedTuple):
         return f"{self.platform} (compute capability {self.compute_capability})"
 
 
+_COMPILING_FOR: ContextVar[AttentionTarget | None] = ContextVar("compiling_for", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(target: AttentionTarget) -> Iterator[None]:
+    """Steps built inside choose their attention for `target` (`featherweight plan --target`
+    compiles for a GPU on a machine without one), not for this process's device."""
+    token = _COMPILING_FOR.set(target)
+    try:
+        yield
+    finally:
+        _COMPILING_FOR.reset(token)
+
+
+@functools.lru_cache(maxsize=1)
+def cudnn_library_refusal() -> str | None:
+    """Why this process cannot build cuDNN attention (None when it can): jax lowers a cuDNN call
+    only where it can load cuDNN's library, which a machine compiling for a GPU without one (XLA's
+    deviceless compiler, `jax[cuda12-local]`) need not have."""
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+        check_cudnn_version()
+    except (ImportError, RuntimeError) as error:
+        return f"cuDNN's library cannot be loaded in this process ({error})"
+    return None
+
+
 def _nvidia_refusal(target: AttentionTarget, kernel: str) -> str | None:
     if target.platform != "gpu" or target.compute_capability is None:
         return f"{kernel} needs an NVIDIA GPU, the target is {target}"
@@ -58,12 +96,18 @@ def _nvidia_refusal(target: AttentionTarget, kernel: str) -> str | None:
 
 
 def cudnn_refusal(
-    target: AttentionTarget, dtype: str, head_dim: int, rows: Rows, backward: bool = True
+    target: AttentionTarget,
+    dtype: str,
+    head_dim: int,
+    rows: Rows,
+    backward: bool = True,
+    check_library: bool = True,
 ) -> str | None:
     """Why cuDNN's fused attention cannot run this call exactly (None when it can): an NVIDIA GPU,
     bf16 or fp16, head dim a multiple of 8 and <= 128 (<= 256 on Hopper and later; Ampere/Ada's
     backward stops at 128), causal; packed rows only on Hopper and later, through a jax whose
-    private cuDNN API takes the packed layout."""
+    private cuDNN API takes the packed layout; and (`check_library`) cuDNN's library loadable
+    here, for the call to be built at all."""
     refusal = _nvidia_refusal(target, "cuDNN")
     if refusal:
         return refusal
@@ -85,9 +129,9 @@ def cudnn_refusal(
             f"cuDNN keeps packed rows apart only on Hopper and later, the target is {target}; "
             "set data.pack: false (one document per row) or use blockwise"
         )
-    if rows == "packed":
+    if rows == "packed" and cudnn_packed_refusal():
         return cudnn_packed_refusal()
-    return None
+    return cudnn_library_refusal() if check_library else None
 
 
 def pallas_refusal(target: AttentionTarget, head_dim: int) -> str | None:
@@ -113,11 +157,13 @@ def choose_attention(
     head_dim: int,
     rows: Rows,
     backward: bool = True,
+    check_library: bool = True,
 ) -> str:
     """The implementation `choice` means on `target` for batches of `rows`: "auto" is cuDNN where
     `cudnn_refusal` finds nothing against it and blockwise otherwise; an explicit choice is
     kept (cudnn as "cudnn_padded" for rows of one document), or refused with the reason when it
-    cannot run (`StepConfigError`)."""
+    cannot run (`StepConfigError`). `check_library=False` decides for the target alone, as if
+    cuDNN's library were here (the choice table; a target's own machine)."""
     if choice == "flash":
         raise StepConfigError(
             "memory.attention: flash is gone (it only changed the plan); use blockwise (tiled "
@@ -129,9 +175,10 @@ def choose_attention(
         )
     cudnn = "cudnn_padded" if rows == "padded" else "cudnn"
     if choice == "auto":
-        return "blockwise" if cudnn_refusal(target, dtype, head_dim, rows, backward) else cudnn
+        refusal = cudnn_refusal(target, dtype, head_dim, rows, backward, check_library)
+        return "blockwise" if refusal else cudnn
     refusal = {
-        "cudnn": lambda: cudnn_refusal(target, dtype, head_dim, rows, backward),
+        "cudnn": lambda: cudnn_refusal(target, dtype, head_dim, rows, backward, check_library),
         "pallas": lambda: pallas_refusal(target, head_dim),
     }.get(choice, lambda: None)()
     if refusal:

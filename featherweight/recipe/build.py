@@ -170,14 +170,14 @@ def build_train_step(
 def attention_implementation(
     config: TrainConfig, model_config: ModelConfig, target: AttentionTarget | None = None
 ) -> str:
-    """The attention implementation the configured step calls on `target` (default: the device
-    this process computes on), from `memory.attention` and the rows the run's batches hold:
+    """The attention implementation the configured step calls on `target` (default: the target
+    a step is built for, `AttentionTarget.current`), from `memory.attention` and the rows the run's batches hold:
     several documents each (`data.pack: true`) or one document and padding
     (`models.attention_choice.choose_attention`: "auto" is cuDNN where it masks those rows
     exactly, blockwise otherwise)."""
     return choose_attention(
         config.memory.attention,
-        target or AttentionTarget.of_device(),
+        target or AttentionTarget.current(),
         config.model.dtype,
         model_config.head_dim,
         rows="packed" if config.data.pack else "padded",

@@ -2,18 +2,22 @@
 its bytes against the compiled attention, and the whole step's temporaries against the compiled
 step for each implementation that runs on CPU (XLA:CPU, float32)."""
 
+import json
 import types
 
 import jax
 import jax.numpy as jnp
 import pytest
+from typer.testing import CliRunner
 
+from featherweight.cli.main import app
 from featherweight.errors import StepConfigError
 from featherweight.memory.defaults import resolve
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.measure import measure_compiled
 from featherweight.memory.targets import compile_as_run
 from featherweight.memory.working_set import StepShapes, attention_bytes, attention_of, raw_terms
+from featherweight.models import attention_choice
 from featherweight.models.attention import attend
 from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.fused_attention import pallas_attention
@@ -58,12 +62,13 @@ def _compiled_attention(implementation: str, seq: int, batch: int = 1) -> int:
     return temp - 2 * batch * seq * MODEL.num_heads * MODEL.head_dim * 4
 
 
-def test_auto_is_resolved_for_the_device_and_written_into_the_plan():
+def test_auto_is_resolved_for_the_device_and_written_into_the_plan(monkeypatch):
     config = _config("auto", 64)
     assert attention_of(config, MODEL) == "blockwise"  # this machine is a CPU
     assert plan_one_device(config, MODEL).settings["attention"] == "blockwise"
     h100 = AttentionTarget("gpu", "9.0")
     assert attention_of(config, MODEL, h100) == "blockwise"  # float32: no cuDNN
+    monkeypatch.setattr(attention_choice, "cudnn_library_refusal", lambda: None)  # as on a GPU
     bf16 = config.model_copy(
         update={"model": config.model.model_copy(update={"dtype": "bfloat16"})}
     )
@@ -133,3 +138,29 @@ def test_planned_pallas_bytes_match_its_attention_compiled_for_an_h100():
     assert abs(planned / compiled - 1) < 0.02
     # negative control: a plan without the repeated K/V (as for equal head counts) is far off
     assert attention_bytes(_pallas_shapes(32, 32))[1] < 0.1 * compiled
+
+
+SMALL = {"model_type": "llama", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768,
+         "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+         "head_dim": 32, "tie_word_embeddings": False, "max_position_embeddings": 4096}  # fmt: skip
+
+
+def _plan_json(tmp_path, attention: str, *target: str):
+    (tmp_path / "config.json").write_text(json.dumps(SMALL))
+    arguments = ["plan", str(tmp_path), "--method", "qlora", "--batch", "1", "--seq", "2048"]
+    arguments += ["--dtype", "bfloat16", "--attention", attention, *target, "--json"]
+    return CliRunner().invoke(app, arguments)
+
+
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="needs XLA's GPU compiler")
+def test_plan_for_an_h100_chooses_and_compiles_the_attention_for_the_h100(tmp_path):
+    # pallas is chosen for the target's GPU, not this CPU, and the whole step compiles for it
+    result = _plan_json(tmp_path, "pallas", "--target", "h100")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["settings"]["attention"] == "pallas" and report["measured_target"] == "h100"
+    planned, compiled = report["planned_device_bytes"], report["measured_device_bytes"]
+    assert abs(planned / compiled - 1) < 0.10
+    # negative control: the same choice for this machine (a CPU) is refused, naming why
+    refused = _plan_json(tmp_path, "pallas")
+    assert refused.exit_code != 0 and "needs an NVIDIA GPU" in refused.output

@@ -31,12 +31,16 @@ AUTO = [
 def test_auto_picks_cudnn_only_where_it_masks_the_rows_exactly(
     target, dtype, head_dim, rows, expected
 ):
-    assert choose_attention("auto", target, dtype, head_dim, rows) == expected
+    # the target alone decides (this machine has no cuDNN library: `check_library=False`)
+    assert choose_attention("auto", target, dtype, head_dim, rows, check_library=False) == expected
 
 
 def test_explicit_choices_are_kept_where_they_run():
-    assert choose_attention("cudnn", H100, "bfloat16", 128, "packed") == "cudnn"
-    assert choose_attention("cudnn", A100, "bfloat16", 128, "padded") == "cudnn_padded"
+    assert (
+        choose_attention("cudnn", H100, "bfloat16", 128, "packed", check_library=False) == "cudnn"
+    )
+    cudnn_padded = choose_attention("cudnn", A100, "bfloat16", 128, "padded", check_library=False)
+    assert cudnn_padded == "cudnn_padded"
     assert choose_attention("pallas", A100, "bfloat16", 128, "packed") == "pallas"
     assert choose_attention("materialized", H100, "bfloat16", 64, "packed") == "materialized"
     assert choose_attention("blockwise", H100, "bfloat16", 64, "packed") == "blockwise"
@@ -55,7 +59,7 @@ def test_explicit_choices_are_kept_where_they_run():
 )
 def test_what_cannot_run_is_refused_in_one_line(choice, target, dtype, head_dim, rows, words):
     with pytest.raises(StepConfigError, match=words) as error:
-        choose_attention(choice, target, dtype, head_dim, rows)
+        choose_attention(choice, target, dtype, head_dim, rows, check_library=False)
     assert "\n" not in str(error.value)
 
 
@@ -65,10 +69,24 @@ def test_packed_rows_are_refused_when_this_jax_lacks_the_private_layout(monkeypa
         return "this jax lacks q_offsets"
 
     monkeypatch.setattr(attention_choice, "cudnn_packed_refusal", missing)
-    assert choose_attention("auto", H100, "bfloat16", 128, "packed") == "blockwise"
-    assert choose_attention("auto", H100, "bfloat16", 128, "padded") == "cudnn_padded"
+    assert choose_attention("auto", H100, "bfloat16", 128, "packed", False, False) == "blockwise"
+    assert choose_attention("auto", H100, "bfloat16", 128, "padded", False, False) == "cudnn_padded"
     with pytest.raises(StepConfigError, match="lacks q_offsets"):
-        choose_attention("cudnn", H100, "bfloat16", 128, "packed")
+        choose_attention("cudnn", H100, "bfloat16", 128, "packed", check_library=False)
+
+
+def test_without_cudnns_library_auto_is_blockwise_and_cudnn_says_why(monkeypatch):
+    # a machine compiling for a GPU without cuDNN's library (as this one): jax cannot lower the
+    # call, so auto keeps blockwise and an explicit cudnn names the reason
+    def absent():
+        return "cuDNN's library cannot be loaded in this process (cuDNN not found.)"
+
+    monkeypatch.setattr(attention_choice, "cudnn_library_refusal", absent)
+    assert choose_attention("auto", H100, "bfloat16", 128, "packed") == "blockwise"
+    with pytest.raises(StepConfigError, match="cuDNN's library"):
+        choose_attention("cudnn", H100, "bfloat16", 128, "padded")
+    monkeypatch.setattr(attention_choice, "cudnn_library_refusal", lambda: None)
+    assert choose_attention("auto", H100, "bfloat16", 128, "packed") == "cudnn"
 
 
 def test_the_installed_jax_has_the_private_packed_layout():
