@@ -15,8 +15,8 @@ order of importance, each recorded as a JSON line in DIR/attention.jsonl as it e
   the target cannot run is recorded with the refusal's reason, not skipped silently.
 - `fw-b1x16384`, `fw-b2x2048`: Llama-3.1-8B QLoRA (random weights, `gpu_check_cases.set_up`,
   the trainer's path) with `memory.attention: auto` -- the implementation it resolves to is
-  recorded -- and `-blockwise` beside them: compile seconds, the median of steps 3-6 and
-  `peak_bytes_in_use`.
+  recorded -- and `-blockwise` beside them: compile seconds, the median of steps 3-6,
+  `peak_bytes_in_use` and the plan's device bytes (cuDNN's workspace is not in the plan).
 - `torch-b1x16384`, `torch-b2x2048`: torch + peft + bitsandbytes at the same shapes (bf16 on the
   GPU, NF4 linears, LoRA r 8 on every linear, SDPA attention, gradient checkpointing, AdamW),
   skipped with the reason printed where CUDA torch, peft or bitsandbytes are absent.
@@ -51,6 +51,7 @@ from gpu_check_cases import GPU, TIMED, TINY, Case, Scale, case_config, run_step
 from results_file import emit
 
 from featherweight.errors import StepConfigError
+from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import format_bytes
 from featherweight.models.attention import attend
 from featherweight.models.attention_check import check_against_blockwise, packed_inputs
@@ -167,6 +168,7 @@ def featherweight_job(job: Job, scale: Scale) -> dict[str, Any]:
     if job.name.startswith("longest") and job.seq > 65536:
         memory += (("residuals", "host"),)  # L x S x D bf16 residuals: 64 GiB at 1M tokens
     config, _ = case_config(Case(job.name, "large", "qlora", job.name, memory), scale, model)
+    planned = plan_for_config(config, model).device_bytes  # the plan of the attention it runs
     step, arguments = set_up(config, model, scale)
     start = time.perf_counter()
     compiled = step.lower(*arguments).compile()
@@ -180,6 +182,7 @@ def featherweight_job(job: Job, scale: Scale) -> dict[str, Any]:
         "median_step_s": step_s,
         "tokens_per_s": job.batch * job.seq / step_s,
         "peak_bytes_in_use": _peak(),
+        "planned_device_bytes": planned,
         "losses": history["losses"],
     }
 
@@ -326,12 +329,13 @@ def _ratio(records: dict, shape: str) -> str:
 
 def _row(record: dict[str, Any]) -> str:
     if "error" in record or "skipped" in record:
-        return f"| {record['job']} | {record.get('error') or record.get('skipped')} | | | |"
-    peak = record.get("peak_bytes_in_use")
+        return f"| {record['job']} | {record.get('error') or record.get('skipped')} | | | | |"
+    peak, planned = record.get("peak_bytes_in_use"), record.get("planned_device_bytes")
     return (
         f"| {record['job']} | {record.get('attention', 'torch SDPA')} | "
         f"{record['median_step_s']:.3f} s | {record['tokens_per_s']:,.0f} | "
-        f"{format_bytes(peak) if peak else 'no device peak (CPU)'} |"
+        f"{format_bytes(peak) if peak else 'no device peak (CPU)'} | "
+        f"{format_bytes(planned) if planned else ''} |"
     )
 
 
@@ -358,8 +362,11 @@ def table_lines(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
             f"| {result['implementation']} | {result['rows']} | {errors} | "
             f"{result['cross_document_gradient']:g} | {'yes' if result['passed'] else 'NO'} |"
         )
-    lines += ["", "| job | attention | median step (3-6) | tokens/s | peak_bytes_in_use |"]
-    lines.append("| --- | --- | --- | --- | --- |")
+    lines += [
+        "",
+        "| job | attention | median step (3-6) | tokens/s | peak_bytes_in_use | planned |",
+    ]
+    lines.append("| --- | --- | --- | --- | --- | --- |")
     lines += [_row(record) for name, record in records.items() if name != "packed-rows"]
     shapes = {name.split("-")[1] for name in records if name.startswith("fw-")}
     lines += ["", *(f"- {shape}: {_ratio(records, shape)}" for shape in sorted(shapes))]

@@ -17,10 +17,13 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
                            blockwise: its log-sum-exps and row terms (2 B H S x 4) and four float32
                            tiles of B x H x t x t (scores, probabilities, their cotangents; t the
                            tile edge; on XLA:CPU three for a lone tile, S <= t), counted once;
-                           cudnn, cudnn_padded: the log-sum-exps and cuDNN's float32 dQ
-                           accumulator, B H S (h + 1) x 4, and (cudnn) the packed layout's
-                           int32 lengths and offsets and their shifted copies, 4 x B (S + 1) x 4;
-                           cuDNN's workspace is not counted (known only to a GPU compile);
+                           cudnn_padded: the log-sum-exps and cuDNN's float32 dQ accumulator,
+                           B H S (h + 1) x 4; cudnn (packed rows): cuDNN's statistics for M =
+                           PACKED_SLOTS documents a row and the dQ accumulator, B H S (M + h)
+                           x 4, the layout's int32 arrays, and the blockwise fallback's
+                           buffers (as blockwise) and output (B S H h x itemsize) beside them;
+                           cuDNN's workspace is not counted (XLA sizes it when it compiles for
+                           a GPU with cuDNN at hand);
                            pallas: its log-sum-exps and row terms (2 B H S' x 4, S' the
                            sequence padded to its tile) and, for grouped K/V, the repeated K
                            and V and their gradients, 4 B S' H h x itemsize (compiled for an
@@ -92,7 +95,7 @@ from featherweight.memory.state_bytes import (
 from featherweight.models.attention import block_size
 from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.config import ModelConfig
-from featherweight.models.fused_attention import pallas_tile
+from featherweight.models.fused_attention import PACKED_SLOTS, pallas_tile
 from featherweight.models.shapes import layer_shapes
 from featherweight.optim.adamw8bit import BLOCK_SIZE
 from featherweight.recipe.build import attention_implementation
@@ -185,18 +188,30 @@ def attention_bytes(shapes: StepShapes) -> tuple[int, int]:
     implementations' buffers counted once); one of the two is zero."""
     if shapes.attention == "materialized":
         return 4 * shapes.batch * shapes.heads * shapes.seq * shapes.seq, 0
-    if shapes.attention in ("cudnn", "cudnn_padded"):
-        layout = 4 * 4 * shapes.batch * (shapes.seq + 1) if shapes.attention == "cudnn" else 0
-        return 0, 4 * shapes.batch * shapes.heads * shapes.seq * (shapes.head_dim + 1) + layout
+    batch, heads, seq = shapes.batch, shapes.heads, shapes.seq
+    if shapes.attention == "cudnn_padded":
+        return 0, 4 * batch * heads * seq * (shapes.head_dim + 1)
+    if shapes.attention == "cudnn":
+        # statistics for PACKED_SLOTS documents a row, the dQ accumulator, the layout, and the
+        # blockwise fallback's buffers and output beside cuDNN's (`packed_or_fallback`)
+        stats = 4 * batch * heads * seq * (PACKED_SLOTS + shapes.head_dim)
+        layout = 4 * 4 * batch * (PACKED_SLOTS + 1)
+        fallback = batch * seq * heads * shapes.head_dim * shapes.itemsize
+        return 0, stats + layout + fallback + _blockwise_bytes(shapes)
     if shapes.attention == "pallas":
-        padded = pallas_padded(shapes.seq)
-        repeated = 4 * padded * shapes.heads * shapes.head_dim * shapes.itemsize
-        grouped = shapes.heads > shapes.kv_heads
-        return 0, shapes.batch * (8 * shapes.heads * padded + (repeated if grouped else 0))
+        padded = pallas_padded(seq)
+        repeated = 4 * padded * heads * shapes.head_dim * shapes.itemsize
+        grouped = heads > shapes.kv_heads
+        return 0, batch * (8 * heads * padded + (repeated if grouped else 0))
+    return 0, _blockwise_bytes(shapes)
+
+
+def _blockwise_bytes(shapes: StepShapes) -> int:
+    """Blockwise attention's log-sum-exps and row terms and its float32 tiles."""
     tile = block_size(shapes.seq)
     padded = -(-shapes.seq // tile) * tile
-    return 0, 4 * shapes.batch * shapes.heads * (
-        2 * padded + blockwise_tiles(shapes.seq) * tile * tile
+    return (
+        4 * shapes.batch * shapes.heads * (2 * padded + blockwise_tiles(shapes.seq) * tile * tile)
     )
 
 
@@ -495,12 +510,16 @@ def _attention_buffer(
             f"materialized: {counts['attention_scores']} x B x H x S x S x 4 = "
             f"{counts['attention_scores']} x {shapes.batch} x {shapes.heads} x {shapes.seq}^2 x 4",
         )
-    if shapes.attention in ("cudnn", "cudnn_padded"):
+    if shapes.attention == "cudnn_padded":
         formula = (
-            f"{shapes.attention}: B x H x S x (h + 1) x 4 = {shapes.batch} x {shapes.heads} x "
-            f"{shapes.seq} x {shapes.head_dim + 1} x 4"
-            + (" + the packed layout 4 x B x (S + 1) x 4" if shapes.attention == "cudnn" else "")
-            + " (cuDNN's workspace not counted)"
+            f"cudnn_padded: B x H x S x (h + 1) x 4 = {shapes.batch} x {shapes.heads} x "
+            f"{shapes.seq} x {shapes.head_dim + 1} x 4 (cuDNN's workspace not counted)"
+        )
+    elif shapes.attention == "cudnn":
+        formula = (
+            f"cudnn: B x H x S x (M + h) x 4 = {shapes.batch} x {shapes.heads} x {shapes.seq} x "
+            f"({PACKED_SLOTS} + {shapes.head_dim}) x 4, with the packed layout and the blockwise "
+            "fallback's buffers and output (cuDNN's workspace not counted)"
         )
     elif shapes.attention == "pallas":
         padded, heads = pallas_padded(shapes.seq), shapes.heads

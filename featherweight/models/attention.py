@@ -4,7 +4,8 @@ The implementations (`IMPLEMENTATIONS`), one call (`attend`):
 
 - "blockwise": the tiled ("flash") attention below, in plain JAX, on every backend;
 - "cudnn": cuDNN's fused kernel; packed rows (segment ids) in cuDNN's packed layout, Hopper and
-  later (`models/fused_attention.py`);
+  later (`models/fused_attention.py`), a batch with a row of more documents than its slots
+  (`PACKED_SLOTS`) by blockwise instead;
 - "cudnn_padded": cuDNN's fused kernel on rows of one document each, by their lengths;
 - "pallas": jax's Pallas Triton flash attention with segment ids (NVIDIA GPUs);
 - "materialized": XLA's path of `jax.nn.dot_product_attention`: float32 B x H x S x S scores,
@@ -56,7 +57,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from featherweight.errors import StepConfigError
-from featherweight.models.fused_attention import cudnn_attention, pallas_attention
+from featherweight.models.fused_attention import (
+    cudnn_attention,
+    packed_or_fallback,
+    pallas_attention,
+)
 
 # what a step calls; "cudnn" keeps packed rows apart by cuDNN's packed layout, "cudnn_padded"
 # gives it rows of one document each by their lengths
@@ -357,9 +362,16 @@ def attend(
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
         mask = attention_mask(segment_ids, q.shape[1], k.shape[1])
         return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
-    if implementation in ("cudnn", "cudnn_padded"):
-        rows = "packed" if implementation == "cudnn" else "padded"
-        return cudnn_attention(q, k, v, segment_ids, rows if segment_ids is not None else "plain")
+    if segment_ids is None and implementation in ("cudnn", "cudnn_padded"):
+        return cudnn_attention(q, k, v, None, "plain")
+    if implementation == "cudnn_padded":
+        return cudnn_attention(q, k, v, segment_ids, "padded")
+    if implementation == "cudnn":  # more documents in a row than cuDNN's slots: blockwise
+
+        def packed(q, k, v, segment_ids):
+            return cudnn_attention(q, k, v, segment_ids, "packed")
+
+        return packed_or_fallback(q, k, v, segment_ids, packed, blockwise_attention)
     if implementation == "pallas":
         return pallas_attention(q, k, v, segment_ids)
     raise StepConfigError(

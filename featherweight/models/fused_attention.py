@@ -10,7 +10,11 @@ exactly what the segment ids say, and tests compare it with blockwise on packed 
   (`packed_layout`), masked PADDING_CAUSAL: causal within each document, nothing across. Only
   jax's private `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention` takes that
   layout (jax-ml/jax#25812; a public one is proposed in #29731), and cuDNN runs it on Hopper and
-  later only. `cudnn_packed_refusal` checks the private signature before it is used.
+  later only. `cudnn_packed_refusal` checks the private signature before it is used. M is
+  static and costs memory: cuDNN keeps float32 softmax statistics of B x M x H x S (M = S would
+  be 32 GiB for Llama-3.1-8B at 16K tokens), so M is `PACKED_SLOTS` and a batch with a row of
+  more documents than that runs the exact fallback instead (`packed_or_fallback`: a `lax.cond`
+  on the batch, blockwise in the step).
 - cuDNN, one document per row (`"padded"`, `data.pack: false`): the public
   `jax.nn.dot_product_attention(..., query_seq_lengths=..., implementation="cudnn")`, each row's
   length the count of its non-padding tokens (`row_lengths`).
@@ -40,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 Rows = Literal["plain", "padded", "packed"]
+PACKED_SLOTS = 32  # documents per row cuDNN's packed layout holds (its statistics: B x M x H x S)
 PALLAS_BLOCK = 128  # the Pallas kernel's forward tile edge (jax's default BlockSizes)
 PALLAS_BACKWARD_BLOCK = 32  # its backward tiles (jax's default BlockSizes)
 
@@ -53,17 +58,26 @@ class PackedLayout(NamedTuple):
     offsets: jax.Array
 
 
-def packed_layout(segment_ids: jax.Array, max_documents: int | None = None) -> PackedLayout:
-    """The documents of each row of `segment_ids` [B, S] (each contiguous run of one non-zero id
-    is a document; 0 is padding) as cuDNN's packed layout with M = `max_documents` slots
-    (default S, the most a row of S tokens can hold: exact for every batch)."""
-    seq = segment_ids.shape[1]
-    slots = seq if max_documents is None else max_documents
+def _boundaries(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """([B, S] bool: a document starts here, [B, S] bool: a document ends here); each contiguous
+    run of one non-zero id is a document, 0 is padding."""
     real = segment_ids != 0
     before = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=0)
     after = jnp.pad(segment_ids[:, 1:], ((0, 0), (0, 1)), constant_values=0)
-    starts_here = real & (segment_ids != before)  # [B, S]
-    ends_here = real & (segment_ids != after)
+    return real & (segment_ids != before), real & (segment_ids != after)
+
+
+def documents_per_row(segment_ids: jax.Array) -> jax.Array:
+    """[B] int32: how many documents each row of `segment_ids` [B, S] holds."""
+    return jnp.sum(_boundaries(segment_ids)[0], axis=1, dtype=jnp.int32)
+
+
+def packed_layout(segment_ids: jax.Array, max_documents: int = PACKED_SLOTS) -> PackedLayout:
+    """The documents of each row of `segment_ids` [B, S] as cuDNN's packed layout with
+    M = `max_documents` slots: exact for rows of at most M documents (`documents_per_row`);
+    the documents past the M-th are left out."""
+    slots = max_documents
+    starts_here, ends_here = _boundaries(segment_ids)
 
     def row(starts_row, ends_row):
         # the positions of the first and last token of each document, in order, -1 past the last
@@ -118,7 +132,8 @@ def cudnn_attention(
 ) -> jax.Array:
     """Causal grouped-query attention by cuDNN's fused kernel, masked exactly as `segment_ids`
     say for `rows`: "plain" (no segment ids), "padded" (one document per row, then padding) or
-    "packed" (several documents per row; Hopper and later, jax's private API) -> [B, S, H, h]."""
+    "packed" (several documents per row, at most `PACKED_SLOTS`: `packed_or_fallback`; Hopper
+    and later, jax's private API) -> [B, S, H, h]."""
     if rows == "plain" or segment_ids is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     real = segment_ids != 0
@@ -139,7 +154,7 @@ def cudnn_attention(
     if refusal:
         raise NotImplementedError(refusal)
     module = _private_cudnn()
-    layout = packed_layout(segment_ids)
+    layout = packed_layout(segment_ids, PACKED_SLOTS)
     out = module.dot_product_attention(
         q,
         k,
@@ -152,6 +167,22 @@ def cudnn_attention(
         mask_type=module.MaskType.PADDING_CAUSAL,
     )
     return _zero_padding(out, real)
+
+
+def packed_or_fallback(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    fused,
+    fallback,
+    slots: int = PACKED_SLOTS,
+) -> jax.Array:
+    """`fused(q, k, v, segment_ids)` when no row holds more than `slots` documents, else
+    `fallback(...)`: one `lax.cond` on the batch, so both are compiled and exactly one runs
+    (forward and backward); the mask is exact either way."""
+    fits = jnp.max(documents_per_row(segment_ids)) <= slots
+    return jax.lax.cond(fits, fused, fallback, q, k, v, segment_ids)
 
 
 def pallas_tile(seq_len: int) -> int:

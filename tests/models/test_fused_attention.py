@@ -6,13 +6,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from featherweight.models.attention import attend
+from featherweight.models.attention import attend, blockwise_attention
 from featherweight.models.attention_check import (
     check_against_blockwise,
     cross_document_gradient,
     packed_inputs,
 )
-from featherweight.models.fused_attention import packed_layout, pallas_attention, row_lengths
+from featherweight.models.fused_attention import (
+    documents_per_row,
+    packed_layout,
+    packed_or_fallback,
+    pallas_attention,
+    row_lengths,
+)
 
 
 def _random_rows(rng, batch, seq):
@@ -49,7 +55,7 @@ def _visible_from_layout(layout, seq):
 def test_packed_layout_masks_exactly_what_the_segment_ids_mask():
     rng = np.random.default_rng(0)
     segments = _random_rows(rng, 16, 40)
-    layout = packed_layout(jnp.asarray(segments))
+    layout = packed_layout(jnp.asarray(segments), max_documents=40)  # as many as a row can hold
     assert layout.seqlen.shape == (16, 40) and layout.offsets.shape == (16, 41)
     # what blockwise masks: same non-padding segment, causal
     want = (segments[:, :, None] == segments[:, None, :]) & (segments[:, :, None] > 0)
@@ -65,6 +71,27 @@ def test_packed_layout_is_the_documented_format():
         layout.offsets, [[0, 5, 14, -1, -1], [-1] * 5, [0, -1, -1, -1, -1]]
     )
     np.testing.assert_array_equal(row_lengths(segments), [17, 0, 20])
+    np.testing.assert_array_equal(documents_per_row(segments), [3, 0, 1])
+
+
+def test_a_row_of_more_documents_than_the_slots_runs_the_fallback():
+    # the fused kernel here is a wrong one (no segment ids), so which ran shows in the output;
+    # the packed inputs hold three documents in a row
+    inputs = packed_inputs()
+
+    def dispatched(slots):
+        def attention(q, k, v, segments):
+            return packed_or_fallback(
+                q, k, v, segments, _across_documents, blockwise_attention, slots
+            )
+
+        return check_against_blockwise(attention, inputs)
+
+    fallback = dispatched(slots=2)  # three documents > 2 slots: blockwise
+    assert fallback.output_error <= 1e-5 * fallback.output_scale
+    assert fallback.cross_document_gradient == 0.0
+    fused = dispatched(slots=3)  # three fit: the fused kernel ran (and attends across)
+    assert fused.cross_document_gradient > 0.1
 
 
 def _pallas(q, k, v, segments):
