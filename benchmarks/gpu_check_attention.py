@@ -62,6 +62,7 @@ from featherweight.recipe.build import attention_implementation
 REPO = Path(__file__).resolve().parent.parent
 LONGEST = (32768, 65536, 131072, 196608, 262144, 393216, 524288)
 TINY_LONGEST = (256,)
+EIGHTY_GB = 80e9  # an H100's memory, as the issue's target states it
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}  # largest difference / blockwise's largest value
 
 
@@ -370,12 +371,18 @@ def table_lines(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
     lines += [_row(record) for name, record in records.items() if name != "packed-rows"]
     shapes = {name.split("-")[1] for name in records if name.startswith("fw-")}
     lines += ["", *(f"- {shape}: {_ratio(records, shape)}" for shape in sorted(shapes))]
-    fits = [r for n, r in records.items() if n.startswith("longest") and "error" not in r]
+    fits = [  # within an 80 GB GPU's memory (an H200 holds more: its longer rows do not count)
+        r
+        for n, r in records.items()
+        if n.startswith("longest") and "error" not in r
+        and (r["peak_bytes_in_use"] or 0) <= EIGHTY_GB
+    ]  # fmt: skip
     if fits:
         longest = max(fits, key=lambda record: record["seq"])
         peak = longest["peak_bytes_in_use"]
         lines.append(
-            f"- longest context that ran: {longest['seq']:,} tokens (b1), peak_bytes_in_use "
+            f"- longest context that ran within 80 GB: {longest['seq']:,} tokens (b1), "
+            "peak_bytes_in_use "
             f"{format_bytes(peak) if peak else 'none (CPU)'}"
         )
     return lines

@@ -34,4 +34,4 @@ def test_tiny_attention_check_runs_and_records_every_implementation(tmp_path):
         assert records[f"fw-{shape}"]["attention"] == "blockwise"  # auto on a CPU
         assert records[f"fw-{shape}"]["median_step_s"] > 0
         assert "skipped" in records[f"torch-{shape}"]  # no CUDA torch here: the reason
-    assert "longest context that ran: 256 tokens" in result.stdout
+    assert "longest context that ran within 80 GB: 256 tokens" in result.stdout

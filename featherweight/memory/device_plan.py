@@ -69,7 +69,7 @@ from featherweight.memory.working_set import (
     working_set_floor,
 )
 from featherweight.models.config import ModelConfig
-from featherweight.recipe.build import check_method_settings
+from featherweight.recipe.build import attention_note, check_method_settings
 from featherweight.recipe.schema import TrainConfig, require_resolved
 
 
@@ -302,6 +302,8 @@ def plan_one_device(
     planned, a config still "auto" included (`memory/defaults.py`: `resolve`)."""
     require_resolved(config, "the memory plan")
     warnings = check_plan_inputs(config, model_config)
+    note = attention_note(config, model_config)
+    warnings += () if note is None else (note,)
     micro = micro_batch_config(config)  # activations are one micro-batch's
     phases = phase_working_sets(micro, model_config, calibration)
     phase_bytes = {name: sum(b.bytes for b in buffers) for name, buffers in phases.items()}

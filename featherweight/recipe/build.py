@@ -17,7 +17,7 @@ import optax
 from jax.sharding import Mesh
 
 from featherweight.errors import ConfigError
-from featherweight.models.attention_choice import AttentionTarget, choose_attention
+from featherweight.models.attention_choice import AttentionTarget, choose_attention, cudnn_refusal
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LINEAR_NAMES, LoraSpec, Params
 from featherweight.models.shapes import layer_shapes, top_level_shapes
@@ -181,6 +181,19 @@ def attention_implementation(
         config.model.dtype,
         model_config.head_dim,
         rows="packed" if config.data.pack else "padded",
+    )
+
+
+def attention_note(config: TrainConfig, model_config: ModelConfig) -> str | None:
+    """Why "auto" runs blockwise rather than cuDNN on the GPU a step is built for (None where it
+    runs cuDNN, is not "auto", or the target is no GPU): the plan says so, nothing silently."""
+    target = AttentionTarget.current()
+    if config.memory.attention != "auto" or target.platform != "gpu":
+        return None
+    rows = "packed" if config.data.pack else "padded"
+    refusal = cudnn_refusal(target, config.model.dtype, model_config.head_dim, rows)
+    return (
+        None if refusal is None else f"memory.attention: auto is blockwise on {target}: {refusal}"
     )
 
 

@@ -164,3 +164,15 @@ def test_plan_for_an_h100_chooses_and_compiles_the_attention_for_the_h100(tmp_pa
     # negative control: the same choice for this machine (a CPU) is refused, naming why
     refused = _plan_json(tmp_path, "pallas")
     assert refused.exit_code != 0 and "needs an NVIDIA GPU" in refused.output
+
+
+def test_the_plan_says_why_auto_is_not_cudnn_on_a_gpu():
+    config = _config("auto", 64)
+    bf16 = config.model_copy(
+        update={"model": config.model.model_copy(update={"dtype": "bfloat16"})}
+    )
+    with attention_choice.compiling_for(AttentionTarget("gpu", "8.0")):
+        warnings = plan_one_device(bf16, MODEL).warnings
+    assert any("auto is blockwise" in w and "Hopper and later" in w for w in warnings)
+    # on a CPU target blockwise is the only choice: no note
+    assert not any("auto is blockwise" in w for w in plan_one_device(bf16, MODEL).warnings)
