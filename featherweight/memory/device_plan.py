@@ -11,7 +11,8 @@ bytes of the layer-streamed step (featherweight/step/streamed.py) per component:
     batch                5 int32/float32 arrays [B, S]: 20 B S (+ 8 for the dropout key)
   kept from the forward pass to the backward pass (device, or host with residuals="host")
     residual_stream      L x B x S x D x itemsize: each layer's input
-    saved_intermediates  L x B x S x ((H + 2K) h  [qkv] + 2 F  [mlp_hidden]) x itemsize
+    saved_intermediates  L x B x S x ((H + 2K) h  [qkv] + H h + D  [attention] + 2 F  [mlp_hidden])
+                         x itemsize
   the working set of the step's peak phase (featherweight/memory/working_set.py)
     backward: layer_weights, layer_gradient, optimizer_update, layer_activations,
               attention (scores, or the blockwise/cuDNN buffers), embedding_gradient
@@ -172,9 +173,12 @@ def _rebuilt_on_host(config: TrainConfig, model_config: ModelConfig) -> list[Pla
 def _stored(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
     shapes, save = StepShapes(config, model_config), config.memory.save
     placement = config.memory.residuals
-    width = ((shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim if "qkv" in save else 0) + (
-        2 * shapes.intermediate if "mlp_hidden" in save else 0
-    )
+    widths = {
+        "qkv": (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim,
+        "attention": shapes.heads * shapes.head_dim + shapes.hidden,  # its output, its residual
+        "mlp_hidden": 2 * shapes.intermediate,
+    }
+    width = sum(widths[name] for name in save)
     stored = [
         PlanComponent(
             "residual_stream",

@@ -207,6 +207,11 @@ def _projection_flops(config: TrainConfig, model_config: ModelConfig) -> dict[st
     return flops
 
 
+# the projections whose outputs each class of `memory.save` keeps (the backward skips their
+# forward): "attention" keeps the o projection's output inside the attention residual
+SAVED_PROJECTIONS = {"qkv": ("q", "k", "v"), "attention": ("o",), "mlp_hidden": ("gate", "up")}
+
+
 def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
     """The streamed step's matmul FLOPs from the shapes (what `hlo_dot_flops` counts).
 
@@ -215,8 +220,10 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
     The remat stops short of the down projection (its output is not needed backward; XLA drops
     it), and of the second matmul of the down projection's adapter. Attention's two batched
     matmuls (q k^T, p v) run forward, remat, and twice backward. LoRA adapters are trained, so
-    they have both gradients. `save` skips recomputing what it keeps (the q, k, v projections;
-    the gate and up projections) -- an estimate: XLA may rearrange a saved block further.
+    they have both gradients. `save` skips recomputing the projections whose outputs it keeps
+    (`SAVED_PROJECTIONS`; their adapters' first matmuls still run): with every class kept no
+    projection runs forward twice -- LoRA's layers cost 4N matmul FLOPs per token (forward and
+    input gradient) instead of 6N, full fine-tuning's 6N instead of 8N.
     """
     require_resolved(config, "the step's FLOPs")
     m, tokens = model_config, config.batch_size * config.data.seq_len
@@ -224,16 +231,19 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
     linear = sum(base for base, _ in projections.values())
     adapters = sum(adapter for _, adapter in projections.values())
     attention = 2 * 2 * config.batch_size * m.num_heads * config.data.seq_len**2 * m.head_dim
-    saved = {"down"}
-    if "qkv" in config.memory.save:
-        saved |= {"q", "k", "v"}
-    if "mlp_hidden" in config.memory.save:
-        saved |= {"gate", "up"}
+    saved = {"down"} | {
+        name
+        for kept, names in SAVED_PROJECTIONS.items()
+        if kept in config.memory.save
+        for name in names
+    }
+    shapes = layer_shapes(m)
     remat = sum(
-        base + adapter for name, (base, adapter) in projections.items() if name not in saved
+        base + adapter if name not in saved
+        # the adapter's first matmul (rank-wide) is needed for the second's gradient
+        else (2 * tokens * config.lora.rank * shapes[name][1] if adapter else 0)
+        for name, (base, adapter) in projections.items()
     )
-    if "down" in projections and projections["down"][1]:  # the adapter's first matmul is needed
-        remat += 2 * tokens * config.lora.rank * m.intermediate_size
     trained_linear = linear if config.method == "full" else 0
     per_layer = (
         linear + adapters + remat  # forward, remat

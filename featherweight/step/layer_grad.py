@@ -3,9 +3,13 @@ step's backward loop calls it: frozen weights are closed over, only the trainabl
 input are differentiated.
 
 With nothing saved the VJP is `jax.vjp(block)`: the block's forward is recomputed once (remat).
-With saved intermediates ("qkv", "mlp_hidden") the layer is split into stages and the VJPs are
-chained; a saved stage output is taken from the forward pass, so XLA drops the matmuls that made it
-(their backward needs only their inputs).
+With saved intermediates ("qkv", "attention", "mlp_hidden") the layer is split into stages and the
+VJPs are chained; a saved stage output is taken from the forward pass, so XLA drops the matmuls
+that made it (their backward needs only their inputs). "attention" keeps the attention's output
+(the o projection's input) and the attention residual (the MLP's input), so that with all three
+kept no projection of the layer runs forward again in the backward pass; the attention core's
+own forward (the score products, for its log-sum-exp) and the LoRA adapters' first matmuls
+(rank-wide, for the adapters' gradients) still run again.
 """
 
 from __future__ import annotations
@@ -51,8 +55,13 @@ class _Stages:
         return attention_qkv(layer, normed, self.inputs, self.config, self.lora, self.attn_key)
 
     def attention_residual(self, trainable, x, qkv):
+        return self.attention_output(trainable, x, self.attention(qkv))
+
+    def attention(self, qkv):
+        return attention_core(*qkv, self.inputs)
+
+    def attention_output(self, trainable, x, attended):
         layer = merge_layer(self.frozen_layer, trainable)
-        attended = attention_core(*qkv, self.inputs)
         return x + linear(layer, "o", attended, self.lora, self.attn_key)
 
     def gate_up(self, trainable, a):
@@ -88,8 +97,11 @@ def layer_forward(
         return block(layer, x, inputs, config, lora, dropout_key, mlp_chunk), {}
     stages = _Stages(frozen_layer, inputs, config, lora, dropout_key, mlp_chunk)
     qkv = stages.qkv(trainable_layer, x)
-    a = stages.attention_residual(trainable_layer, x, qkv)
+    attended = stages.attention(qkv)
+    a = stages.attention_output(trainable_layer, x, attended)
     saved = {"qkv": qkv} if "qkv" in save else {}
+    if "attention" in save:
+        saved["attention"] = (attended, a)
     if "mlp_hidden" not in save:
         return stages.mlp_block(trainable_layer, a), saved
     gate_up = stages.gate_up(trainable_layer, a)
@@ -122,8 +134,13 @@ def layer_vjp(
         _, vjp = jax.vjp(layer_fn, trainable_layer, x)
         return vjp(output_cotangent)
     stages = _Stages(frozen_layer, inputs, config, lora, dropout_key, mlp_chunk)
-    qkv = saved["qkv"] if "qkv" in saved else stages.qkv(trainable_layer, x)
-    a = stages.attention_residual(trainable_layer, x, qkv)
+    recomputed_qkv, vjp_qkv = jax.vjp(stages.qkv, trainable_layer, x)
+    qkv = saved.get("qkv", recomputed_qkv)  # a kept qkv: XLA drops the projections' forward
+    a = (
+        saved["attention"][1]
+        if "attention" in saved
+        else stages.attention_residual(trainable_layer, x, qkv)
+    )
     if "mlp_hidden" in saved:
         _, vjp_mlp = jax.vjp(stages.mlp_residual, trainable_layer, a, saved["mlp_hidden"])
         grad_mlp, g_a, g_gate_up = vjp_mlp(output_cotangent)
@@ -133,10 +150,19 @@ def layer_vjp(
     else:
         _, vjp_mlp = jax.vjp(stages.mlp_block, trainable_layer, a)
         grad_mlp, g_a = vjp_mlp(output_cotangent)
-    _, vjp_attention = jax.vjp(stages.attention_residual, trainable_layer, x, qkv)
-    grad_attention, g_x, g_qkv = vjp_attention(g_a)
-    if "qkv" not in saved:
-        return _add_trees(grad_mlp, grad_attention), g_x
-    _, vjp_qkv = jax.vjp(stages.qkv, trainable_layer, x)
+    grad_attention, g_x, g_qkv = _attention_vjp(stages, trainable_layer, x, qkv, saved, g_a)
     grad_qkv, g_x_norm = vjp_qkv(g_qkv)
     return _add_trees(grad_mlp, grad_attention, grad_qkv), g_x + g_x_norm
+
+
+def _attention_vjp(stages: _Stages, trainable_layer, x, qkv, saved, g_a):
+    """(gradient of the attention's trainable slice, cotangent of x, of q, k, v): from the kept
+    attention output when "attention" is saved (the o projection is not run again), else
+    through the whole attention residual."""
+    if "attention" not in saved:
+        _, vjp_attention = jax.vjp(stages.attention_residual, trainable_layer, x, qkv)
+        return vjp_attention(g_a)
+    _, vjp_output = jax.vjp(stages.attention_output, trainable_layer, x, saved["attention"][0])
+    grad_attention, g_x, g_attended = vjp_output(g_a)
+    _, vjp_core = jax.vjp(stages.attention, qkv)
+    return grad_attention, g_x, vjp_core(g_attended)[0]

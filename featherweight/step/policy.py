@@ -10,7 +10,10 @@
 - save: intermediates of the block kept from the forward pass so the backward recompute skips the
   matmuls that made them. "qkv": the rotated q, k, v (skips 3 projections, costs
   B x S x (H+2K) x h per layer); "mlp_hidden": the gate and up projections (skips the two largest
-  matmuls, costs 2 x B x S x F per layer). Empty = full remat of the block (least memory).
+  matmuls, costs 2 x B x S x F per layer); "attention": the attention's output and the attention
+  residual (skips the o projection, and with "mlp_hidden" every MLP matmul's input is kept; costs
+  B x S x (H h + D) per layer). All three: no projection runs forward twice (4N matmul FLOPs per
+  token instead of 6N). Empty = full remat of the block (least memory).
 - attention: the attention implementation every layer calls (`featherweight.models.attention`):
   "blockwise" (tiled, no S x S array, every backend), "cudnn" / "cudnn_padded" (cuDNN on NVIDIA
   GPUs: packed rows, rows of one document), "pallas" (jax's Triton kernel) or "materialized" (XLA:
@@ -26,7 +29,7 @@ from featherweight.errors import StepConfigError
 from featherweight.models.attention import IMPLEMENTATIONS
 
 RESIDUAL_PLACEMENTS = ("device", "host")
-SAVEABLE = ("qkv", "mlp_hidden")
+SAVEABLE = ("qkv", "attention", "mlp_hidden")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -122,6 +122,26 @@ def test_saved_intermediates_are_planned_per_layer():
     assert saving.bytes_of("saved_intermediates") == model.num_layers * 4 * 64 * width * 2
 
 
+def test_kept_activations_grow_the_plan_as_they_grow_the_compiled_step():
+    # every class kept (no projection recomputed): the compiled step grows by what the plan adds
+    model = builtin_config("SmolLM2-135M")
+
+    def compiled_and_planned(save):
+        config = train_config(
+            method="lora", batch_size=2, data={"seq_len": 128}, model={"dtype": "float32"},
+            memory={"save": save, "loss_chunk": None, "mlp_chunk": None},
+        )  # fmt: skip
+        plan = plan_for_config(config, model)
+        return measure_compiled(config, model).total_bytes, plan.cpu_comparable_bytes, plan
+
+    compiled_lean, planned_lean, _ = compiled_and_planned([])
+    compiled_kept, planned_kept, plan = compiled_and_planned(["qkv", "attention", "mlp_hidden"])
+    assert plan.bytes_of("saved_intermediates") > 0
+    grown = compiled_kept - compiled_lean
+    assert abs((planned_kept - planned_lean) - grown) <= 0.1 * grown
+    assert abs(percent_difference(planned_kept, compiled_kept)) <= 10.0
+
+
 # published parameter counts (model cards)
 PARAMETER_COUNTS = {
     "Llama-3.1-8B": 8.03e9,

@@ -42,8 +42,12 @@ def _config(method: str, **memory):
         ("lora", {"loss_chunk": 8, "vocab_chunk": 128}),
         ("lora", {"mlp_chunk": 16}),
         ("full", {"vocab_chunk": 200}),
+        ("lora", {"save": ["qkv", "attention", "mlp_hidden"]}),
+        ("qlora", {"save": ["attention"]}),
+        ("full", {"save": ["qkv", "attention", "mlp_hidden"]}),
     ],
-    ids=["lora", "full", "qlora", "lora-vocab-chunk", "lora-mlp-chunk", "full-overlapping-chunk"],
+    ids=["lora", "full", "qlora", "lora-vocab-chunk", "lora-mlp-chunk", "full-overlapping-chunk",
+         "lora-keep-all", "qlora-keep-attention", "full-keep-all"],  # fmt: skip
 )
 def test_step_flops_from_the_shapes_equal_the_compiled_programs(method, memory):
     config = _config(method, **memory)

@@ -109,8 +109,19 @@ def test_five_streamed_steps_equal_reference(method, tied, optimizer_name):
         MemoryPolicy(loss_chunk=4),
         MemoryPolicy(save=("qkv",)),
         MemoryPolicy(save=("mlp_hidden", "qkv"), residuals="host", loss_chunk=8),
+        MemoryPolicy(save=("mlp_hidden",)),
+        MemoryPolicy(save=("attention",)),
+        MemoryPolicy(save=("qkv", "attention", "mlp_hidden")),
     ],
-    ids=["host", "chunked-loss", "save-qkv", "all"],
+    ids=[
+        "host",
+        "chunked-loss",
+        "save-qkv",
+        "qkv-mlp-hidden",
+        "save-mlp-hidden",
+        "save-attention",
+        "keep-every-activation",
+    ],
 )
 def test_policies_give_the_reference_result(policy):
     config, trainable, frozen, lora = _setup("full", tied=True)
