@@ -239,7 +239,8 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
     }
     shapes = layer_shapes(m)
     remat = sum(
-        base + adapter if name not in saved
+        base + adapter
+        if name not in saved
         # the adapter's first matmul (rank-wide) is needed for the second's gradient
         else (2 * tokens * config.lora.rank * shapes[name][1] if adapter else 0)
         for name, (base, adapter) in projections.items()

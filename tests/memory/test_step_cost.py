@@ -46,8 +46,17 @@ def _config(method: str, **memory):
         ("qlora", {"save": ["attention"]}),
         ("full", {"save": ["qkv", "attention", "mlp_hidden"]}),
     ],
-    ids=["lora", "full", "qlora", "lora-vocab-chunk", "lora-mlp-chunk", "full-overlapping-chunk",
-         "lora-keep-all", "qlora-keep-attention", "full-keep-all"],  # fmt: skip
+    ids=[
+        "lora",
+        "full",
+        "qlora",
+        "lora-vocab-chunk",
+        "lora-mlp-chunk",
+        "full-overlapping-chunk",
+        "lora-keep-all",
+        "qlora-keep-attention",
+        "full-keep-all",
+    ],
 )
 def test_step_flops_from_the_shapes_equal_the_compiled_programs(method, memory):
     config = _config(method, **memory)

@@ -309,7 +309,11 @@ def base_on_host_with_full(env: Env) -> Action:
     return env.train(**{"memory.base": "host", "method": "full"})
 
 
-@case("unknown saved intermediate", r"\['attn'\]", r"known names are \['qkv', 'attention', 'mlp_hidden'\]")
+@case(
+    "unknown saved intermediate",
+    r"\['attn'\]",
+    r"known names are \['qkv', 'attention', 'mlp_hidden'\]",
+)
 def unknown_saved(env: Env) -> Action:
     return env.train(**{"memory.save": ["attn"]})
 
