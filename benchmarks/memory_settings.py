@@ -28,6 +28,7 @@ measured without the GPU.
 from __future__ import annotations
 
 import argparse
+import datetime
 import platform
 import statistics
 import time
@@ -66,6 +67,7 @@ SMALL_LORA = {  # what `plan --budget` reaches with every same-result setting
     "embed": "host",
     "optimizer_state": "host",
 }
+KEEP_ALL = {"save": ["qkv", "attention", "mlp_hidden"]}  # no projection recomputed backward
 VARIANTS = {
     "lora": [
         ("default", "lora", {}, False),
@@ -78,6 +80,8 @@ VARIANTS = {
         ("optimizer state on host", "lora", {"optimizer_state": "host"}, False),
         ("embedding on host (+ vocab_chunk 16384)", "lora", {"embed": "host"}, False),
         ("every setting above", "lora", SMALL_LORA, False),
+        ("kept activations: qkv, mlp_hidden", "lora", {"save": ["qkv", "mlp_hidden"]}, False),
+        ("kept activations: qkv, attention, mlp_hidden", "lora", KEEP_ALL, False),
     ],
     "qlora": [
         ("default", "qlora", {}, False),
@@ -87,6 +91,7 @@ VARIANTS = {
         ("NF4 head", "qlora", {}, True),
         ("NF4 head, no chunks", "qlora", OLD_DEFAULT, True),
         ("NF4 head + vocab_chunk 16384", "qlora", {"vocab_chunk": 16384}, True),
+        ("kept activations: qkv, attention, mlp_hidden", "qlora", KEEP_ALL, False),
     ],
     "full": [
         ("default", "full", {}, False),
@@ -101,6 +106,7 @@ VARIANTS = {
             {"residuals": "host", "optimizer_state": "host", "mlp_chunk": 128},
             False,
         ),
+        ("kept activations: qkv, attention, mlp_hidden", "full", KEEP_ALL, False),
     ],
 }
 
@@ -311,7 +317,7 @@ def main() -> None:
         f"machine: {args.machine}, {jax.device_count()} JAX device(s) of kind "
         f"{jax.devices()[0].device_kind!r}; jax {jax.__version__}; batch {args.batch} x seq "
         f"{args.seq}, float32, AdamW{'' if args.method == 'full' else ', LoRA r8 on every linear'}; "
-        f"{args.rounds} interleaved rounds after one warm-up round",
+        f"{args.rounds} interleaved rounds after one warm-up round; {datetime.date.today()}",
         "",
         "Bytes: XLA:CPU `memory_analysis()` of the compiled step (device bytes; host-placed "
         "arguments excluded, but on CPU host and device are the same RAM). FLOPs: matmul FLOPs "

@@ -55,6 +55,7 @@ from featherweight.models.config import ModelConfig
 from featherweight.parallel.sharding import planning_mesh
 from featherweight.recipe.placement import check_placements
 from featherweight.recipe.schema import TrainConfig
+from featherweight.step.policy import SAVEABLE
 
 GIB = 2**30
 MIN_LOSS_CHUNK = 64
@@ -170,6 +171,15 @@ def _quantized_head(config: TrainConfig) -> Iterator[TrainConfig]:
 def _eight_bit_state(config: TrainConfig) -> Iterator[TrainConfig]:
     if config.optimizer.name == "adamw":
         yield _replace(config, "optimizer", name="adamw_8bit")
+
+
+def _kept_activations(config: TrainConfig) -> Iterator[TrainConfig]:
+    """`config` with each class of block intermediates it does not keep yet added to
+    `memory.save` (the backward pass then skips the matmuls that made them)."""
+    for name in SAVEABLE:
+        if name not in config.memory.save:
+            kept = {*config.memory.save, name}
+            yield _replace(config, "memory", save=tuple(n for n in SAVEABLE if n in kept))
 
 
 def _micro_batches(config: TrainConfig) -> Iterator[TrainConfig]:
@@ -338,6 +348,33 @@ def _search(
     return config, plan
 
 
+def _spend_on_speed(
+    config: TrainConfig,
+    plan: MemoryPlan,
+    model_config: ModelConfig,
+    budget: int,
+    rates: DeviceRates,
+) -> tuple[TrainConfig, MemoryPlan]:
+    """Memory for speed: while the budget has room, keep the class of activations that saves
+    the most estimated time per byte it adds (`step_cost`: the matmuls the backward no longer
+    recomputes); a saving within `COST_RESOLUTION` of the step is none. A fitted plan's room
+    goes to speed only here, so without a budget the step stays as lean as configured."""
+    while True:
+        now = seconds_per_token(config, model_config, rates)
+        options = []
+        for candidate in _kept_activations(config):
+            candidate_plan = _plan_if_valid(candidate, model_config)
+            if candidate_plan is None or candidate_plan.device_bytes > budget:
+                continue
+            saved = now - seconds_per_token(candidate, model_config, rates)
+            if saved > COST_RESOLUTION * now:
+                added = max(candidate_plan.device_bytes - plan.device_bytes, 1)
+                options.append((saved / added, candidate, candidate_plan))
+        if not options:
+            return config, plan
+        _, config, plan = max(options, key=lambda option: option[0])
+
+
 def smallest_settings(
     config: TrainConfig, model_config: ModelConfig, keep_batch: bool = True
 ) -> tuple[TrainConfig, MemoryPlan]:
@@ -415,7 +452,8 @@ def fit_budget(
     target = int(budget_bytes * (1 - reserve))
     fitted, plan = _search(config, model_config, target)
     if plan.device_bytes <= target:
-        return fitted, plan
+        rates = rates_for(jax.default_backend())
+        return _spend_on_speed(fitted, plan, model_config, target, rates)
     largest = plan.largest_component()
     shortfall = (plan.device_bytes - target) / GIB
     budget_bytes = target

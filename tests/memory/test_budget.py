@@ -25,6 +25,7 @@ from featherweight.memory.step_cost import CPU_RATES, head_matmul_bytes, step_se
 from featherweight.memory.working_set import calibration_for, plan_reserve
 from featherweight.models.registry import builtin_config
 from featherweight.recipe.schema import parse_config
+from featherweight.step.policy import SAVEABLE
 
 GIB = 2**30
 
@@ -82,7 +83,9 @@ def test_loss_chunk_is_tried_first_when_the_logits_are_the_peak():
     assert plan.peak_phase == "loss"
     fitted, _ = fit_budget(config, model, plan.device_bytes - 1, reserve=0.0)
     changes = describe_changes(resolve(config, model), fitted)
-    assert changes == [f"memory.loss_chunk: None -> {1024 // 2}"]
+    assert changes[0] == f"memory.loss_chunk: None -> {1024 // 2}"
+    # the room the chunk frees below the budget is spent on kept activations, nothing else
+    assert all(change.startswith("memory.save: [] -> ") for change in changes[1:])
 
 
 def test_micro_batch_comes_last_and_every_kept_change_is_needed():
@@ -108,7 +111,8 @@ def test_micro_batch_comes_last_and_every_kept_change_is_needed():
     start = resolve(config, model)
     changed = [f for f in SEARCHED_FIELDS if _value(start, *f) != _value(fitted, *f)]
     assert len(changed) >= 2
-    for section, field in changed:  # undoing any one change no longer fits (or is refused)
+    # undoing any one change no longer fits (or is refused); kept activations only spend room
+    for section, field in (f for f in changed if f != ("memory", "save")):
         undone = _replace(fitted, section, **{field: _value(start, section, field)})
         undone_plan = _plan_if_valid(undone, model)
         assert undone_plan is None or undone_plan.device_bytes > budget
@@ -250,3 +254,28 @@ def test_a_budget_keeps_the_plans_error_in_reserve():
         assert plan.device_bytes <= budget * (1 - reserve)
         _, without = fit_budget(config, model, budget, reserve=0.0)
     assert without.device_bytes > budget * (1 - reserve)  # the reserve changed the answer
+
+
+def test_a_generous_budget_buys_kept_activations_cheapest_time_saving_first():
+    # LoRA on SmolLM2-135M at the demo's b2 x 256 (float32): 16 GiB holds every class, and the
+    # plan names the change with its estimated saving; no room keeps the step lean
+    model = builtin_config("SmolLM2-135M")
+    config = resolve(
+        config_of(method="lora", batch_size=2, data={"seq_len": 256}, model={"dtype": "float32"}),
+        model,
+    )
+    fitted, plan = fit_budget(config, model, 16 * GIB)
+    assert fitted.memory.save == SAVEABLE and plan.bytes_of("saved_intermediates") > 0
+    (line,) = describe_changes(config, fitted, model, "cpu")
+    saving = re.fullmatch(
+        r"memory\.save: \[\] -> \['qkv', 'attention', 'mlp_hidden'\] \(est\. step time -(\d+\.\d)%\)",
+        line,
+    )
+    assert saving and float(saving.group(1)) >= 10.0, line
+    lean = plan_for_config(config, model)
+    assert fit_budget(config, model, lean.device_bytes, reserve=0.0)[0].memory.save == ()
+    # room for q, k, v and the MLP's hidden states: the attention's output saves the least
+    # time per byte (one D x D projection for H h + D values a token) and is left out
+    both = _replace(config, "memory", save=("qkv", "mlp_hidden"))
+    room = plan_for_config(both, model).device_bytes
+    assert fit_budget(config, model, room, reserve=0.0)[0].memory.save == ("qkv", "mlp_hidden")
