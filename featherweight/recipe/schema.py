@@ -32,7 +32,7 @@ from featherweight.errors import ConfigError, check_input_file, read_input_text
 from featherweight.parallel.sharding import MeshSettings
 from featherweight.peft.lora import LoraConfig
 from featherweight.recipe.paths import from_config_folder
-from featherweight.step.policy import MemoryPolicy
+from featherweight.step.policy import SAVEABLE, MemoryPolicy
 
 Method = Literal["full", "lora", "qlora"]
 MAX_SEED = 2**32 - 1  # seeds are 32-bit: what jax.random.PRNGKey and numpy's generators take
@@ -250,6 +250,17 @@ class MemorySettings(_Section):
             raise ValueError(
                 "'flash' is gone (it only changed the plan); use blockwise (tiled attention on "
                 "every backend), cudnn (NVIDIA GPUs) or auto"
+            )
+        return value
+
+    @field_validator("save")
+    @classmethod
+    def _saveable(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        """Known classes of intermediates only, refused before anything is planned."""
+        unknown = [name for name in value if name not in SAVEABLE]
+        if unknown:
+            raise ValueError(
+                f"cannot save intermediate(s) {unknown}: known names are {list(SAVEABLE)}"
             )
         return value
 

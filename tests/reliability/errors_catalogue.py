@@ -64,7 +64,7 @@ config | loss chunk that does not divide the sequence | `memory.loss_chunk: 48`,
 config | MLP chunk that does not divide the sequence | `memory.mlp_chunk: 48`, `seq_len: 64` | ConfigError | names both sizes and a divisor to use
 config | host placement on a mesh | `memory.optimizer_state: host` with `mesh: {fsdp: 8}` | ConfigError | says it is one-device only: drop the host placement or the mesh
 config | frozen base on the host without a frozen base | `memory.base: host` with `method: full` | ConfigError | says full fine-tuning has no frozen base: method lora or qlora, or `memory.base: device`
-config | unknown saved intermediate | `memory: {save: [attn]}` | StepConfigError | names `attn` and the known names
+config | unknown saved intermediate | `memory: {save: [attn]}` | ConfigError | names `attn` and the known names
 paths | missing model path | `model.path: /no/such/model` | CheckpointNotFoundError | give a Hugging Face model directory or a .gguf file
 paths | output_dir holding other files | an output_dir with someone's notes in it | OutputExistsError | names a file in it: featherweight never writes over files it did not write; choose a new or empty output_dir
 paths | overwrite of a directory featherweight did not create | `--overwrite` on an output_dir holding someone's notes | OutputExistsError | names a file in it: featherweight replaces only its own runs; choose a new or empty output_dir
