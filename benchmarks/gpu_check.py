@@ -266,6 +266,7 @@ def table_name(records: dict[str, dict], scale: Scale) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="results.jsonl, logs, the table")
     parser.add_argument("--tiny", action="store_true", help="SmolLM2 shapes on CPU (CI)")
@@ -296,9 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         import gpu_check_attention
 
         tiny = ["--tiny"] if args.tiny else []
-        gpu_check_attention.main(
-            ["--out", str(args.out), "--table-dir", str(args.table_dir), *tiny]
-        )
+        left = str(args.deadline - (time.monotonic() - started))  # what the cases left
+        options = ["--out", str(args.out), "--table-dir", str(args.table_dir), "--deadline", left]
+        gpu_check_attention.main([*options, *tiny])
     return 0
 
 
