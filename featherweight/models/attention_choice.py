@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import NamedTuple
@@ -142,9 +143,13 @@ def pallas_refusal(target: AttentionTarget, head_dim: int) -> str | None:
     if refusal:
         return refusal
     try:
-        from jax.experimental.pallas.ops.gpu import attention  # noqa: F401
+        from jax.experimental.pallas.ops.gpu import attention
     except ImportError as error:
         return f"this jax ({jax.__version__}) has no Pallas GPU attention ({error})"
+    wanted = ("segment_ids", "sm_scale", "causal", "block_sizes", "interpret")
+    missing = [name for name in wanted if name not in inspect.signature(attention.mha).parameters]
+    if missing:
+        return f"this jax's ({jax.__version__}) Pallas attention `mha` lacks {', '.join(missing)}"
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"the Pallas attention kernel needs a head dim that is a power of two from 16, not {head_dim}"
     return None

@@ -99,3 +99,16 @@ def test_the_old_flash_value_and_unknown_values_are_refused():
         choose_attention("flash", CPU, "bfloat16", 64, "packed")
     with pytest.raises(StepConfigError, match="auto, blockwise, cudnn, pallas, materialized"):
         choose_attention("fast", CPU, "bfloat16", 64, "packed")
+
+
+def test_pallas_is_refused_when_this_jaxs_kernel_lacks_what_it_is_called_with(monkeypatch):
+    from jax.experimental.pallas.ops.gpu import attention
+
+    assert choose_attention("pallas", H100, "bfloat16", 128, "packed") == "pallas"
+
+    def older_mha(q, k, v, sm_scale=1.0, causal=False, block_sizes=None, interpret=False):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(attention, "mha", older_mha)
+    with pytest.raises(StepConfigError, match="lacks segment_ids"):
+        choose_attention("pallas", H100, "bfloat16", 128, "packed")
