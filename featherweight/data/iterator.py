@@ -42,9 +42,14 @@ class DataState(NamedTuple):
         return {name: int(value) for name, value in self._asdict().items()}
 
 
-def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
-    """The row order of one epoch: a permutation seeded by (seed, epoch)."""
-    return np.random.default_rng((seed, _EPOCH_STREAM, epoch)).permutation(num_rows)
+def epoch_order(num_rows: int, seed: int, epoch: int, group: int = 1) -> np.ndarray:
+    """The row order of one epoch: a permutation seeded by (seed, epoch) -- of groups of `group`
+    consecutive rows (a padded preference pair's two rows), each kept together and in order."""
+    rng = np.random.default_rng((seed, _EPOCH_STREAM, epoch))
+    if group == 1:
+        return rng.permutation(num_rows)
+    groups = rng.permutation(num_rows // group)
+    return (groups[:, None] * group + np.arange(group)).reshape(-1)
 
 
 def _check_shard(batch_size: int, process_index: int, process_count: int) -> None:
@@ -72,13 +77,18 @@ class DataIterator:
         _check_shard(batch_size, process_index, process_count)
         if len(packed) == 0:
             raise DataError("the training set packed into no rows; add examples")
+        if batch_size % packed.group:
+            raise ConfigError(
+                f"batch_size={batch_size} must be a multiple of {packed.group}: each preference "
+                f"pair takes {packed.group} rows when not packed (data.pack: false)"
+            )
         self.packed = packed
         self.batch_size = batch_size
         self.process_index = process_index
         self.process_count = process_count
         self._fingerprint = packed.fingerprint()
         self._seed, self._epoch, self._step = seed, 0, 0
-        self._order = epoch_order(len(packed), seed, 0)
+        self._order = epoch_order(len(packed), seed, 0, packed.group)
         if state is not None:
             self.restore(state)
 
@@ -111,7 +121,7 @@ class DataIterator:
             int(values["epoch"]),
             int(values["step"]),
         )
-        self._order = epoch_order(len(self.packed), self._seed, self._epoch)
+        self._order = epoch_order(len(self.packed), self._seed, self._epoch, self.packed.group)
 
     def __iter__(self) -> Iterator[Batch]:
         return self
@@ -119,7 +129,7 @@ class DataIterator:
     def __next__(self) -> Batch:
         if self._step >= self.steps_per_epoch:
             self._epoch, self._step = self._epoch + 1, 0
-            self._order = epoch_order(len(self.packed), self._seed, self._epoch)
+            self._order = epoch_order(len(self.packed), self._seed, self._epoch, self.packed.group)
         first = (self._step * self.process_count + self.process_index) * self.batch_size
         slots = np.arange(first, first + self.batch_size) % len(self.packed)
         self._step += 1

@@ -57,12 +57,21 @@ class PackStats(NamedTuple):
 
 class PackedRows(NamedTuple):
     """Examples packed into rows of `seq_len + 1` tokens (inputs are the first `seq_len`, targets
-    the last `seq_len`). `rows[r]` lists the indices into `examples` packed into row r, in order."""
+    the last `seq_len`). `rows[r]` lists the indices into `examples` packed into row r, in order.
+
+    Preference pairs (`pairs`): examples 2p and 2p + 1 are pair p's chosen and rejected
+    completions, and batches number them (`Batch.sequence_ids`); `group` consecutive rows always
+    go into the same batch, in order (2: a pair padded into two rows). `reference` holds each
+    example's precomputed reference log-probs (float32 per token, 0 for the first), when made.
+    """
 
     examples: tuple[Example, ...]
     rows: tuple[tuple[int, ...], ...]
     seq_len: int
     pad_id: int
+    pairs: bool = False
+    group: int = 1
+    reference: tuple[np.ndarray, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -127,23 +136,28 @@ def pack(
     counts = (truncated_examples, truncated_tokens, dropped)
     if not several_per_row:
         return _packed(kept, [[index] for index in range(len(kept))], seq_len, pad_id, counts)
-    order = sorted(range(len(kept)), key=lambda index: -len(kept[index].ids))
+    rows = best_fit_rows([len(example.ids) for example in kept], capacity)
+    return _packed(kept, rows, seq_len, pad_id, counts)
+
+
+def best_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Item indices grouped into rows of `capacity` slots by best-fit decreasing: longest first,
+    each into the fullest row that still has room (ties keep the input order: deterministic)."""
+    order = sorted(range(len(lengths)), key=lambda index: -lengths[index])
     rows: list[list[int]] = []
     open_rows: list[tuple[int, int]] = []  # (free slots, row index), sorted
     for index in order:
-        length = len(kept[index].ids)
-        slot = bisect.bisect_left(open_rows, (length, -1))
+        slot = bisect.bisect_left(open_rows, (lengths[index], -1))
         if slot == len(open_rows):
             rows.append([index])
-            free, row = capacity - length, len(rows) - 1
+            free, row = capacity - lengths[index], len(rows) - 1
         else:
             free, row = open_rows.pop(slot)
             rows[row].append(index)
-            free -= length
+            free -= lengths[index]
         if free > 0:
             bisect.insort(open_rows, (free, row))
-
-    return _packed(kept, rows, seq_len, pad_id, counts)
+    return rows
 
 
 def _packed(
@@ -197,10 +211,49 @@ def make_batch(packed: PackedRows, rows: Sequence[int | None]) -> Batch:
         np.stack(parts) for parts in zip(*(row_tokens(packed, row) for row in rows))
     )
     same_example = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
+    loss_mask = (targets[:, 1:] & same_example).astype(np.float32)
+    sequence_ids = reference = None
+    if packed.pairs:
+        sequence_ids = _sequence_ids(packed, rows)[:, :-1]
+    if packed.reference is not None:
+        reference = _row_values(packed, rows, packed.reference)[:, 1:] * loss_mask
     return Batch(
         input_ids=tokens[:, :-1],
         target_ids=tokens[:, 1:],
-        loss_mask=(targets[:, 1:] & same_example).astype(np.float32),
+        loss_mask=loss_mask,
         positions=positions[:, :-1],
         segment_ids=segments[:, :-1],
+        sequence_ids=sequence_ids,
+        reference_logps=reference,
     )
+
+
+def _row_spans(packed: PackedRows, row: int | None):
+    """(example index, start, end) of each example in a row, in order."""
+    start = 0
+    for index in packed.rows[row] if row is not None else ():
+        end = start + len(packed.examples[index].ids)
+        yield index, start, end
+        start = end
+
+
+def _sequence_ids(packed: PackedRows, rows: Sequence[int | None]) -> np.ndarray:
+    """[len(rows), seq_len + 1] int32: each token's completion in the batch -- the pairs
+    numbered in order of appearance, chosen 2q and rejected 2q + 1 -- and -1 for padding."""
+    ids = np.full((len(rows), packed.seq_len + 1), -1, np.int32)
+    numbers: dict[int, int] = {}
+    for slot, row in enumerate(rows):
+        for index, start, end in _row_spans(packed, row):
+            pair = numbers.setdefault(index // 2, len(numbers))
+            ids[slot, start:end] = 2 * pair + index % 2
+    return ids
+
+
+def _row_values(packed: PackedRows, rows: Sequence[int | None], values) -> np.ndarray:
+    """[len(rows), seq_len + 1] float32: per-token `values` of each example, laid out as its
+    tokens are."""
+    out = np.zeros((len(rows), packed.seq_len + 1), np.float32)
+    for slot, row in enumerate(rows):
+        for index, start, end in _row_spans(packed, row):
+            out[slot, start:end] = values[index]
+    return out

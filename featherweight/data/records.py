@@ -6,6 +6,7 @@ Three record shapes, told apart by their keys:
 - text:        {"text": "..."}                                  loss on every token (+ EOS)
 - instruction: {"instruction": "...", "input": "...", "output": "..."}   loss on the output only
 - chat:        {"messages": [{"role": ..., "content": ...}, ...]}    loss on assistant turns only
+- preference:  {"prompt", "chosen", "rejected"} (strings, or message lists; `data/preference.py`)
 
 Loss masks are found by rendering, not by knowing a template: the conversation is rendered once
 and tokenized once (so the ids equal `transformers`' `apply_chat_template(tokenize=True)`), and the
@@ -43,8 +44,8 @@ from featherweight.io.tokenizer import Tokenizer
 
 _SPLIT_STREAM = 1  # the split's random stream; epoch orders use another (see data/iterator.py)
 _SHAPES = (
-    '{"text": ...}, {"instruction": ..., "input": ..., "output": ...} '
-    'or {"messages": [{"role": ..., "content": ...}, ...]}'
+    '{"text": ...}, {"instruction": ..., "input": ..., "output": ...}, '
+    '{"messages": [{"role": ..., "content": ...}, ...]} or {"prompt", "chosen", "rejected"}'
 )
 Item = TypeVar("Item")
 
@@ -61,24 +62,54 @@ class Record(NamedTuple):
 # --- reading ---------------------------------------------------------------------------------
 
 
+def _check_messages(messages: Any, key: str = "messages") -> None:
+    """A ValueError unless `messages` is a non-empty list of {"role", "content"} strings."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f'"{key}" must be a non-empty list of {{"role", "content"}} objects')
+    for number, message in enumerate(messages):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise ValueError(
+                f'{key} message {number} must be an object with string "role" and "content"'
+            )
+
+
+def _check_preference(fields: dict) -> None:
+    """A ValueError unless `fields` is a preference pair: TRL's {prompt, chosen, rejected} as
+    strings, or as message lists (the prompt may be left out: then chosen and rejected are whole
+    conversations that differ in their last, assistant, message)."""
+    missing = [key for key in ("chosen", "rejected") if key not in fields]
+    if missing:
+        raise ValueError(
+            f'preference records need "chosen" and "rejected"; this one lacks {missing}'
+        )
+    values = [fields[key] for key in ("prompt", "chosen", "rejected") if key in fields]
+    if all(isinstance(value, str) for value in values):
+        if "prompt" not in fields or not fields["prompt"]:
+            raise ValueError('a preference record of strings needs a non-empty "prompt"')
+        return
+    for key in ("prompt", "chosen", "rejected"):
+        if key in fields:
+            _check_messages(fields[key], key)
+    for key in ("chosen", "rejected"):
+        if fields[key][-1]["role"] != "assistant":
+            raise ValueError(f'the last message of "{key}" must be the assistant\'s reply')
+
+
 def record_shape(fields: Any) -> str:
-    """The shape ("text" | "instruction" | "chat") of a parsed JSONL value; a ValueError says what
-    is wrong with a value that matches none."""
+    """The shape ("text" | "instruction" | "chat" | "preference") of a parsed JSONL value; a
+    ValueError says what is wrong with a value that matches none."""
     if not isinstance(fields, dict):
         raise ValueError(f"expected a JSON object, got {type(fields).__name__}")
+    if "chosen" in fields or "rejected" in fields:
+        _check_preference(fields)
+        return "preference"
     if "messages" in fields:
         messages = fields["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
-        for number, message in enumerate(messages):
-            if not (
-                isinstance(message, dict)
-                and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)
-            ):
-                raise ValueError(
-                    f'message {number} must be an object with string "role" and "content"'
-                )
+        _check_messages(messages)
         if not any(message["role"] == "assistant" for message in messages):
             raise ValueError("the conversation has no assistant message, so nothing to learn")
         return "chat"
@@ -175,7 +206,7 @@ def read_records(
                 skipped.add(_reason(error, raw.location), raw.location)
 
 
-def _refuse_empty(source: str | Path, kept: int, skipped: Skipped) -> None:
+def refuse_empty(source: str | Path, kept: int, skipped: Skipped) -> None:
     if kept:
         return
     jsonl = is_jsonl(source)
@@ -191,7 +222,7 @@ def load_jsonl(path: str | Path, skip_bad: bool = False) -> tuple[list[Record], 
     bad records skipped). Blank JSONL lines are ignored; no good record raises a DataError."""
     skipped = Skipped()
     records = list(read_records(path, skip_bad, skipped=skipped))
-    _refuse_empty(path, len(records), skipped)
+    refuse_empty(path, len(records), skipped)
     return records, skipped.count
 
 
@@ -369,6 +400,11 @@ def tokenize_example(
     they keep can cover.
     """
     fields, where = record.fields, record.location
+    if record.shape == "preference":
+        raise DataError(
+            f"{where}: a preference record ({{prompt, chosen, rejected}}) in a run with objective: "
+            "sft; set objective: dpo or orpo to train on pairs, or use sft records"
+        )
     if record.shape == "text":
         text = fields["text"] if max_chars is None else fields["text"][:max_chars]
         ids = tokenizer.encode(text, add_special_tokens=True)
@@ -486,7 +522,7 @@ def prepare_dataset(
     examples = list(
         tokenize_stream(records, tokenizer, skip_bad, seq_len + 1, instruction_template, skipped)
     )
-    _refuse_empty(path, len(examples), skipped)
+    refuse_empty(path, len(examples), skipped)
     train_examples, eval_examples = split(examples, eval_fraction, seed)
     train, train_stats = pack(train_examples, seq_len, tokenizer.pad_id, overflow, pack_examples)
     if train_stats.rows == 0:

@@ -27,7 +27,16 @@ from typing import Any, NamedTuple
 
 from featherweight.errors import DataError, InputFileError, input_file_problem
 
-RECORD_FIELDS = ("text", "instruction", "input", "output", "messages")
+RECORD_FIELDS = (
+    "text",
+    "instruction",
+    "input",
+    "output",
+    "messages",
+    "prompt",
+    "chosen",
+    "rejected",
+)
 MESSAGE_FIELDS = ("role", "content")
 COLUMN_KEYS = RECORD_FIELDS + MESSAGE_FIELDS
 _BUILDERS = {
@@ -223,8 +232,10 @@ def map_columns(fields: Any, columns: Mapping[str, str] | None) -> Any:
                 f"(it has {sorted(fields)})"
             )
         record[field] = record.pop(column)
-    if isinstance(record.get("messages"), list) and ("role" in columns or "content" in columns):
-        record["messages"] = [_map_message(message, columns) for message in record["messages"]]
+    if "role" in columns or "content" in columns:
+        for field in ("messages", "prompt", "chosen", "rejected"):  # message lists
+            if isinstance(record.get(field), list):
+                record[field] = [_map_message(message, columns) for message in record[field]]
     return record
 
 

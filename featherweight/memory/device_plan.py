@@ -82,6 +82,7 @@ def _output_buffers(config: TrainConfig, model_config: ModelConfig) -> int:
 def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
     shapes = StepShapes(config, model_config)
     uses_key = config.method != "full" and config.lora.dropout > 0
+    arrays = batch_arrays(config)
     host_embedding = host_embedding_bytes(config, model_config)
     host_base = host_base_bytes(config, model_config)
     components = [
@@ -112,9 +113,9 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
         ),
         PlanComponent(
             "batch",
-            20 * shapes.tokens + (8 if uses_key else 0),
+            4 * arrays * shapes.tokens + (8 if uses_key else 0),
             DEVICE,
-            f"5 x B x S x 4 = 5 x {shapes.batch} x {shapes.seq} x 4"
+            f"{arrays} x B x S x 4 = {arrays} x {shapes.batch} x {shapes.seq} x 4"
             + (" + dropout key" if uses_key else ""),
         ),
     ]
@@ -141,6 +142,42 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
             )
         )
     return components
+
+
+def batch_arrays(config: TrainConfig) -> int:
+    """[B, S] arrays in a batch: ids, targets, mask, positions, segments; preference pairs add
+    their completion ids, and precomputed reference log-probs one more."""
+    objective = config.preference
+    if objective is None:
+        return 5
+    return 7 if objective.needs_reference and objective.reference == "precomputed" else 6
+
+
+def objective_notes(config: TrainConfig, model_config: ModelConfig) -> tuple[str, ...]:
+    """What a preference objective costs beyond its batch arrays (the plan's notes)."""
+    objective = config.preference
+    if objective is None:
+        return ()
+    shapes = StepShapes(config, model_config)
+    head = (
+        f"objective {config.objective}: per-token losses read before the weighted head VJP (one "
+        "more forward pass of the LM head)"
+    )
+    if not objective.needs_reference:
+        return (head + "; no reference model",)
+    if objective.reference == "same_step":
+        return (
+            head + "; dpo.reference same_step: one more forward pass of the frozen base with the "
+            "adapters off per step, nothing stored for it (its working set is a forward layer's, "
+            "below the backward pass's); precomputed would instead cost a forward pass over the "
+            "data before training and 4 B per token in host memory",
+        )
+    return (
+        head + f"; dpo.reference precomputed: one forward pass over the data before training, "
+        f"4 B per token in host memory, and {4 * shapes.tokens:,} B of reference "
+        "log-probs in each batch (planned in batch); same_step would cost one more forward pass "
+        "per step instead",
+    )
 
 
 def _rebuilt_on_host(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
@@ -253,7 +290,16 @@ def plan_settings(config: TrainConfig, model_config: ModelConfig) -> dict[str, A
         "save": list(memory.save),
         "step": memory.step,
         "calibration": calibration_key(config),
+        **_objective_settings(config),
     }
+
+
+def _objective_settings(config: TrainConfig) -> dict[str, Any]:
+    """A preference objective and its reference mode (nothing for sft: its plans stay as were)."""
+    if config.objective == "sft":
+        return {}
+    reference = config.dpo.reference if config.objective == "dpo" else None
+    return {"objective": config.objective, "reference": reference}
 
 
 def micro_batch_config(config: TrainConfig) -> TrainConfig:
@@ -305,7 +351,7 @@ def plan_one_device(
     read): no weights read, nothing compiled. Raises `ConfigError` for inputs that cannot be
     planned, a config still "auto" included (`memory/defaults.py`: `resolve`)."""
     require_resolved(config, "the memory plan")
-    warnings = check_plan_inputs(config, model_config)
+    warnings = check_plan_inputs(config, model_config) + objective_notes(config, model_config)
     note = attention_note(config, model_config)
     warnings += () if note is None else (note,)
     micro = micro_batch_config(config)  # activations are one micro-batch's

@@ -117,12 +117,17 @@ def tree_nbytes(tree: Any) -> int:
     )
 
 
-def abstract_batch(batch_size: int, seq_len: int) -> Batch:
+def abstract_batch(batch_size: int, seq_len: int, config: TrainConfig | None = None) -> Batch:
     """A `Batch` of shapes as the trainer's packed batches come: ids, targets, positions and
-    segment ids int32 [B, S], loss mask float32 [B, S]."""
+    segment ids int32 [B, S], loss mask float32 [B, S]; for a preference objective in `config`,
+    the completion ids int32 (and precomputed reference log-probs float32) [B, S] too."""
     ids = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     mask = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)
-    return Batch(ids, ids, mask, ids, ids)
+    objective = None if config is None else config.preference
+    if objective is None:
+        return Batch(ids, ids, mask, ids, ids)
+    precomputed = objective.needs_reference and objective.reference == "precomputed"
+    return Batch(ids, ids, mask, ids, ids, ids, mask if precomputed else None)
 
 
 def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig, mesh=None):
@@ -139,7 +144,7 @@ def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig, mesh
     opt_state = jax.eval_shape(init_opt_state, trainable)
     trainable, opt_state, frozen = place_abstract(config, trainable, opt_state, frozen)
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    batch = abstract_batch(config.batch_size, config.data.seq_len)
+    batch = abstract_batch(config.batch_size, config.data.seq_len, config)
     return step, (trainable, opt_state, frozen, batch, key)
 
 
@@ -353,6 +358,11 @@ def measure_device_peak(
     ids = jax.random.randint(key, shape, 0, model_config.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(shape[1]), shape)
     batch = Batch(ids, ids, jnp.ones(shape, jnp.float32), positions, jnp.ones(shape, jnp.int32))
+    abstract = abstract_batch(*shape, config)
+    if abstract.sequence_ids is not None:  # preference pairs padded: row 2p chosen, 2p + 1 rejected
+        rows = jnp.broadcast_to(jnp.arange(shape[0], dtype=jnp.int32)[:, None], shape)
+        zeros = None if abstract.reference_logps is None else jnp.zeros(shape, jnp.float32)
+        batch = batch._replace(sequence_ids=rows, reference_logps=zeros)
     jax.block_until_ready((trainable, opt_state, frozen, batch))
     after_setup = device.memory_stats()["peak_bytes_in_use"]
     for index in range(steps):

@@ -32,7 +32,7 @@ from featherweight.quant.nf4 import NF4Tensor, abstract_nf4
 from featherweight.recipe.placement import check_placements, opt_state_placement
 from featherweight.recipe.schema import TrainConfig, require_resolved
 from featherweight.step.opt_state import init_streamed_opt_state, per_tensor_clipping
-from featherweight.step.reference import build_reference_step, model_loss
+from featherweight.step.reference import build_reference_step, model_loss, preference_model_loss
 from featherweight.step.streamed import build_streamed_step
 
 ADAPTER_DTYPE = jnp.float32  # adapters train in float32 over a bf16 or NF4 base (as PEFT does)
@@ -149,6 +149,7 @@ def build_train_step(
             model_config, step_optimizer(config, optimizer), lora=spec,
             chunk_size=policy.loss_chunk, shardings=shardings,
             accumulation_steps=accumulation_steps, attention=attention,
+            objective=config.preference,
         )  # fmt: skip
         return step, init_opt_state
     clip_norm, two_pass = step_clipping(config)
@@ -163,6 +164,7 @@ def build_train_step(
         clip_norm=clip_norm,
         two_pass=two_pass,
         shardings=shardings,
+        objective=config.preference,
     )
     return step, init_opt_state
 
@@ -213,6 +215,29 @@ def check_method_settings(config: TrainConfig, model_config: ModelConfig) -> Non
             f"{next(c for c in range(mlp_chunk, 0, -1) if seq % c == 0)}"
         )
     check_clipping_and_accumulation(config)
+    check_preference_settings(config)
+
+
+def check_preference_settings(config: TrainConfig) -> None:
+    """Refuse preference settings the step cannot train (the step's own check, as a
+    `ConfigError` naming the config keys, before anything is read)."""
+    if config.preference is None:
+        return
+    if config.memory.accumulation_steps > 1:
+        raise ConfigError(
+            f"objective: {config.objective} averages over each batch's pairs, so "
+            "memory.accumulation_steps > 1 is not supported; set it to 1 (a smaller batch_size, "
+            "or memory.residuals: host, fits the memory instead)"
+        )
+    if (
+        config.objective == "dpo"
+        and config.method == "full"
+        and config.dpo.reference == "same_step"
+    ):
+        raise ConfigError(
+            "dpo.reference: same_step runs the frozen base with the adapters off, and method: "
+            "full has no frozen copy; use dpo.reference: precomputed (or auto), or method: lora"
+        )
 
 
 def check_clipping_and_accumulation(config: TrainConfig) -> None:
@@ -254,12 +279,18 @@ def check_clipping_and_accumulation(config: TrainConfig) -> None:
 @functools.lru_cache(maxsize=4)
 def evaluation_fn(config: TrainConfig, model_config: ModelConfig) -> Callable:
     """Jitted `(trainable, frozen, batch) -> (mean loss, counted tokens)`, without dropout, with
-    the chunks of the resolved `config`."""
+    the chunks of the resolved `config`; for a preference objective, (its loss, counted pairs)."""
     require_resolved(config, "the evaluation")
     lora = lora_config_of(config)
     spec = None if lora is None else lora.spec
 
     def evaluate(trainable, frozen, batch):
+        if config.preference is not None:
+            loss, metrics = preference_model_loss(
+                trainable, frozen, batch, model_config, config.preference, spec,
+                chunks=(config.memory.loss_chunk, config.memory.vocab_chunk),
+            )  # fmt: skip
+            return loss, metrics["pairs"]
         loss = model_loss(
             trainable,
             frozen,

@@ -33,6 +33,7 @@ from featherweight.parallel.sharding import MeshSettings
 from featherweight.peft.lora import LoraConfig
 from featherweight.recipe.paths import from_config_folder
 from featherweight.step.policy import SAVEABLE, MemoryPolicy
+from featherweight.step.preference import PreferenceObjective
 
 Method = Literal["full", "lora", "qlora"]
 MAX_SEED = 2**32 - 1  # seeds are 32-bit: what jax.random.PRNGKey and numpy's generators take
@@ -281,6 +282,30 @@ class MemorySettings(_Section):
         return MemoryPolicy(**{name: getattr(self, name) for name in shared})
 
 
+class DpoSettings(_Section):
+    """Direct preference optimization (objective: dpo): TRL's DPOTrainer formulas."""
+
+    beta: float = Field(0.1, gt=0, description="strength of the pull toward the reference model")
+    loss: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid", description="sigmoid: DPO (Rafailov et al.); ipo: IPO (Azar et al.)"
+    )
+    reference: Literal["auto", "same_step", "precomputed"] = Field(
+        AUTO,
+        description=(
+            "the reference model's log-probs: same_step (the frozen base with the adapters off, "
+            "one more forward pass per step, no memory kept), precomputed (one forward pass over "
+            "the data before training, 4 B per token stored with it; the only way for method: "
+            "full, which has no frozen copy); auto: same_step for lora/qlora, precomputed for full"
+        ),
+    )
+
+
+class OrpoSettings(_Section):
+    """Odds ratio preference optimization (objective: orpo, Hong et al.): no reference model."""
+
+    beta: float = Field(0.1, gt=0, description="weight of the odds-ratio term beside the NLL")
+
+
 class CheckpointSettings(_Section):
     """When to save, and how many to keep."""
 
@@ -293,6 +318,15 @@ class TrainConfig(_Section):
 
     model: ModelSettings = ModelSettings()
     method: Method = "qlora"
+    objective: Literal["sft", "dpo", "orpo"] = Field(
+        "sft",
+        description=(
+            "sft: next-token cross-entropy on the targets; dpo, orpo: preference pairs "
+            "({prompt, chosen, rejected} records)"
+        ),
+    )
+    dpo: DpoSettings = DpoSettings()
+    orpo: OrpoSettings = OrpoSettings()
     lora: LoraConfig = LoraConfig()
     data: DataSettings = DataSettings()
     optimizer: OptimizerSettings = OptimizerSettings()
@@ -319,6 +353,25 @@ class TrainConfig(_Section):
     @classmethod
     def _auto_mesh(cls, mesh: Any) -> Any:
         return {} if mesh == "auto" else mesh
+
+    @model_validator(mode="after")
+    def _resolve_reference(self) -> TrainConfig:
+        """dpo.reference "auto", resolved once from the method (what the run records): the
+        frozen base serves as the reference in the same step, except in full fine-tuning."""
+        if self.dpo.reference == AUTO:
+            reference = "precomputed" if self.method == "full" else "same_step"
+            dpo = self.dpo.model_copy(update={"reference": reference})
+            object.__setattr__(self, "dpo", dpo)
+        return self
+
+    @property
+    def preference(self) -> PreferenceObjective | None:
+        """The step's preference objective (None for sft)."""
+        if self.objective == "dpo":
+            return PreferenceObjective("dpo", self.dpo.beta, self.dpo.loss, self.dpo.reference)
+        if self.objective == "orpo":
+            return PreferenceObjective("orpo", self.orpo.beta)
+        return None
 
     @field_validator("lora", mode="before")
     @classmethod

@@ -49,6 +49,7 @@ METRIC_NAMES = (
     "logps/chosen",
     "logps/rejected",
 )
+REPORTED_METRICS = (*METRIC_NAMES, "nll_loss", "log_odds_ratio")  # in metrics.jsonl and loggers
 
 
 class PreferenceObjective(NamedTuple):

@@ -34,7 +34,7 @@ from featherweight.step.common import (
     micro_batches,
     squared_norm,
 )
-from featherweight.step.loss import head_loss
+from featherweight.step.loss import head_loss, token_nll
 from featherweight.step.preference import (
     PreferenceObjective,
     check_objective,
@@ -75,8 +75,16 @@ def model_loss(
     return head_loss(head_params, hidden, batch, config, chunk_size, vocab_chunk)
 
 
-def _token_nll(params: Params, hidden: jax.Array, target_ids: jax.Array, config) -> jax.Array:
-    """Each token's cross-entropy [B, S] from the whole logits (no chunks: the plain form)."""
+def _token_nll(
+    params: Params, hidden: jax.Array, target_ids: jax.Array, config, chunks
+) -> jax.Array:
+    """Each token's cross-entropy [B, S]: from the whole logits (`chunks` None: the plain form),
+    or over (sequence, vocabulary) chunks, forward only (`loss.token_nll`: evaluation)."""
+    if chunks is not None:
+        names = [name for name in head_param_names(config) if name in params]
+        return token_nll(
+            {name: params[name] for name in names}, hidden, target_ids, config, *chunks
+        )
     logits = head(params, hidden, config)
     target = jnp.take_along_axis(logits, target_ids[..., None], axis=-1)[..., 0]
     return jax.nn.logsumexp(logits, axis=-1) - target
@@ -91,24 +99,26 @@ def preference_model_loss(
     lora: LoraSpec | None = None,
     key: jax.Array | None = None,
     attention: str = "blockwise",
+    chunks: tuple[int | None, int | None] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(loss, metrics) of a preference objective, differentiated by `jax.grad` through the whole
     model: the policy's per-token log-probs, summed per completion; DPO's reference is the same
-    frozen base with the adapters off (`lora=None`), or the batch's precomputed log-probs."""
+    frozen base with the adapters off (`lora=None`), or the batch's precomputed log-probs.
+    `chunks` (loss chunk, vocabulary chunk) computes the log-probs chunk by chunk (evaluation)."""
     params = merge_params(frozen, trainable)
     inputs = attention_inputs(config, batch.positions, batch.segment_ids, attention)
     keys = layer_dropout_keys(key, lora, config.num_layers)
     hidden = run_layers(
         params["layers"], embed(params, batch.input_ids), inputs, config, lora, True, keys
     )
-    policy = pair_logps(-_token_nll(params, hidden, batch.target_ids, config), batch.loss_mask,
-                        batch.sequence_ids)  # fmt: skip
+    policy_nll = _token_nll(params, hidden, batch.target_ids, config, chunks)
+    policy = pair_logps(-policy_nll, batch.loss_mask, batch.sequence_ids)
     reference = None
     if objective.needs_reference and objective.reference == "precomputed":
         reference = pair_logps(batch.reference_logps, batch.loss_mask, batch.sequence_ids)
     elif objective.needs_reference:
         base = run_layers(frozen["layers"], embed(params, batch.input_ids), inputs, config, None)
-        reference_nll = _token_nll(params, base, batch.target_ids, config)
+        reference_nll = _token_nll(params, base, batch.target_ids, config, chunks)
         reference = pair_logps(-reference_nll, batch.loss_mask, batch.sequence_ids)
     return preference_loss(objective, policy, reference)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from featherweight.data.chat_templates import with_chat_template
 from featherweight.data.packing import PackStats
+from featherweight.data.preference import PairStats, prepare_preference_dataset
 from featherweight.data.records import Dataset, prepare_dataset
 from featherweight.io.atomic import atomic_write_text
 from featherweight.io.tokenizer import Tokenizer
@@ -34,7 +35,11 @@ def build_dataset(config: TrainConfig, tokenizer: Tokenizer, train_path: str | P
         pack_examples=settings.pack,
     )
     tokenizer = with_chat_template(tokenizer, settings.chat_template)
-    dataset = prepare_dataset(
+    prepare = prepare_dataset
+    if config.preference is not None:  # pairs: no instruction template (prompts are given)
+        prepare = prepare_preference_dataset
+        del options["instruction_template"]
+    dataset = prepare(
         train_path,
         tokenizer,
         settings.seq_len,
@@ -44,7 +49,7 @@ def build_dataset(config: TrainConfig, tokenizer: Tokenizer, train_path: str | P
     )
     if not settings.eval:
         return dataset
-    held_out = prepare_dataset(settings.eval, tokenizer, settings.seq_len, **options)
+    held_out = prepare(settings.eval, tokenizer, settings.seq_len, **options)
     return dataset._replace(
         eval=held_out.train,
         eval_stats=held_out.train_stats,
@@ -61,10 +66,15 @@ def steps_from_epochs(config: TrainConfig, steps_per_epoch: int) -> TrainConfig:
     return config.model_copy(update={"steps": max(1, math.ceil(config.epochs * steps_per_epoch))})
 
 
-def _split_summary(stats: PackStats | None) -> dict[str, Any] | None:
+def _split_summary(stats: PackStats | PairStats | None) -> dict[str, Any] | None:
     if stats is None:
         return None
-    return {**stats._asdict(), "packing_efficiency": round(stats.fill, 4)}
+    summary = {**stats._asdict(), "packing_efficiency": round(stats.fill, 4)}
+    if isinstance(stats, PairStats):
+        summary["drop_reasons"] = [
+            {"reason": reason, "count": count} for reason, count in stats.drop_reasons
+        ]
+    return summary
 
 
 def data_summary(
@@ -73,6 +83,7 @@ def data_summary(
     """What the data became, as a JSON-ready dict (see the module docstring)."""
     return {
         "source": source,
+        "objective": config.objective,
         "records": dataset.records,
         "skipped": dataset.skipped,
         "skip_reasons": [
@@ -90,7 +101,25 @@ def data_summary(
     }
 
 
+def _pairs_line(name: str, split: dict[str, Any], seq_len: int) -> str:
+    line = (
+        f"{name}: {split['pairs']:,} pairs -> {split['rows']:,} rows of {seq_len + 1} tokens "
+        f"({split['packing_efficiency']:.1%} filled), {split['tokens']:,} tokens "
+        f"({split['loss_tokens']:,} in completions)"
+    )
+    if split["truncated_pairs"]:
+        line += (
+            f"; {split['truncated_pairs']:,} pairs truncated ({split['truncated_tokens']:,} "
+            "tokens cut: raise data.seq_len to keep them)"
+        )
+    for drop in split["drop_reasons"]:
+        line += f"; {drop['count']:,} pairs dropped: {drop['reason']}"
+    return line
+
+
 def _split_line(name: str, split: dict[str, Any], seq_len: int) -> str:
+    if "pairs" in split:
+        return _pairs_line(name, split, seq_len)
     line = (
         f"{name}: {split['examples']:,} examples -> {split['rows']:,} rows of {seq_len + 1} "
         f"tokens ({split['packing_efficiency']:.1%} filled), {split['tokens']:,} tokens "

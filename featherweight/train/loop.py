@@ -39,6 +39,7 @@ from featherweight.parallel.sharding import place_batch
 from featherweight.recipe.build import evaluation_fn
 from featherweight.recipe.optimizer import learning_rate_schedule
 from featherweight.recipe.schema import TrainConfig
+from featherweight.step.preference import REPORTED_METRICS
 from featherweight.train import run_dir
 from featherweight.train.dataset import data_summary, summary_lines, write_summary
 from featherweight.train.loggers import check_loggers, open_loggers
@@ -101,7 +102,8 @@ def printing_planner(console: Console) -> Callable:
 def compile_step(run: Run, trainable: Params, opt_state: Any, console: Console) -> Callable:
     """Compile the step ahead of the first batch and print its measured memory next to the plan
     (`compiled.memory_analysis()`, per device); the compiled step is what the loop runs."""
-    batch = abstract_batch(run.config.batch_size * jax.process_count(), run.config.data.seq_len)
+    rows = run.config.batch_size * jax.process_count()
+    batch = abstract_batch(rows, run.config.data.seq_len, run.config)
     started = time.perf_counter()
     lowered = run.step_fn.lower(trainable, opt_state, run.frozen, batch, jax.random.PRNGKey(0))
     compiled = lowered.compile()
@@ -166,6 +168,7 @@ class StepRecords:
                 "step": step, "loss": loss, "learning_rate": float(rate),
                 "tokens": int(metrics["tokens"]), "tokens_per_second": speed,
                 "grad_norm": float(metrics.get("grad_norm", np.nan)), "device_bytes": memory,
+                **{name: float(metrics[name]) for name in REPORTED_METRICS if name in metrics},
             })  # fmt: skip
         self.pending, self.since = [], now
         return records

@@ -102,7 +102,12 @@ def loss_figure(records: list[dict[str, Any]]):
     evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
     rates = [(r["step"], r["learning_rate"]) for r in records if "learning_rate" in r]
     resumes = [r["step"] for r in records if r.get("resumed")]
-    figure, axes = plt.subplots(figsize=(8, 4.5))
+    rewards = [r for r in records if "rewards/accuracies" in r]
+    if rewards:  # a preference run: its rewards below the loss
+        figure, (axes, reward_axes) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+        _plot_rewards(reward_axes, rewards)
+    else:
+        figure, axes = plt.subplots(figsize=(8, 4.5))
     if train:
         steps, losses = zip(*train, strict=True)
         axes.plot(steps, losses, color="tab:blue", alpha=0.3, label="train loss")
@@ -113,7 +118,7 @@ def loss_figure(records: list[dict[str, Any]]):
         axes.axvline(step, color="gray", linestyle="--", label="resumed" if number == 0 else None)
     axes.set_xlabel("step")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set_ylabel("cross-entropy")
+    axes.set_ylabel("preference loss" if rewards else "cross-entropy")
     axes.grid(alpha=0.3)
     handles, labels = axes.get_legend_handles_labels()
     if rates:
@@ -126,6 +131,28 @@ def loss_figure(records: list[dict[str, Any]]):
         axes.legend(handles, labels, loc="upper right")
     figure.tight_layout()
     return figure
+
+
+def _plot_rewards(axes, records: list[dict[str, Any]]) -> None:
+    """A preference run's rewards (TRL's names): accuracy on the left axis, margin on the right."""
+    from matplotlib.ticker import MaxNLocator
+
+    steps = [r["step"] for r in records]
+    accuracies = [r["rewards/accuracies"] for r in records]
+    axes.plot(steps, accuracies, color="tab:purple", alpha=0.3)
+    axes.plot(steps, smoothed(accuracies), color="tab:purple", label="rewards/accuracies")
+    axes.set_ylim(-0.05, 1.05)
+    axes.set_ylabel("reward accuracy")
+    axes.set_xlabel("step")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.grid(alpha=0.3)
+    margin_axes = axes.twinx()
+    margin_axes.plot(steps, [r["rewards/margins"] for r in records], color="tab:red", linewidth=1,
+                     label="rewards/margins")  # fmt: skip
+    margin_axes.set_ylabel("reward margin")
+    handles, labels = axes.get_legend_handles_labels()
+    more_handles, more_labels = margin_axes.get_legend_handles_labels()
+    axes.legend(handles + more_handles, labels + more_labels, loc="lower right")
 
 
 def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path:

@@ -67,6 +67,7 @@ from featherweight.step.loss import resolve_chunk_size
 from featherweight.train import run_dir
 from featherweight.train.checkpoint import Checkpointer
 from featherweight.train.dataset import build_dataset, steps_from_epochs
+from featherweight.train.reference_logps import precompute_reference
 from featherweight.train.run_dir import CHECKPOINT_DIR, CONFIG_FILE, RUN_FILE
 
 FINGERPRINT_BYTES = 1 << 20  # of a GGUF file: its header (metadata, tensor table) lies in here
@@ -372,14 +373,19 @@ def _read_data(
     if tokenizer is None:
         raise DataError(f"{model_path} has no tokenizer; the trainer needs one to read the dataset")
     dataset = build_dataset(config, tokenizer, resolve_data_path(config))
-    data = DataIterator(
+    data = _iterator(dataset, config)
+    return dataset, data, steps_from_epochs(config, data.steps_per_epoch)
+
+
+def _iterator(dataset: Dataset, config: TrainConfig) -> DataIterator:
+    """The batches of this process's rows."""
+    return DataIterator(
         dataset.train,
         config.batch_size,
         config.data.shuffle_seed,
         jax.process_index(),
         jax.process_count(),
     )
-    return dataset, data, steps_from_epochs(config, data.steps_per_epoch)
 
 
 def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> Run:
@@ -418,6 +424,11 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     step_fn, init_opt_state = build_train_step(config, model_config, trainable, frozen, optimizer)
     opt_state = init_opt_state(trainable)  # made in the memory memory.optimizer_state names
     trainable, opt_state, frozen = place(config, trainable, opt_state, frozen)
+    objective = config.preference
+    if objective is not None and objective.needs_reference and objective.reference == "precomputed":
+        # before any restore: the weights as loaded are the reference (full fine-tuning)
+        dataset = precompute_reference(config, model_config, trainable, frozen, dataset)
+        data = _iterator(dataset, config)
     checkpointer = Checkpointer(output_dir / CHECKPOINT_DIR, keep=config.checkpoint.keep)
     start_step = 0
     latest = checkpointer.latest_step() if directory.resuming else None
