@@ -23,6 +23,8 @@ EXAMPLES = {
     "full-1b.yaml": ("Llama-3.2-1B", "rtx4090"),
     "long-context.yaml": ("Llama-3.1-8B", "rtx4090"),
     "mesh.yaml": ("Llama-3.1-8B", "h100"),  # per device of the mesh
+    "dpo-planet-colours.yaml": ("SmolLM2-135M", None),  # the demo model, on this machine
+    "dpo-8b-24gb.yaml": ("Llama-3.1-8B", "rtx4090"),
 }
 
 
@@ -59,3 +61,17 @@ def test_the_csv_example_reads_its_question_answer_pairs(demo_gguf):
     dataset = build_dataset(config, tokenizer, Path(config.data.train))
     assert dataset.records == 12 and not dataset.skipped  # every row an instruction record
     assert dataset.train_stats.examples + dataset.eval_stats.examples == 12
+
+
+def test_the_dpo_example_reads_its_200_pairs(demo_gguf):
+    from featherweight.io.gguf_reader import GGUFSource
+    from featherweight.train.dataset import build_dataset
+
+    config = load_config(EXAMPLES_DIR / "dpo-planet-colours.yaml")
+    source = GGUFSource(demo_gguf)
+    tokenizer = source.tokenizer()
+    source.close()
+    dataset = build_dataset(config, tokenizer, Path(config.data.train))
+    assert dataset.records == 200 and not dataset.skipped
+    assert dataset.train_stats.pairs + dataset.eval_stats.pairs == 200
+    assert not dataset.train_stats.truncated_pairs and not dataset.train_stats.dropped_pairs

@@ -223,7 +223,8 @@ def attach_reference(packed: PackedRows, row_logps: Sequence[np.ndarray]) -> Pac
             example[1:] = logps[start : start + length - 1]
             values[index] = example
             start += length
-    return packed._replace(reference=tuple(values))
+    # (not `_replace`: a PackedRows' len() is its row count, which NamedTuple._make trips on)
+    return PackedRows(*packed[:-1], reference=tuple(values))
 
 
 def prepare_preference_dataset(
