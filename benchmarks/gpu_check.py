@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=510.0, help="seconds for all cases")
     parser.add_argument("--table-dir", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--attention", action="store_true", help="then gpu_check_attention.py")
+    parser.add_argument("--speed", action="store_true", help="then gpu_check_speed.py")
     parser.add_argument("--case", choices=CASE_NAMES, help=argparse.SUPPRESS)  # the child
     args = parser.parse_args(argv)
     scale = TINY if args.tiny else GPU
@@ -300,6 +301,13 @@ def main(argv: list[str] | None = None) -> int:
         left = str(args.deadline - (time.monotonic() - started))  # what the cases left
         options = ["--out", str(args.out), "--table-dir", str(args.table_dir), "--deadline", left]
         gpu_check_attention.main([*options, *tiny])
+    if args.speed:  # issue 32's rows: tokens/s beside torch + peft, defaults and fastest
+        import gpu_check_speed
+
+        tiny = ["--tiny"] if args.tiny else []
+        left = str(args.deadline - (time.monotonic() - started))  # what the rows before left
+        options = ["--out", str(args.out), "--table-dir", str(args.table_dir), "--deadline", left]
+        gpu_check_speed.main([*options, *tiny])
     return 0
 
 

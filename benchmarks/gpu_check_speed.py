@@ -1,0 +1,303 @@
+"""The GPU check's speed rows (issue 32): featherweight at its defaults and at the fastest settings
+within the device's memory, beside torch + peft (+ bitsandbytes) at the same shapes, in one run.
+
+    python benchmarks/gpu_check_speed.py --out DIR [--tiny] [--deadline SECONDS]
+    python benchmarks/gpu_check.py --out DIR --speed ...   (after the check's own cases)
+
+Shapes (random weights drawn with fixed seeds, bf16 on the GPU): Llama-3.1-8B QLoRA b2 x 2048,
+Llama-3.1-8B LoRA b2 x 2048, Llama-3.2-1B LoRA b8 x 2048. Per shape, each job in its own process
+(`peak_bytes_in_use` is a process-lifetime high-water mark), recorded as a JSON line in
+DIR/speed.jsonl as it ends:
+
+- `fw-<shape>`: featherweight at its defaults (`resolve`), set up and run as the trainer does
+  (`gpu_check_cases.set_up`, `run_steps`);
+- `fw-<shape>-fastest`: at the settings `budget.fit_budget` picks for the device's usable memory
+  (`capacity.of_device`: JAX's pool less the library allowance on a GPU, the machine's memory on
+  a CPU): the room the lean plan leaves is spent on kept activations, cheapest time first;
+- `torch-<shape>`: the torch + peft peer (`peer_torch.build_torch_step`: SDPA, gradient
+  checkpointing, AdamW, LoRA r 8 on every linear, bitsandbytes NF4 for QLoRA), bf16 on the GPU;
+  skipped with the reason where torch, peft or bitsandbytes are missing.
+
+Each records the median of steps 3-6, tokens per second, the peak (JAX's `peak_bytes_in_use`;
+torch's `max_memory_allocated`) and the model FLOPs utilisation: 4 N FLOPs per token for LoRA and
+QLoRA (forward and input gradient; 6 N trained in full) at the GPU's published dense bf16 peak
+(`memory/targets.json`), N the model's parameters. featherweight and torch run one after the
+other in separate processes on one GPU (each needs its whole memory): their ratio is of
+consecutive runs, not interleaved repeats. `--tiny`: the same jobs on CPU at SmolLM2-135M layer
+shapes (2 layers), float32, b2 x 64 (the torch peer on the CPU too): the script runs in CI
+(tests/test_gpu_check_speed.py) and cannot rot; its times are no measure of a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from gpu_check_cases import (
+    BATCH_SEED,
+    GPU,
+    STEPS,
+    TIMED,
+    TINY,
+    Case,
+    Scale,
+    case_config,
+    run_steps,
+    set_up,
+    settings_text,
+)
+from results_file import emit
+
+from featherweight.memory import budget, capacity
+from featherweight.memory.plan import plan_for_config
+from featherweight.memory.report import format_bytes
+from featherweight.memory.targets import targets
+from featherweight.models.shapes import parameter_count
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One of the issue's shapes: the model's role in the check's scale, the method, batch x seq."""
+
+    name: str
+    model: str  # "large" (Llama-3.1-8B) or "small" (Llama-3.2-1B)
+    method: str
+    batch: int
+    seq: int
+
+
+SHAPES = (
+    Shape("8b-qlora-b2x2048", "large", "qlora", 2, 2048),
+    Shape("8b-lora-b2x2048", "large", "lora", 2, 2048),
+    Shape("1b-lora-b8x2048", "small", "lora", 8, 2048),
+)
+TINY_SHAPES = tuple(  # the same roles at --tiny's scale: "tiny-large-qlora-b2x64"
+    dataclasses.replace(s, name=f"tiny-{s.model}-{s.method}-b{s.batch}x64", seq=64) for s in SHAPES
+)
+
+
+def jobs(tiny: bool) -> list[tuple[str, str, Shape]]:
+    """(job name, kind: "defaults", "fastest" or "torch", shape), most important first."""
+    listed = []
+    for shape in TINY_SHAPES if tiny else SHAPES:
+        listed += [
+            (f"fw-{shape.name}", "defaults", shape),
+            (f"fw-{shape.name}-fastest", "fastest", shape),
+            (f"torch-{shape.name}", "torch", shape),
+        ]
+    return listed
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """The published dense bf16 peak of the GPU `device_kind` names ("NVIDIA H100 80GB HBM3"),
+    None where no target matches (a CPU)."""
+    kind = device_kind.upper().replace("-", " ")
+    for target in targets().values():
+        if target.platform == "gpu" and target.short_name in kind and target.peak_flops:
+            return target.peak_flops
+    return None
+
+
+def model_flops_per_token(model_config, method: str) -> int:
+    """4 N for adapters on a frozen base (forward, input gradient), 6 N for full fine-tuning."""
+    return (6 if method == "full" else 4) * parameter_count(model_config)
+
+
+def _scaled(scale: Scale, shape: Shape) -> Scale:
+    return dataclasses.replace(scale, batch=shape.batch, seq=shape.seq)
+
+
+def featherweight_job(kind: str, shape: Shape, scale: Scale) -> dict[str, Any]:
+    """featherweight at its defaults, or at the fastest settings within the device's memory."""
+    model = scale.models[shape.model]()
+    config, _ = case_config(Case(shape.name, shape.model, shape.method, kind), scale, model)
+    pool = None
+    if kind == "fastest":
+        pool = capacity.of_device()
+        config, _ = budget.fit_budget(config, model, pool.limit_bytes)
+    planned = plan_for_config(config, model).device_bytes
+    step, arguments = set_up(config, model, scale)
+    start = time.perf_counter()
+    compiled = step.lower(*arguments).compile()
+    compile_s = time.perf_counter() - start
+    history = run_steps(compiled, arguments)
+    stats = jax.devices()[0].memory_stats() or {}
+    return {
+        "settings": settings_text(config),
+        "pool_bytes": None if pool is None else pool.limit_bytes,
+        "compile_s": compile_s,
+        "step_s": history["step_s"],
+        "losses": history["losses"],
+        "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+        "planned_device_bytes": planned,
+    }
+
+
+def torch_job(shape: Shape, scale: Scale) -> dict[str, Any]:
+    """The torch + peft (+ bitsandbytes) peer at the shape, or why it cannot run here."""
+    try:
+        import peft  # noqa: F401
+        import torch
+        import transformers  # noqa: F401
+
+        if shape.method == "qlora":
+            import bitsandbytes  # noqa: F401
+    except ImportError as error:
+        return {"skipped": f"torch + peft (+ bitsandbytes) not installed ({error})"}
+    from peer_torch import build_torch_step
+
+    gpu = jax.default_backend() == "gpu"
+    if gpu and not torch.cuda.is_available():
+        return {"skipped": "torch has no CUDA device here"}
+    device = "cuda" if gpu else "cpu"
+    model = scale.models[shape.model]()
+    tokens = np.random.default_rng(BATCH_SEED).integers(
+        0, model.vocab_size, (shape.batch, shape.seq + 1)
+    )
+    step = build_torch_step(model, shape.method, tokens[:, :-1], tokens[:, 1:], device)
+    seconds, losses = [], []
+    for _ in range(STEPS):
+        start = time.perf_counter()
+        losses.append(step())  # .item(): waits for the device
+        seconds.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if gpu else None
+    return {"torch": torch.__version__, "step_s": seconds, "losses": losses,
+            "peak_bytes_in_use": peak}  # fmt: skip
+
+
+def job_main(name: str, tiny: bool) -> dict[str, Any]:
+    """The child process: run one job; its record."""
+    _, kind, shape = next(job for job in jobs(tiny) if job[0] == name)
+    scale = _scaled(TINY if tiny else GPU, shape)
+    device = jax.devices()[0]
+    record = {"job": name, "kind": kind, "shape": shape.name, "device": device.device_kind}
+    record |= {"platform": jax.default_backend(), "jax": jax.__version__}
+    record |= {"batch": shape.batch, "seq": shape.seq, "method": shape.method}
+    result = torch_job(shape, scale) if kind == "torch" else featherweight_job(kind, shape, scale)
+    if "step_s" in result:
+        step_s = statistics.median(result["step_s"][TIMED])
+        tokens_per_s = shape.batch * shape.seq / step_s
+        peak = peak_flops(device.device_kind)
+        flops = model_flops_per_token(scale.models[shape.model](), shape.method)
+        result |= {"median_step_s": step_s, "tokens_per_s": tokens_per_s}
+        result["mfu"] = None if peak is None else tokens_per_s * flops / peak
+    return {**record, **result}
+
+
+def run_jobs(out: Path, tiny: bool, deadline_s: float) -> dict[str, dict[str, Any]]:
+    """Each job in its own process, in order, within the deadline."""
+    started, records = time.monotonic(), {}
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    if tiny:
+        env["JAX_PLATFORMS"] = "cpu"
+    results = out / "speed.jsonl"
+    results.unlink(missing_ok=True)
+    for name, _, _ in jobs(tiny):
+        left = deadline_s - (time.monotonic() - started)
+        if left < 20:
+            records[name] = {"job": name, "error": "not run: the deadline came first"}
+            continue
+        command = [sys.executable, __file__, "--job", name, "--out", str(out)]
+        command += ["--tiny"] if tiny else []
+        print(f"[gpu_check_speed] {name}", flush=True)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=left)
+            (out / f"speed-{name}.log").write_text(done.stdout + done.stderr)
+        except subprocess.TimeoutExpired:
+            records[name] = {"job": name, "error": f"timed out after {left:.0f} s"}
+            continue
+        lines = [line for line in done.stdout.splitlines() if line.startswith('{"job"')]
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        records[name] = json.loads(lines[-1]) if lines else {"job": name, "error": tail}
+        with open(results, "a") as file:
+            file.write(json.dumps(records[name]) + "\n")
+    return records
+
+
+def _row(record: dict[str, Any]) -> str:
+    if "median_step_s" not in record:
+        return f"| {record['job']} | {record.get('error') or record.get('skipped')} | | | | |"
+    peak, mfu = record.get("peak_bytes_in_use"), record.get("mfu")
+    what = record.get("settings") or f"torch {record.get('torch')}"
+    return (
+        f"| {record['job']} | {what} | {record['tokens_per_s']:,.0f} | "
+        f"{format_bytes(peak) if peak else 'no device peak (CPU)'} | "
+        f"{f'{mfu:.0%}' if mfu is not None else 'no GPU peak'} | "
+        f"{format_bytes(record['planned_device_bytes']) if 'planned_device_bytes' in record else ''} |"
+    )
+
+
+def speed_ups(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
+    """Per shape: featherweight's tokens/s over torch's, at defaults and at its fastest."""
+    lines = []
+    for shape in TINY_SHAPES if tiny else SHAPES:
+        torch_run = records.get(f"torch-{shape.name}", {})
+        for suffix, what in (("", "defaults"), ("-fastest", "fastest within the device")):
+            mine = records.get(f"fw-{shape.name}{suffix}", {})
+            if "tokens_per_s" in mine and "tokens_per_s" in torch_run:
+                ratio = mine["tokens_per_s"] / torch_run["tokens_per_s"]
+                lines.append(f"- {shape.name}, {what}: {ratio:.2f}x torch+peft's tokens/s")
+            else:
+                lines.append(f"- {shape.name}, {what}: not measured")
+    return lines
+
+
+def table_lines(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
+    """The results as markdown: one row per job, then the speed-ups."""
+    some = next((r for r in records.values() if "device" in r), {})
+    return [
+        f"# GPU check, speed (issue 32): {some.get('device', 'no device')}, jax "
+        f"{some.get('jax', '?')}" + (" (--tiny, CPU: no measure of a GPU)" if tiny else ""),
+        "",
+        "Measured on that device by `python benchmarks/gpu_check_speed.py`: median of steps 3-6 "
+        "of one process per job; featherweight and torch in consecutive processes. MFU: 4 N "
+        "FLOPs per token (LoRA, QLoRA) at the GPU's published dense bf16 peak.",
+        "",
+        "| job | settings | tokens/s | peak | MFU | planned |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+        *(_row(record) for record in records.values()),
+        "",
+        *speed_ups(records, tiny),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tiny", action="store_true", help="SmolLM2 shapes on CPU (CI)")
+    parser.add_argument("--deadline", type=float, default=1500.0, help="seconds for all jobs")
+    parser.add_argument("--table-dir", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--job", help=argparse.SUPPRESS)  # the child
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.job:
+        try:
+            print(json.dumps(job_main(args.job, args.tiny)), flush=True)
+        except Exception:  # the parent records the last lines of stderr as the job's error
+            traceback.print_exc()
+            return 1
+        return 0
+    records = run_jobs(args.out, args.tiny, args.deadline)
+    device = next((r["device"] for r in records.values() if "device" in r), "none")
+    name = "cpu_tiny" if args.tiny else device.lower().replace(" ", "-")
+    table = args.table_dir / f"gpu_check_speed_{name}.md"
+    table.parent.mkdir(parents=True, exist_ok=True)
+    emit(table_lines(records, args.tiny), str(table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
