@@ -158,7 +158,10 @@ def plan(
     batch: Annotated[int, typer.Option(help="micro-batch size")] = 2,
     seq: Annotated[int, typer.Option(help="sequence length")] = 2048,
     dtype: Annotated[str, typer.Option(help="bfloat16 or float32")] = "bfloat16",
-    budget: Annotated[str | None, typer.Option(help="device memory, e.g. 8GiB")] = None,
+    budget: Annotated[
+        str | None,
+        typer.Option(help="device memory, e.g. 8GiB, or device (all the device's usable memory)"),
+    ] = None,
     offload: Annotated[
         str,
         typer.Option(help="to host memory: none, or any of residuals,optimizer_state,embed,base"),
@@ -202,7 +205,7 @@ def plan(
     The settings are resolved as train resolves them (auto chunks chosen from the shapes), so the
     step planned and measured is the one a config with these settings trains."""
     from featherweight.io.model_source import model_config_from
-    from featherweight.memory.budget import parse_budget
+    from featherweight.memory.budget import budget_bytes_of
 
     chosen = _check_target_and_mesh(target, mesh, measure)
     requested = _plan_request(
@@ -211,7 +214,7 @@ def plan(
         chunks={"loss_chunk": loss_chunk, "vocab_chunk": vocab_chunk, "mlp_chunk": mlp_chunk},
         attention=attention,
     )  # fmt: skip
-    budget_bytes = None if budget is None else parse_budget(budget)
+    budget_bytes = None if budget is None else budget_bytes_of(budget, chosen)
     model_config = model_config_from(model)
     planned = _plan_on_target(requested, model_config, chosen, budget_bytes, measure)
     if plot is not None:
@@ -387,7 +390,8 @@ def _plan_and_measure(requested, model_config, target, budget_bytes, measure) ->
     else:
         measurement = measure_for_target(config, model_config, target.name)
     judged = capacity.verdict(memory_plan, limit, measurement, options)
-    changes = describe_changes(resolved, config)
+    platform = None if target is None else target.platform
+    changes = describe_changes(resolved, config, model_config, platform)  # with est. step time
     return PlannedStep(config, memory_plan, measurement, judged, changes)
 
 

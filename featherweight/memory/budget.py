@@ -47,9 +47,11 @@ from collections.abc import Callable, Iterator
 import jax
 
 from featherweight.errors import BudgetError, ConfigError
+from featherweight.memory import capacity
 from featherweight.memory.defaults import resolve
 from featherweight.memory.plan import MemoryPlan, plan_for_config
 from featherweight.memory.step_cost import DeviceRates, rates_for, seconds_per_token
+from featherweight.memory.targets import Target
 from featherweight.memory.working_set import plan_reserve
 from featherweight.models.config import ModelConfig
 from featherweight.parallel.sharding import planning_mesh
@@ -85,12 +87,33 @@ def parse_budget(text: str) -> int:
     if not match or unit is None:
         raise ConfigError(
             f"budget {text!r} is not a memory size; write a number and a unit, e.g. 8GiB, "
-            "8 GiB, 8000MiB or 7.5GB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+            "8 GiB, 8000MiB or 7.5GB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), or device "
+            "(all the device's usable memory)"
         )
     value = float(match.group(1)) * unit
     if value <= 0:
         raise ConfigError(f"budget {text!r} must be more than 0 bytes, e.g. 8GiB")
     return int(value)
+
+
+DEVICE_BUDGET = "device"
+
+
+def budget_bytes_of(text: str, target: Target | None = None) -> int:
+    """Bytes of a budget: a size (`parse_budget`), or "device": all a step may use of the device
+    -- `target`'s usable memory when planning for a GPU target, else this process's device
+    (`capacity.of_device`: JAX's pool less the library allowance on a GPU, the physical memory on
+    a CPU). With a budget the room the plan leaves is spent on speed (kept activations)."""
+    if str(text).strip().lower() != DEVICE_BUDGET:
+        return parse_budget(text)
+    on_target = target is not None and target.platform == "gpu"
+    usable = capacity.of_target(target) if on_target else capacity.of_device()
+    if usable is None:
+        where = f"target {target.name} has" if on_target else "this device reports"
+        raise ConfigError(
+            f"budget 'device': {where} no memory size to fill; give a size, e.g. 8GiB"
+        )
+    return usable.limit_bytes
 
 
 def _replace(config: TrainConfig, section: str | None, **values) -> TrainConfig:
@@ -480,4 +503,4 @@ def plan_within_budget(
     if config.memory.budget is None:
         config = resolve(config, model_config)
         return config, plan_for_config(config, model_config)
-    return fit_budget(config, model_config, parse_budget(config.memory.budget))
+    return fit_budget(config, model_config, budget_bytes_of(config.memory.budget))

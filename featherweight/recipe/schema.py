@@ -166,7 +166,13 @@ class OptimizerSettings(_Section):
 class MemorySettings(_Section):
     """Memory policy and budget (see `featherweight plan`)."""
 
-    budget: str | None = Field(None, description="e.g. '8GiB'; the planner picks settings that fit")
+    budget: str | None = Field(
+        None,
+        description=(
+            "e.g. '8GiB', or 'device' (all the device's usable memory); the planner picks "
+            "settings that fit, and spends the room left on speed (kept activations)"
+        ),
+    )
     residuals: Literal["device", "host"] = "device"
     loss_chunk: int | Literal["auto"] | None = Field(
         AUTO,

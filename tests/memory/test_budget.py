@@ -7,12 +7,14 @@ from typer.testing import CliRunner
 
 from featherweight.cli.main import app
 from featherweight.errors import BudgetError, ConfigError
+from featherweight.memory import capacity
 from featherweight.memory.budget import (
     SEARCHED_FIELDS,
     _plan_if_valid,
     _replace,
     _search,
     _value,
+    budget_bytes_of,
     change_costs,
     describe_changes,
     fit_budget,
@@ -22,6 +24,7 @@ from featherweight.memory.budget import (
 from featherweight.memory.defaults import resolve
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.step_cost import CPU_RATES, head_matmul_bytes, step_seconds
+from featherweight.memory.targets import get_target
 from featherweight.memory.working_set import calibration_for, plan_reserve
 from featherweight.models.registry import builtin_config
 from featherweight.recipe.schema import parse_config
@@ -279,3 +282,21 @@ def test_a_generous_budget_buys_kept_activations_cheapest_time_saving_first():
     both = _replace(config, "memory", save=("qkv", "mlp_hidden"))
     room = plan_for_config(both, model).device_bytes
     assert fit_budget(config, model, room, reserve=0.0)[0].memory.save == ("qkv", "mlp_hidden")
+
+
+def test_a_device_budget_is_all_the_device_may_use_and_is_spent_on_speed():
+    h100 = get_target("h100")
+    assert budget_bytes_of("8GiB") == 8 * GIB
+    assert budget_bytes_of("device") == capacity.of_device().limit_bytes  # this machine's
+    assert budget_bytes_of(" Device ", h100) == capacity.of_target(h100).limit_bytes
+    assert budget_bytes_of("device", get_target("cpu")) == capacity.of_device().limit_bytes
+    model = builtin_config("SmolLM2-135M")
+    settings = {"method": "lora", "batch_size": 2, "data": {"seq_len": 256}}
+    fitted, plan = plan_within_budget(config_of(**settings, memory={"budget": "device"}), model)
+    assert fitted.memory.save == SAVEABLE and plan.device_bytes <= budget_bytes_of("device")
+    result = CliRunner().invoke(
+        app, ["plan", "SmolLM2-135M", "--method", "lora", "--batch", "2", "--seq", "256",
+              "--budget", "device", "--no-measure"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert re.search(r"memory\.save: \[\] -> \[.*\] \(est\. step time -\d", result.output)
