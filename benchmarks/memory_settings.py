@@ -201,7 +201,7 @@ def target_report(args, model) -> list[str]:
             print(f"compiled {name}: {measured.device_bytes / MIB:.1f} MiB", flush=True)
     _, base, _, base_flops, base_seconds = rows[0]
     lines = [
-        f"# Memory settings vs the default, compiled for {target.name}: SmolLM2-135M shapes, "
+        f"# Memory settings vs the default, compiled for {target.name}: {args.model} shapes, "
         f"{args.method}",
         "",
         f"compiled by XLA's GPU compiler for {target.name} ({target.description}) on "
@@ -234,6 +234,7 @@ def target_report(args, model) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", choices=sorted(VARIANTS), default="lora")
+    parser.add_argument("--model", default="SmolLM2-135M", help="a built-in model's shapes")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
@@ -245,7 +246,7 @@ def main() -> None:
     parser.add_argument("--target", default="cpu", help="a GPU target compiles only (bytes)")
     parser.add_argument("--dtype", default=None, help="float32 on cpu, bfloat16 on a GPU target")
     args = parser.parse_args()
-    model = builtin_config("SmolLM2-135M")
+    model = builtin_config(args.model)
     key = jax.random.PRNGKey(0)
     if args.target != "cpu":
         args.dtype = args.dtype or "bfloat16"
@@ -312,7 +313,7 @@ def main() -> None:
     default = compiled[0][0]
     base_bytes, base_flops = compiled[0][4].device_bytes, compiled[0][5]
     lines = [
-        f"# Memory settings vs the default: SmolLM2-135M shapes, {args.method}",
+        f"# Memory settings vs the default: {args.model} shapes, {args.method}",
         "",
         f"machine: {args.machine}, {jax.device_count()} JAX device(s) of kind "
         f"{jax.devices()[0].device_kind!r}; jax {jax.__version__}; batch {args.batch} x seq "
