@@ -376,11 +376,14 @@ def _plan_and_measure(requested, model_config, target, budget_bytes, measure) ->
     on_target = capacity.of_target(target)
     limit = on_target if budget_bytes is None else capacity.of_budget(budget_bytes, target)
     resolved, options = resolve(requested, model_config), []
+    platform = None if target is None else target.platform  # time weighed at its rates
     with calibration_for(compiler) if compiler else contextlib.nullcontext():
         if budget_bytes is None:
             config, memory_plan = resolved, plan_for_config(resolved, model_config)
         else:
-            config, memory_plan = fit_budget(resolved, model_config, budget_bytes)
+            config, memory_plan = fit_budget(
+                resolved, model_config, budget_bytes, platform=platform
+            )
         if budget_bytes is None and on_target is not None:
             options = _options_on_target(resolved, memory_plan, model_config, on_target)
     if not measure:
@@ -390,7 +393,6 @@ def _plan_and_measure(requested, model_config, target, budget_bytes, measure) ->
     else:
         measurement = measure_for_target(config, model_config, target.name)
     judged = capacity.verdict(memory_plan, limit, measurement, options)
-    platform = None if target is None else target.platform
     changes = describe_changes(resolved, config, model_config, platform)  # with est. step time
     return PlannedStep(config, memory_plan, measurement, judged, changes)
 

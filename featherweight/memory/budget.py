@@ -350,7 +350,7 @@ def _drop_unneeded(
 
 
 def _search(
-    config: TrainConfig, model_config: ModelConfig, budget: int
+    config: TrainConfig, model_config: ModelConfig, budget: int, rates: DeviceRates | None = None
 ) -> tuple[TrainConfig, MemoryPlan]:
     """The configuration that fits `budget` at the least estimated step time; else the smallest.
 
@@ -359,7 +359,7 @@ def _search(
     before those that change the numerics and the micro-batch last; once the plan fits, every
     change it does not need is undone.
     """
-    rates = rates_for(jax.default_backend())
+    rates = rates or rates_for(jax.default_backend())
     start, plan = config, plan_for_config(config, model_config)
     while plan.device_bytes > budget:
         step = _cheapest_step(config, plan, model_config, rates)
@@ -461,21 +461,24 @@ def fit_budget(
     model_config: ModelConfig,
     budget_bytes: int,
     reserve: float | None = None,
+    platform: str | None = None,
 ) -> tuple[TrainConfig, MemoryPlan]:
     """(config that fits `budget_bytes` of device memory, its plan), changing settings in the
-    order of `PREFERENCE` only as far as needed. Raises `BudgetError` when nothing fits.
+    order of `PREFERENCE` only as far as needed, then spending the room left on kept
+    activations. Raises `BudgetError` when nothing fits.
 
     The plan must fit the budget less `reserve` (a fraction; default the calibration's
     `plan_reserve`: how far below its compiled step a plan fell at worst on the held-out grid),
-    so that the compiled step, not only its plan, fits the budget."""
+    so that the compiled step, not only its plan, fits the budget. Time is weighed at the rates
+    of `platform` ("gpu" for a GPU target planned here; default: this process's backend)."""
     if budget_bytes <= 0:
         raise ConfigError(f"budget of {budget_bytes} bytes must be positive, e.g. 8GiB")
     config = resolve(config, model_config)
     reserve = plan_reserve(config) if reserve is None else reserve
     target = int(budget_bytes * (1 - reserve))
-    fitted, plan = _search(config, model_config, target)
+    rates = rates_for(platform or jax.default_backend())
+    fitted, plan = _search(config, model_config, target, rates)
     if plan.device_bytes <= target:
-        rates = rates_for(jax.default_backend())
         return _spend_on_speed(fitted, plan, model_config, target, rates)
     largest = plan.largest_component()
     shortfall = (plan.device_bytes - target) / GIB

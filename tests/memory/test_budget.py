@@ -300,3 +300,17 @@ def test_a_device_budget_is_all_the_device_may_use_and_is_spent_on_speed():
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert re.search(r"memory\.save: \[\] -> \[.*\] \(est\. step time -\d", result.output)
+
+
+def test_the_search_weighs_time_at_the_platforms_rates():
+    # Llama-3.2-1B full fine-tuning b2 x 2048 at 8 GiB needs its AdamW state on the host. At a
+    # GPU's rates that state's trips over the host link dominate the step's estimate, so only the
+    # class saving the most time per byte clears the 1% resolution; on a CPU (one memory, no
+    # link) every class does. `plan --target` passes the target's platform.
+    model = builtin_config("Llama-3.2-1B")
+    config = resolve(config_of(method="full", batch_size=2, data={"seq_len": 2048}), model)
+    with calibration_for("xla-gpu"):
+        on_cpu, _ = fit_budget(config, model, 8 * GIB, platform="cpu")
+        on_gpu, _ = fit_budget(config, model, 8 * GIB, platform="gpu")
+    assert on_cpu.memory.optimizer_state == on_gpu.memory.optimizer_state == "host"
+    assert on_cpu.memory.save == SAVEABLE and on_gpu.memory.save == ("mlp_hidden",)
