@@ -42,6 +42,7 @@ from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
 from featherweight.recipe.schema import TrainConfig, load_config
 from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.policy import MemoryPolicy
+from featherweight.step.preference import PreferenceObjective, preference_loss
 from featherweight.step.reference import build_reference_step
 from featherweight.step.streamed import build_streamed_step
 from featherweight.train.export_run import export_run
@@ -57,6 +58,7 @@ __all__ = [
     "Model",
     "ModelConfig",
     "NF4Tensor",
+    "PreferenceObjective",
     "Tokenizer",
     "TrainConfig",
     "adam_8bit_state_bytes",
@@ -91,6 +93,7 @@ __all__ = [
     "parse_budget",
     "plan_for_config",
     "plan_within_budget",
+    "preference_loss",
     "quantize_frozen_base",
     "quantize_nf4",
     "resolve",

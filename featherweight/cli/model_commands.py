@@ -155,6 +155,12 @@ def plan(
         ),
     ],
     method: Annotated[str, typer.Option(help="full, lora or qlora")] = "qlora",
+    objective: Annotated[
+        str, typer.Option(help="sft, dpo or orpo (a preference pair: two rows, or one packed)")
+    ] = "sft",
+    reference: Annotated[
+        str, typer.Option(help="dpo's reference: auto, same_step or precomputed")
+    ] = "auto",
     batch: Annotated[int, typer.Option(help="micro-batch size")] = 2,
     seq: Annotated[int, typer.Option(help="sequence length")] = 2048,
     dtype: Annotated[str, typer.Option(help="bfloat16 or float32")] = "bfloat16",
@@ -212,7 +218,7 @@ def plan(
         method=method, batch_size=batch, dtype=dtype, quantize_head=quantize_head, seq_len=seq,
         optimizer=optimizer, lora_rank=lora_rank, mesh=mesh, offload=offload,
         chunks={"loss_chunk": loss_chunk, "vocab_chunk": vocab_chunk, "mlp_chunk": mlp_chunk},
-        attention=attention,
+        attention=attention, objective=objective, reference=reference,
     )  # fmt: skip
     budget_bytes = None if budget is None else budget_bytes_of(budget, chosen)
     model_config = model_config_from(model)
@@ -256,7 +262,7 @@ def _check_target_and_mesh(target: str | None, mesh: str | None, measure: bool):
 
 def _plan_request(
     *, method, batch_size, dtype, quantize_head, seq_len, optimizer, lora_rank, mesh, offload,
-    chunks, attention,
+    chunks, attention, objective="sft", reference="auto",
 ):  # fmt: skip
     """The `TrainConfig` the plan options describe (every other setting at its default, as in a
     config file that leaves it out)."""
@@ -276,6 +282,8 @@ def _plan_request(
     return parse_config(
         {
             "method": method,
+            "objective": objective,
+            "dpo": {"reference": reference},
             "batch_size": batch_size,
             "model": {"dtype": dtype, "quantize_head": quantize_head},
             "data": {"seq_len": seq_len},
