@@ -32,13 +32,13 @@ from featherweight.data.records import (
     Dataset,
     Record,
     Skipped,
-    _chat_ids,
-    _plain_instruction,
-    _reason,
-    _render,
-    _require_template,
+    chat_ids,
+    plain_instruction_ids,
     read_records,
     refuse_empty,
+    render_chat,
+    require_chat_template,
+    skip_reason,
     split,
 )
 from featherweight.errors import DataError
@@ -73,9 +73,9 @@ def _conversations(fields: dict[str, Any]) -> tuple[list[dict], list[dict], list
 
 def _completion(tokenizer: Tokenizer, prompt: list[dict], reply: list[dict], where: str):
     """Ids and targets of prompt + reply through the chat template: targets in the reply only."""
-    ids, targets = _chat_ids(tokenizer, prompt + reply, where)
-    prompt_text = _render(tokenizer, prompt, True, where)
-    offsets = tokenizer.backend.encode(_render(tokenizer, prompt + reply, False, where)).offsets
+    ids, targets = chat_ids(tokenizer, prompt + reply, where)
+    prompt_text = render_chat(tokenizer, prompt, True, where)
+    offsets = tokenizer.backend.encode(render_chat(tokenizer, prompt + reply, False, where)).offsets
     before = np.asarray([start < len(prompt_text) for start, _ in offsets], bool)
     return ids, targets & ~before
 
@@ -86,13 +86,13 @@ def tokenize_pair(record: Record, tokenizer: Tokenizer) -> PairExample:
     if isinstance(fields["chosen"], str):
         keys = ("chosen", "rejected")
         if tokenizer.chat_template is None:
-            made = [_plain_instruction(tokenizer, fields["prompt"], fields[key]) for key in keys]
+            made = [plain_instruction_ids(tokenizer, fields["prompt"], fields[key]) for key in keys]
         else:
             prompt = [{"role": "user", "content": fields["prompt"]}]
             replies = [[{"role": "assistant", "content": fields[key]}] for key in keys]
             made = [_completion(tokenizer, prompt, reply, where) for reply in replies]
     else:
-        _require_template(tokenizer, where)
+        require_chat_template(tokenizer, where)
         prompt, chosen, rejected = _conversations(fields)
         made = [_completion(tokenizer, prompt, reply, where) for reply in (chosen, rejected)]
     chosen, rejected = (Example(np.asarray(ids, np.int32), targets, where) for ids, targets in made)
@@ -117,7 +117,7 @@ def tokenize_pairs(
         except DataError as error:
             if not skip_bad:
                 raise DataError(f"{record.location}: {error}") from None
-            skipped.add(_reason(error, record.location), record.location)
+            skipped.add(skip_reason(error, record.location), record.location)
     return pairs
 
 

@@ -162,7 +162,7 @@ class Skipped:
         self.first.setdefault(reason, location)
 
 
-def _reason(error: Exception, location: str) -> str:
+def skip_reason(error: Exception, location: str) -> str:
     """A skip reason without its location, so equal problems count together."""
     if isinstance(error, RecursionError):
         return "nested too deeply"
@@ -203,7 +203,7 @@ def read_records(
                     "skip (and count) bad records"
                 ) from None
             if skipped is not None:
-                skipped.add(_reason(error, raw.location), raw.location)
+                skipped.add(skip_reason(error, raw.location), raw.location)
 
 
 def refuse_empty(source: str | Path, kept: int, skipped: Skipped) -> None:
@@ -246,7 +246,9 @@ def _mask_spans(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, i
     return mask
 
 
-def _render(tokenizer: Tokenizer, messages: list[dict], generation_prompt: bool, where: str) -> str:
+def render_chat(
+    tokenizer: Tokenizer, messages: list[dict], generation_prompt: bool, where: str
+) -> str:
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
     except jinja2.TemplateError as error:
@@ -278,8 +280,8 @@ def _reply_spans(
     for turn, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:turn], True, where)
-        through = _render(tokenizer, messages[: turn + 1], False, where)
+        before = render_chat(tokenizer, messages[:turn], True, where)
+        through = render_chat(tokenizer, messages[: turn + 1], False, where)
         if not (text.startswith(before) and text.startswith(through)):
             raise DataError(
                 f"{where}: the chat template renders this conversation's turns differently from "
@@ -291,11 +293,11 @@ def _reply_spans(
     return spans
 
 
-def _chat_ids(
+def chat_ids(
     tokenizer: Tokenizer, messages: list[dict], where: str
 ) -> tuple[list[int], np.ndarray]:
     """Ids of the rendered conversation and its targets: each assistant reply + end of turn."""
-    text = _render(tokenizer, messages, False, where)
+    text = render_chat(tokenizer, messages, False, where)
     spans = _reply_spans(tokenizer, messages, text, where)
     encoding = tokenizer.backend.encode(text, add_special_tokens=False)
     targets = _mask_spans(encoding.offsets, [(start, end) for start, end, _ in spans])
@@ -312,7 +314,7 @@ def _chat_ids(
     return encoding.ids, targets
 
 
-def _plain_instruction(
+def plain_instruction_ids(
     tokenizer: Tokenizer, prompt: str, response: str
 ) -> tuple[list[int], np.ndarray]:
     """Prompt + response in one encoding (BOS as the tokenizer adds it) + EOS; targets: response."""
@@ -372,7 +374,7 @@ def plain_instruction_prompt(fields: dict[str, Any], template: InstructionTempla
     return template.prompt_no_input.format(instruction=fields["instruction"])
 
 
-def _require_template(tokenizer: Tokenizer, where: str) -> None:
+def require_chat_template(tokenizer: Tokenizer, where: str) -> None:
     if tokenizer.chat_template is None:
         raise DataError(
             f"{where}: chat records need the model's chat template, and this tokenizer has none; "
@@ -413,12 +415,12 @@ def tokenize_example(
         instruction_template is not None or tokenizer.chat_template is None
     ):
         prompt = plain_instruction_prompt(fields, instruction_template or ALPACA)
-        ids, targets = _plain_instruction(tokenizer, prompt, fields["output"])
+        ids, targets = plain_instruction_ids(tokenizer, prompt, fields["output"])
     elif record.shape == "instruction":
-        ids, targets = _chat_ids(tokenizer, instruction_messages(fields), where)
+        ids, targets = chat_ids(tokenizer, instruction_messages(fields), where)
     else:
-        _require_template(tokenizer, where)
-        ids, targets = _chat_ids(tokenizer, fields["messages"], where)
+        require_chat_template(tokenizer, where)
+        ids, targets = chat_ids(tokenizer, fields["messages"], where)
     return Example(np.asarray(ids, np.int32), targets, where)
 
 
@@ -443,14 +445,14 @@ def tokenize_stream(
     max_chars = None if max_tokens is None else (max_tokens + 2) * max_token_chars(tokenizer)
     for record in records:
         if record.shape == "chat":
-            _require_template(tokenizer, record.location)
+            require_chat_template(tokenizer, record.location)
         try:
             yield tokenize_example(record, tokenizer, max_chars, instruction_template)
         except DataError as error:
             if not skip_bad:
                 raise
             if skipped is not None:
-                skipped.add(_reason(error, record.location), record.location)
+                skipped.add(skip_reason(error, record.location), record.location)
 
 
 def tokenize_records(
@@ -463,7 +465,7 @@ def tokenize_records(
     without a chat template are refused before any record is tokenized."""
     chat = next((record for record in records if record.shape == "chat"), None)
     if chat is not None:
-        _require_template(tokenizer, chat.location)
+        require_chat_template(tokenizer, chat.location)
     skipped = Skipped()
     examples = list(tokenize_stream(records, tokenizer, skip_bad, max_tokens, skipped=skipped))
     return examples, skipped.count
