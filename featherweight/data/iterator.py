@@ -133,7 +133,7 @@ class DataIterator:
         first = (self._step * self.process_count + self.process_index) * self.batch_size
         slots = np.arange(first, first + self.batch_size) % len(self.packed)
         self._step += 1
-        return make_batch(self.packed, [int(row) for row in self._order[slots]])
+        return make_batch(self.packed, [int(row) for row in self._order[slots]], self.process_index)
 
 
 def eval_batches(
@@ -148,4 +148,5 @@ def eval_batches(
         yield make_batch(
             packed,
             [slot if slot < len(packed) else None for slot in range(first, first + batch_size)],
+            process_index,
         )

@@ -201,11 +201,13 @@ def row_tokens(packed: PackedRows, row: int | None) -> tuple[np.ndarray, ...]:
     return tokens, targets, segments, positions
 
 
-def make_batch(packed: PackedRows, rows: Sequence[int | None]) -> Batch:
+def make_batch(packed: PackedRows, rows: Sequence[int | None], shard: int = 0) -> Batch:
     """A `Batch` of numpy arrays [len(rows), seq_len] from row indices (None = padding row).
 
     target_ids[t] = token t+1; loss_mask[t] is 1 only when token t+1 is a target of the same
-    example as token t, so no example is ever predicted from another one's last token.
+    example as token t, so no example is ever predicted from another one's last token. `shard`:
+    which of a global batch's equal parts these rows are (a process's), so that the completion
+    ids of preference pairs are numbered apart from the other parts'.
     """
     tokens, targets, segments, positions = (
         np.stack(parts) for parts in zip(*(row_tokens(packed, row) for row in rows))
@@ -214,7 +216,8 @@ def make_batch(packed: PackedRows, rows: Sequence[int | None]) -> Batch:
     loss_mask = (targets[:, 1:] & same_example).astype(np.float32)
     sequence_ids = reference = None
     if packed.pairs:
-        sequence_ids = _sequence_ids(packed, rows)[:, :-1]
+        ids = _sequence_ids(packed, rows)[:, :-1]
+        sequence_ids = np.where(ids < 0, ids, ids + shard * ids.size).astype(np.int32)
     if packed.reference is not None:
         reference = _row_values(packed, rows, packed.reference)[:, 1:] * loss_mask
     return Batch(

@@ -118,3 +118,15 @@ def test_sft_records_in_a_preference_run_are_refused_with_the_line(smol, tmp_pat
     path = write(tmp_path, [STRING, {"text": "plain"}])
     with pytest.raises(DataError, match=r"pairs.jsonl:2: a text record in a preference run"):
         prepare_preference_dataset(path, smol, 64)
+
+
+def test_processes_number_their_pairs_apart_in_the_global_batch(smol, tmp_path):
+    records = [{**STRING, "chosen": f"It is red{'!' * n}."} for n in range(8)]
+    dataset = prepare_preference_dataset(write(tmp_path, records), smol, 64, pack_examples=False)
+    shards = [
+        next(DataIterator(dataset.train, 2, process_index=p, process_count=2)) for p in (0, 1)
+    ]
+    ids = np.concatenate([shard.sequence_ids for shard in shards])  # the global batch's rows
+    per_row = [sorted(set(row[row >= 0])) for row in ids]
+    assert per_row == [[0], [1], [128], [129]]  # process 1's pair after process 0's 2 x 64 slots
+    assert ids.max() < ids.size

@@ -252,3 +252,29 @@ def test_objectives_the_step_cannot_compute_are_refused(tiny, objective, lora, s
             config, optax.sgd(0.1), adapters, frozen, lora=lora, accumulation_steps=steps,
             objective=objective,
         )  # fmt: skip
+
+
+def test_global_clipping_keeps_the_gradient_and_equals_the_reference(tiny):
+    """The streamed step's kept-gradient mode (global clipping) with a preference objective."""
+    _, frozen, config, adapters = tiny
+    objective, batch = OBJECTIVES["ipo"], packed_batch()
+    optimizer = optax.sgd(0.5)
+    reference = build_reference_step(
+        config, optax.chain(optax.clip_by_global_norm(1e-3), optimizer), lora=LORA.spec,
+        donate=False, objective=objective,
+    )  # fmt: skip
+    streamed = build_streamed_step(
+        config, optimizer, adapters, frozen, lora=LORA.spec, clip_norm=1e-3, donate=False,
+        objective=objective,
+    )  # fmt: skip
+    ref_params, _, ref_metrics = reference(adapters, optax.chain(
+        optax.clip_by_global_norm(1e-3), optimizer).init(adapters), frozen, batch, None)  # fmt: skip
+    st_params, _, st_metrics = streamed(
+        adapters, init_streamed_opt_state(optimizer, adapters), frozen, batch, None
+    )
+    np.testing.assert_allclose(st_metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-5)
+    assert float(st_metrics["grad_norm"]) > 1e-3  # the clip did act
+    assert relative_difference(ref_params, st_params) <= 1e-6
+    np.testing.assert_allclose(
+        st_metrics["rewards/margins"], ref_metrics["rewards/margins"], rtol=1e-5
+    )
