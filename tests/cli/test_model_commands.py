@@ -80,3 +80,16 @@ def test_a_chunk_option_names_what_it_takes():
     )
     assert result.exit_code == 2
     assert "auto (chosen from the shapes), none (whole) or a whole number" in result.output
+
+
+def test_the_plan_command_plans_a_preference_objective_and_its_reference():
+    sft = _plan_json("Llama-3.1-8B", "--seq", "1024", "--no-measure")
+    dpo = _plan_json("Llama-3.1-8B", "--seq", "1024", "--no-measure", "--objective", "dpo")
+    full = _plan_json(
+        "Llama-3.2-1B", "--method", "full", "--seq", "256", "--no-measure", "--objective", "dpo"
+    )
+    assert dpo["config"]["objective"] == "dpo" and dpo["settings"]["reference"] == "same_step"
+    assert full["settings"]["reference"] == "precomputed"  # auto: full has no frozen copy
+    assert "objective" not in sft["settings"]
+    assert dpo["planned_device_bytes"] - sft["planned_device_bytes"] == 4 * 2 * 1024  # the ids
+    assert any("one more forward pass of the frozen base" in note for note in dpo["notes"])
