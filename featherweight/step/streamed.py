@@ -13,6 +13,11 @@ No `jax.grad` of the whole model. The step is, in one jitted and donated program
    embedding's gradient (a tied table adds the head's gradient of it) and the table is updated
    once.
 
+A preference objective (DPO, IPO, ORPO: `preference.py`) changes step 2 only: each token's loss is
+read first (forward only), the objective's per-token weights are its gradient with respect to
+them, and the head's VJP is that of the weighted token loss; DPO's reference log-probs come from
+the same frozen base run with the adapters off, or from the batch when precomputed.
+
 Frozen weights (bf16 or NF4) are closed over in every VJP, so no gradient of them is ever built.
 Any optax `GradientTransformation` works, applied per tensor (its state is initialised per layer
 and stacked: `opt_state.py`). Each update sits in a `lax.cond` on the loss being finite
