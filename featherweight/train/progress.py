@@ -21,8 +21,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 def status_text(record: dict[str, Any]) -> str:
-    """loss, learning rate, throughput and device memory of one step's record."""
+    """loss (and a preference run's reward accuracy and margin), learning rate, throughput and
+    device memory of one step's record."""
     parts = [f"loss {record['loss']:.4f}"]
+    if "rewards/accuracies" in record:
+        parts.append(
+            f"reward acc {record['rewards/accuracies']:.2f}, margin {record['rewards/margins']:.3f}"
+        )
     if record.get("learning_rate") is not None:
         parts.append(f"lr {record['learning_rate']:.2e}")
     parts.append(f"{record['tokens_per_second']:,.0f} tok/s")

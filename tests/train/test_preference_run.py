@@ -56,6 +56,7 @@ def test_a_dpo_run_reports_pairs_and_trl_metric_names(dpo_run):
     assert summary["objective"] == "dpo" and summary["records"] == 24
     assert summary["train"]["pairs"] + summary["eval"]["pairs"] == 24
     assert f"train: {summary['train']['pairs']} pairs -> " in text
+    assert "| reward acc " in text  # the progress line shows the rewards
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [record for record in records if "loss" in record]
     assert len(steps) == 3 and all(set(METRIC_NAMES) <= set(record) for record in steps)
