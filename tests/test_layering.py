@@ -203,3 +203,18 @@ def test_the_data_pipeline_does_not_import_the_steps():
         if target.startswith("featherweight.step")
     }
     assert not from_data, f"featherweight.data imports {sorted(from_data)}"
+
+
+MAX_FUNCTION_LINES = 80  # a function reads on one screen (STYLE.md: small functions with one job)
+
+
+def test_no_function_in_the_package_is_over_80_lines():
+    """Every function (signature, docstring and body) fits in 80 lines."""
+    long = []
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PACKAGE_ROOT)}:{node.lineno} {node.name}")
+    assert not long, f"over {MAX_FUNCTION_LINES} lines: {long}"

@@ -207,9 +207,7 @@ def plan(
     ] = None,
 ) -> None:
     """Plan every byte of a train step before compiling; measure the compiled step next to it.
-
-    The settings are resolved as train resolves them (auto chunks chosen from the shapes), so the
-    step planned and measured is the one a config with these settings trains."""
+    Settings resolve as `train` resolves them: the step planned is the one a config trains."""
     from featherweight.io.model_source import model_config_from
     from featherweight.memory.budget import budget_bytes_of
 
@@ -223,12 +221,17 @@ def plan(
     budget_bytes = None if budget is None else budget_bytes_of(budget, chosen)
     model_config = model_config_from(model)
     planned = _plan_on_target(requested, model_config, chosen, budget_bytes, measure)
-    if plot is not None:
-        from featherweight.memory.report import plot_plan
-
-        plot_plan(planned.plan, planned.measurement, plot, budget_bytes)
     _print_plan(planned, model_config, chosen, json_output)
-    if plot is not None and not json_output:
+    if plot is not None:
+        _plot_plan(planned, plot, budget_bytes, say_where=not json_output)
+
+
+def _plot_plan(planned: PlannedStep, plot: Path, budget_bytes: int | None, say_where: bool) -> None:
+    """The plan as a stacked bar chart in `plot` (the compiled bytes beside it when measured)."""
+    from featherweight.memory.report import plot_plan
+
+    plot_plan(planned.plan, planned.measurement, plot, budget_bytes)
+    if say_where:
         console.print(f"plot: {plot}")
 
 

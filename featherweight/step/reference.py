@@ -123,6 +123,36 @@ def preference_model_loss(
     return preference_loss(objective, policy, reference)
 
 
+def _loss_and_grad(
+    config: ModelConfig,
+    lora: LoraSpec | None,
+    chunk_size: int | None,
+    remat: bool,
+    attention: str,
+    objective: PreferenceObjective | None,
+) -> Callable[..., tuple[jax.Array, Params, dict[str, jax.Array]]]:
+    """`(trainable, frozen, batch, key, weight) -> (loss, grads, metrics)`: the cross-entropy, or
+    `objective` when one is given (its metrics returned beside), scaled by `weight`, and its
+    gradient with respect to `trainable` by `jax.value_and_grad`."""
+
+    def loss_and_grad(trainable, frozen, batch, key, weight):
+        def weighted(trainable):
+            if objective is not None:
+                loss, extra = preference_model_loss(
+                    trainable, frozen, batch, config, objective, lora, key, attention
+                )
+                return loss * weight, extra
+            loss = model_loss(
+                trainable, frozen, batch, config, lora, key, chunk_size, remat, attention=attention
+            )
+            return loss * weight, {}
+
+        (loss, extra), grads = jax.value_and_grad(weighted, has_aux=True)(trainable)
+        return loss, grads, extra
+
+    return loss_and_grad
+
+
 def build_reference_step(
     config: ModelConfig,
     optimizer: optax.GradientTransformation,
@@ -153,20 +183,7 @@ def build_reference_step(
         raise StepConfigError(f"accumulation_steps={accumulation_steps} must be at least 1")
     check_objective(objective, lora, accumulation_steps)
 
-    def loss_and_grad(trainable, frozen, batch, key, weight):
-        def weighted(trainable):
-            if objective is not None:
-                loss, extra = preference_model_loss(
-                    trainable, frozen, batch, config, objective, lora, key, attention
-                )
-                return loss * weight, extra
-            loss = model_loss(
-                trainable, frozen, batch, config, lora, key, chunk_size, remat, attention=attention
-            )
-            return loss * weight, {}
-
-        (loss, extra), grads = jax.value_and_grad(weighted, has_aux=True)(trainable)
-        return loss, grads, extra
+    loss_and_grad = _loss_and_grad(config, lora, chunk_size, remat, attention, objective)
 
     def accumulated(trainable, frozen, batch, key):
         total = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
