@@ -133,7 +133,7 @@ def chunk_option(value: str) -> int | str | None:
         return None
     if text == "auto":
         return "auto"
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # "²".isdigit() is True, int("²") fails
         raise typer.BadParameter(
             f"{value!r} is not a chunk; give auto (chosen from the shapes), none (whole) or a "
             "whole number, e.g. 512"

@@ -74,9 +74,10 @@ def test_the_plan_command_resolves_as_the_trainer_does(seq, tmp_path):
     assert whole["config"]["memory"]["loss_chunk"] is None
 
 
-def test_a_chunk_option_names_what_it_takes():
+@pytest.mark.parametrize("value", ["half", "²", "١٢"])  # digits int() refuses or reads oddly
+def test_a_chunk_option_names_what_it_takes(value):
     result = CliRunner().invoke(
-        app, ["plan", "SmolLM2-135M", "--loss-chunk", "half", "--no-measure"]
+        app, ["plan", "SmolLM2-135M", "--loss-chunk", value, "--no-measure"]
     )
     assert result.exit_code == 2
     assert "auto (chosen from the shapes), none (whole) or a whole number" in result.output
