@@ -34,22 +34,19 @@ script runs in CI (tests/test_gpu_check_attention.py) and cannot rot; its times 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
+import gpu_check_jobs
 import jax
 import jax.numpy as jnp
 from gpu_check_cases import GPU, TIMED, TINY, Case, Scale, case_config, run_steps, set_up
-from results_file import emit
 
 from featherweight.errors import StepConfigError
 from featherweight.memory.plan import plan_for_config
@@ -288,41 +285,6 @@ def job_main(job: Job, tiny: bool) -> dict[str, Any]:
 # ---------------------------------------------------------------- the driver and the table
 
 
-def run_jobs(out: Path, tiny: bool, deadline_s: float) -> dict[str, dict[str, Any]]:
-    """Each job in its own process, in order, within the deadline; the longest-context search
-    stops at the first length that fails."""
-    started, records = time.monotonic(), {}
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    if tiny:
-        env["JAX_PLATFORMS"] = "cpu"
-    results = out / "attention.jsonl"
-    results.unlink(missing_ok=True)
-    for job in jobs(tiny):
-        left = deadline_s - (time.monotonic() - started)
-        if left < 20:
-            records[job.name] = {"job": job.name, "error": "not run: the deadline came first"}
-            continue
-        command = [sys.executable, __file__, "--job", job.name, "--out", str(out)]
-        command += ["--tiny"] if tiny else []
-        print(f"[gpu_check_attention] {job.name}", flush=True)
-        try:
-            done = subprocess.run(
-                command, capture_output=True, text=True, env=env, timeout=left
-            )  # fmt: skip
-            (out / f"attention-{job.name}.log").write_text(done.stdout + done.stderr)
-        except subprocess.TimeoutExpired:
-            records[job.name] = {"job": job.name, "error": f"timed out after {left:.0f} s"}
-            break
-        lines = [line for line in done.stdout.splitlines() if line.startswith('{"job"')]
-        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-        records[job.name] = json.loads(lines[-1]) if lines else {"job": job.name, "error": tail}
-        with open(results, "a") as file:
-            file.write(json.dumps(records[job.name]) + "\n")
-        if job.name.startswith("longest") and "error" in records[job.name]:
-            break  # the first length that does not fit ends the search
-    return records
-
-
 def _ratio(records: dict, shape: str) -> str:
     mine, theirs = records.get(f"fw-{shape}", {}), records.get(f"torch-{shape}", {})
     if "median_step_s" in mine and "median_step_s" in theirs:
@@ -391,24 +353,17 @@ def table_lines(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--tiny", action="store_true", help="SmolLM2 shapes on CPU (CI)")
-    parser.add_argument("--deadline", type=float, default=1500.0, help="seconds for all jobs")
-    parser.add_argument("--table-dir", type=Path, default=REPO / "benchmarks" / "results")
-    parser.add_argument("--job", help=argparse.SUPPRESS)  # the child
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = gpu_check_jobs.parse_args(__doc__, REPO, argv)
     if args.job:
         job = next(job for job in jobs(args.tiny) if job.name == args.job)
         print(json.dumps(job_main(job, args.tiny)), flush=True)
         return 0
-    records = run_jobs(args.out, args.tiny, args.deadline)
-    device = next((r["device"] for r in records.values() if "device" in r), "none")
-    name = "cpu_tiny" if args.tiny else device.lower().replace(" ", "-")
-    table = args.table_dir / f"gpu_check_attention_{name}.md"
-    table.parent.mkdir(parents=True, exist_ok=True)
-    emit(table_lines(records, args.tiny), str(table))
+    # the longest-context search stops at the first length that fails
+    records = gpu_check_jobs.run_jobs(
+        __file__, "attention", [job.name for job in jobs(args.tiny)], args,
+        stop=lambda name, record: name.startswith("longest") and "error" in record,
+    )  # fmt: skip
+    gpu_check_jobs.write_table("attention", records, table_lines(records, args.tiny), args)
     return 0
 
 

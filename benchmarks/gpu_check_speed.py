@@ -30,18 +30,16 @@ shapes (2 layers), float32, b2 x 64 (the torch peer on the CPU too): the script 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
+import gpu_check_jobs
 import jax
 import numpy as np
 from gpu_check_cases import (
@@ -57,7 +55,6 @@ from gpu_check_cases import (
     set_up,
     settings_text,
 )
-from results_file import emit
 
 from featherweight.memory import budget, capacity
 from featherweight.memory.plan import plan_for_config
@@ -197,36 +194,6 @@ def job_main(name: str, tiny: bool) -> dict[str, Any]:
     return {**record, **result}
 
 
-def run_jobs(out: Path, tiny: bool, deadline_s: float) -> dict[str, dict[str, Any]]:
-    """Each job in its own process, in order, within the deadline."""
-    started, records = time.monotonic(), {}
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    if tiny:
-        env["JAX_PLATFORMS"] = "cpu"
-    results = out / "speed.jsonl"
-    results.unlink(missing_ok=True)
-    for name, _, _ in jobs(tiny):
-        left = deadline_s - (time.monotonic() - started)
-        if left < 20:
-            records[name] = {"job": name, "error": "not run: the deadline came first"}
-            continue
-        command = [sys.executable, __file__, "--job", name, "--out", str(out)]
-        command += ["--tiny"] if tiny else []
-        print(f"[gpu_check_speed] {name}", flush=True)
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=left)
-            (out / f"speed-{name}.log").write_text(done.stdout + done.stderr)
-        except subprocess.TimeoutExpired:
-            records[name] = {"job": name, "error": f"timed out after {left:.0f} s"}
-            continue
-        lines = [line for line in done.stdout.splitlines() if line.startswith('{"job"')]
-        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-        records[name] = json.loads(lines[-1]) if lines else {"job": name, "error": tail}
-        with open(results, "a") as file:
-            file.write(json.dumps(records[name]) + "\n")
-    return records
-
-
 def _row(record: dict[str, Any]) -> str:
     if "median_step_s" not in record:
         return f"| {record['job']} | {record.get('error') or record.get('skipped')} | | | | |"
@@ -275,14 +242,7 @@ def table_lines(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--tiny", action="store_true", help="SmolLM2 shapes on CPU (CI)")
-    parser.add_argument("--deadline", type=float, default=1500.0, help="seconds for all jobs")
-    parser.add_argument("--table-dir", type=Path, default=REPO / "benchmarks" / "results")
-    parser.add_argument("--job", help=argparse.SUPPRESS)  # the child
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = gpu_check_jobs.parse_args(__doc__, REPO, argv)
     if args.job:
         try:
             print(json.dumps(job_main(args.job, args.tiny)), flush=True)
@@ -290,12 +250,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             return 1
         return 0
-    records = run_jobs(args.out, args.tiny, args.deadline)
-    device = next((r["device"] for r in records.values() if "device" in r), "none")
-    name = "cpu_tiny" if args.tiny else device.lower().replace(" ", "-")
-    table = args.table_dir / f"gpu_check_speed_{name}.md"
-    table.parent.mkdir(parents=True, exist_ok=True)
-    emit(table_lines(records, args.tiny), str(table))
+    names = [name for name, _, _ in jobs(args.tiny)]
+    records = gpu_check_jobs.run_jobs(__file__, "speed", names, args)
+    gpu_check_jobs.write_table("speed", records, table_lines(records, args.tiny), args)
     return 0
 
 
