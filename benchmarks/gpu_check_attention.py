@@ -46,6 +46,7 @@ from typing import Any
 import gpu_check_jobs
 import jax
 import jax.numpy as jnp
+import numpy as np
 from gpu_check_cases import GPU, TIMED, TINY, Case, Scale, case_config, run_steps, set_up
 
 from featherweight.errors import StepConfigError
@@ -198,7 +199,11 @@ def torch_job(job: Job, scale: Scale) -> dict[str, Any]:
         return {"skipped": f"torch + peft + bitsandbytes not installed ({error})"}
     if not torch.cuda.is_available():
         return {"skipped": "torch has no CUDA device here"}
-    step = _torch_qlora_step(scale.models["large"](), job.batch, job.seq)
+    from peer_torch import build_torch_step  # bf16, SDPA, checkpointing, NF4 linears, LoRA r 8
+
+    model_config = scale.models["large"]()
+    tokens = np.random.default_rng(1).integers(0, model_config.vocab_size, (job.batch, job.seq + 1))
+    step = build_torch_step(model_config, "qlora", tokens[:, :-1], tokens[:, 1:], device="cuda")
     torch.cuda.reset_peak_memory_stats()
     seconds = []
     for _ in range(7):
@@ -214,60 +219,6 @@ def torch_job(job: Job, scale: Scale) -> dict[str, Any]:
         "tokens_per_s": job.batch * job.seq / step_s,
         "peak_bytes_in_use": torch.cuda.max_memory_allocated(),
     }
-
-
-def _torch_qlora_step(model_config, batch: int, seq: int):
-    """A closure running one torch + peft + bitsandbytes QLoRA step on the GPU: the model in bf16
-    with SDPA attention and gradient checkpointing, every decoder linear an NF4 `Linear4bit`
-    (double quantization, bf16 compute), peft LoRA r 8 / alpha 16 on them, AdamW, random weights
-    and tokens (fixed seeds)."""
-    import bitsandbytes as bnb
-    import peft
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from featherweight.peft.lora import PEFT_MODULES
-
-    torch.manual_seed(0)
-    hf = model_config.to_hf_dict()
-    hf.pop("architectures")
-    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], seq)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(LlamaConfig(**hf, attn_implementation="sdpa")).to(torch.bfloat16)
-    for layer in model.model.layers:
-        for path in PEFT_MODULES.values():
-            parent_name, name = path.split(".")
-            parent, dense = getattr(layer, parent_name), getattr(getattr(layer, parent_name), name)
-            quantized = bnb.nn.Linear4bit(
-                dense.in_features, dense.out_features, bias=False, compute_dtype=torch.bfloat16,
-                compress_statistics=True, quant_type="nf4",
-            )  # fmt: skip
-            quantized.weight = bnb.nn.Params4bit(
-                dense.weight.data.cpu(), requires_grad=False, compress_statistics=True,
-                quant_type="nf4",
-            )  # fmt: skip
-            setattr(parent, name, quantized.to("cuda"))  # quantizes on the way to the GPU
-    torch.cuda.empty_cache()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    targets = [path.split(".")[1] for path in PEFT_MODULES.values()]
-    lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets)
-    model = peft.get_peft_model(model, lora)
-    model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, model_config.vocab_size, (batch, seq + 1), generator=generator)
-    inputs, targets_ = tokens[:, :-1].cuda(), tokens[:, 1:].cuda()
-
-    def step() -> float:
-        logits = model(input_ids=inputs).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets_.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return step
 
 
 def job_main(job: Job, tiny: bool) -> dict[str, Any]:
