@@ -168,3 +168,13 @@ def test_xla_gpu_compiler_compiles_host_placements_as_they_run(method, settings)
     if arguments_on_host(_config(method, settings)):
         assert measured.host_argument_bytes > 0
     assert measured.device_bytes > 0
+
+
+@pytest.mark.parametrize(
+    ("method", "objective"), [("qlora", "dpo"), ("qlora", "orpo"), ("lora", "dpo")]
+)
+def test_preference_steps_with_every_host_placement_keep_the_rules(method, objective):
+    """DPO's reference forward and the per-token weights add no host compute or undeclared
+    host output (lowered for CUDA, the same walk as SFT's steps)."""
+    config = _config(method, tuple(HOST_SETTINGS), objective=objective)
+    assert _violations(config) == []
