@@ -24,12 +24,16 @@ first), so a setting that saves nothing is never kept. The settings, each with w
 6. embedding on host: memory.embed = "host" -- same result, only a batch's rows come over;
 7. optimizer state on host: memory.optimizer_state = "host" -- same result, the state crosses the
    link in and out, one layer at a time (one device only, like 6);
-8. quantized head (QLoRA): model.quantize_head = true -- the LM head (or tied embedding) in NF4;
-9. optimizer-state dtype: adamw -> adamw_8bit -- 2 bytes of state per parameter instead of 8;
-10. base on host (LoRA/QLoRA): memory.base = "host" -- same result, but the whole frozen layer
+8. blockwise attention: memory.attention = "blockwise" where cuDNN's fused kernel would run --
+   same result (exact masks both), without cuDNN's backward workspace (4 GiB for Llama-3.1-8B
+   at b2 x 2048 in the packed layout), at blockwise's measured extra time on a GPU
+   (`step_cost.DeviceRates.blockwise_attention_extra`);
+9. quantized head (QLoRA): model.quantize_head = true -- the LM head (or tied embedding) in NF4;
+10. optimizer-state dtype: adamw -> adamw_8bit -- 2 bytes of state per parameter instead of 8;
+11. base on host (LoRA/QLoRA): memory.base = "host" -- same result, but the whole frozen layer
    stack crosses the host link twice a step (forward, and the backward's recompute), the
    costliest transfer of all: it is tried after every other setting that keeps the batch;
-11. micro-batch: halve batch_size (down to 1) -- the streamed step updates per micro-batch, so
+12. micro-batch: halve batch_size (down to 1) -- the streamed step updates per micro-batch, so
    this changes the effective batch; it comes last.
 
 When the last plan still does not fit, `BudgetError` names the largest component, the shortfall in
@@ -55,6 +59,7 @@ from featherweight.memory.targets import Target
 from featherweight.memory.working_set import plan_reserve
 from featherweight.models.config import ModelConfig
 from featherweight.parallel.sharding import planning_mesh
+from featherweight.recipe.build import attention_implementation
 from featherweight.recipe.placement import check_placements
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.policy import SAVEABLE
@@ -176,6 +181,11 @@ def _base_on_host(config: TrainConfig) -> Iterator[TrainConfig]:
         yield _replace(config, "memory", base="host")
 
 
+def _blockwise_attention(config: TrainConfig, model_config: ModelConfig) -> Iterator[TrainConfig]:
+    if attention_implementation(config, model_config) != "blockwise":
+        yield _replace(config, "memory", attention="blockwise")
+
+
 def _no_saved(config: TrainConfig) -> Iterator[TrainConfig]:
     if config.memory.save:
         yield _replace(config, "memory", save=())
@@ -230,6 +240,7 @@ PREFERENCE: tuple[tuple[str, Callable[[TrainConfig, ModelConfig], Iterator[Train
     ("embedding on host", lambda c, m: _embedding_on_host(c, m.tie_word_embeddings)),
     ("quantized head", lambda c, m: _quantized_head(c)),
     ("optimizer state on host", lambda c, m: _optimizer_state_on_host(c)),
+    ("blockwise attention", _blockwise_attention),
     ("8-bit optimizer state", lambda c, m: _eight_bit_state(c)),
     ("base on host", lambda c, m: _base_on_host(c)),
     ("micro-batch", lambda c, m: _micro_batches(c)),
@@ -245,6 +256,7 @@ SEARCHED_FIELDS = (
     ("memory", "residuals"),
     ("memory", "embed"),
     ("memory", "optimizer_state"),
+    ("memory", "attention"),
     ("model", "quantize_head"),
     ("optimizer", "name"),
     ("memory", "base"),

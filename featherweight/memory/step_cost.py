@@ -24,8 +24,9 @@ vocabulary chunks read each row as often as the whole head does.
 
 `step_seconds` turns the counts into an estimate with a device's throughput: matmul FLOPs at the
 device's rate, the head's bytes at its memory's rate, and bytes that cross between host and
-device memory at the link's rate. Memory settings are compared by the difference of these
-estimates (`budget.change_costs`).
+device memory at the link's rate, and, on a GPU, what blockwise attention costs beyond the
+fused kernel (`DeviceRates.blockwise_attention_extra`, measured on an H200). Memory settings are
+compared by the difference of these estimates (`budget.change_costs`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from featherweight.memory.state_bytes import (
 )
 from featherweight.models.config import ModelConfig
 from featherweight.models.shapes import layer_shapes
+from featherweight.recipe.build import attention_implementation
 from featherweight.recipe.schema import TrainConfig, require_resolved
 from featherweight.step.loss import resolve_chunk_size
 
@@ -230,7 +232,7 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
     projections = _projection_flops(config, model_config)
     linear = sum(base for base, _ in projections.values())
     adapters = sum(adapter for _, adapter in projections.values())
-    attention = 2 * 2 * config.batch_size * m.num_heads * config.data.seq_len**2 * m.head_dim
+    attention = attention_flops(config, model_config) // (4 * m.num_layers)
     saved = {"down"} | {
         name
         for kept, names in SAVED_PROJECTIONS.items()
@@ -258,6 +260,33 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
     chunked_vocab = vocab_chunk is not None and vocab_chunk < m.vocab_size
     recompute = head_forward if chunked_vocab and head_trained else 0  # a frozen head: one sweep
     return StepFlops(m.num_layers * per_layer, head, recompute)
+
+
+def attention_flops(config: TrainConfig, model_config: ModelConfig) -> int:
+    """The attention's matmul FLOPs in a step, every layer: the scores and the weighted sum
+    (2 x 2 B H S^2 h, the whole square) in the forward, the remat forward and the backward's two
+    operand gradients of each (4 x)."""
+    m = model_config
+    per_layer = 2 * 2 * config.batch_size * m.num_heads * config.data.seq_len**2 * m.head_dim
+    return 4 * per_layer * m.num_layers
+
+
+def blockwise_attention_seconds(
+    config: TrainConfig, model_config: ModelConfig, rates: DeviceRates
+) -> float:
+    """What blockwise attention adds to a step where a fused kernel could run instead (0 where
+    the rates know no fused kernel, or the step calls another implementation)."""
+    if not rates.blockwise_attention_extra or config.memory.attention not in ("auto", "blockwise"):
+        return 0.0
+    if attention_implementation(config, model_config) != "blockwise":
+        return 0.0
+    memory = config.memory.model_copy(update={"attention": "auto"})
+    if attention_implementation(config.model_copy(update={"memory": memory}), model_config) == (
+        "blockwise"
+    ):
+        return 0.0  # no fused kernel runs on this target (float32, a CPU, ...)
+    extra = rates.blockwise_attention_extra * attention_flops(config, model_config)
+    return extra / rates.flops_per_second
 
 
 def _head_rows_per_sweep(config: TrainConfig, model_config: ModelConfig) -> int:
@@ -306,6 +335,9 @@ class DeviceRates(NamedTuple):
     flops_per_second: float
     memory_bytes_per_second: float
     link_bytes_per_second: float | None
+    # blockwise attention's time beyond the fused kernel's, in units of the attention's matmul
+    # FLOPs at `flops_per_second` (0 where no fused kernel runs: what "auto" picks costs nothing)
+    blockwise_attention_extra: float = 0.0
 
 
 # 2-16 cores with AVX2/AVX-512 FMA; ~20 GB/s of DRAM per core streaming a matmul operand, a round
@@ -315,8 +347,12 @@ class DeviceRates(NamedTuple):
 # +0.7% (the per-call packing of the head's operand is not counted)
 CPU_RATES = DeviceRates(1e11, 2e10, None)
 # an H100-class GPU: ~40% of its 989 dense bf16 TFLOP/s sustained, ~2.5 TB/s of its 3.35 TB/s HBM;
-# PCIe 5 x16 at ~25 GB/s per way
-ACCELERATOR_RATES = DeviceRates(4e14, 2.5e12, 2.5e10)
+# PCIe 5 x16 at ~25 GB/s per way. Blockwise attention: measured on an H200 (jax 0.11.2), the
+# Llama-3.1-8B QLoRA step with blockwise attention took 3.9 x the attention's FLOPs at this rate
+# longer than with cuDNN's kernel, alike at b2 x 2048 (0.615 s against 0.444 s) and at
+# b1 x 16384 (7.36 s against 1.95 s); the blockwise steps ran in an earlier session that day
+# (benchmarks/results/gpu_h200_2026-11-27.md)
+ACCELERATOR_RATES = DeviceRates(4e14, 2.5e12, 2.5e10, 3.9)
 
 
 def rates_for(platform: str) -> DeviceRates:
@@ -408,10 +444,12 @@ def host_base_estimate(
 
 def step_seconds(config: TrainConfig, model_config: ModelConfig, rates: DeviceRates) -> float:
     """Estimated seconds of one train step: its matmul FLOPs at the device's rate, the bytes the
-    LM head's matmuls stream at its memory's rate, plus its host transfers at the link's rate
-    (not overlapped: an upper bound on what they add)."""
+    LM head's matmuls stream at its memory's rate, blockwise attention's extra time where a
+    fused kernel could run, plus its host transfers at the link's rate (not overlapped: an upper
+    bound on what they add)."""
     seconds = step_flops(config, model_config).total / rates.flops_per_second
     seconds += head_matmul_bytes(config, model_config) / rates.memory_bytes_per_second
+    seconds += blockwise_attention_seconds(config, model_config, rates)
     if rates.link_bytes_per_second is not None:
         seconds += host_transfer_bytes(config, model_config) / rates.link_bytes_per_second
     return seconds

@@ -17,13 +17,15 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
                            blockwise: its log-sum-exps and row terms (2 B H S x 4) and four float32
                            tiles of B x H x t x t (scores, probabilities, their cotangents; t the
                            tile edge; on XLA:CPU three for a lone tile, S <= t), counted once;
-                           cudnn_padded: the log-sum-exps and cuDNN's float32 dQ accumulator,
-                           B H S (h + 1) x 4; cudnn (packed rows): cuDNN's statistics for M =
-                           PACKED_SLOTS documents a row and the dQ accumulator, B H S (M + h)
-                           x 4, the layout's int32 arrays, and the blockwise fallback's
-                           buffers (as blockwise) and output (B S H h x itemsize) beside them;
-                           cuDNN's workspace is not counted (XLA sizes it when it compiles for
-                           a GPU with cuDNN at hand);
+                           cudnn_padded: the log-sum-exps, B H S x 4, and cuDNN's backward
+                           workspace for B sequences (`cudnn_workspace_bytes`); cudnn (packed
+                           rows): cuDNN's statistics for M = PACKED_SLOTS documents a row,
+                           B H S M x 4, its backward workspace for B x M sequences, the
+                           layout's int32 arrays, and the blockwise fallback's buffers (as
+                           blockwise) and output (B S H h x itemsize) beside them. The
+                           workspace, 4 (B M) H S (2h + 1) bytes, was read off the step
+                           compiled on an H200 (benchmarks/results/gpu_h200_2026-11-27.md): at
+                           B 2, M 32 it is 4.0 GiB, half the 8B QLoRA step;
                            pallas: its log-sum-exps and row terms (2 B H S' x 4, S' the
                            sequence padded to its tile) and, for grouped K/V, the repeated K
                            and V and their gradients, 4 B S' H h x itemsize (compiled for an
@@ -190,20 +192,34 @@ def attention_bytes(shapes: StepShapes) -> tuple[int, int]:
         return 4 * shapes.batch * shapes.heads * shapes.seq * shapes.seq, 0
     batch, heads, seq = shapes.batch, shapes.heads, shapes.seq
     if shapes.attention == "cudnn_padded":
-        return 0, 4 * batch * heads * seq * (shapes.head_dim + 1)
+        workspace = cudnn_workspace_bytes(batch, heads, seq, shapes.head_dim)
+        return 0, 4 * batch * heads * seq + workspace
     if shapes.attention == "cudnn":
-        # statistics for PACKED_SLOTS documents a row, the dQ accumulator, the layout, and the
-        # blockwise fallback's buffers and output beside cuDNN's (`packed_or_fallback`)
-        stats = 4 * batch * heads * seq * (PACKED_SLOTS + shapes.head_dim)
+        # statistics for PACKED_SLOTS documents a row, the backward's workspace, the layout, and
+        # the blockwise fallback's buffers and output beside cuDNN's (`packed_or_fallback`)
+        stats = 4 * batch * heads * seq * PACKED_SLOTS
+        workspace = cudnn_workspace_bytes(batch * PACKED_SLOTS, heads, seq, shapes.head_dim)
         layout = 4 * 4 * batch * (PACKED_SLOTS + 1)
         fallback = batch * seq * heads * shapes.head_dim * shapes.itemsize
-        return 0, stats + layout + fallback + _blockwise_bytes(shapes)
+        return 0, stats + workspace + layout + fallback + _blockwise_bytes(shapes)
     if shapes.attention == "pallas":
         padded = pallas_padded(seq)
         repeated = 4 * padded * heads * shapes.head_dim * shapes.itemsize
         grouped = heads > shapes.kv_heads
         return 0, batch * (8 * heads * padded + (repeated if grouped else 0))
     return 0, _blockwise_bytes(shapes)
+
+
+def cudnn_workspace_bytes(sequences: int, heads: int, seq: int, head_dim: int) -> int:
+    """The workspace cuDNN's fused attention backward (`__cudnn$fmhaSoftmaxBackward`) takes for
+    `sequences` sequences of `seq` positions: 4 x sequences x H x S x (2h + 1) bytes, two float32
+    accumulators of the query's shape and a float32 row term per sequence. In the packed layout
+    every row is M = PACKED_SLOTS sequences of up to S positions, so it is M times the padded
+    layout's. Read off the step compiled on an H200 (jax 0.11.2): u8[4311761664] for 2 x 32
+    sequences, 32 heads, 2048 positions, head dim 128, which is this plus the forward's 17152
+    bytes (benchmarks/results/gpu_h200_2026-11-27.md). The padded layout's (one sequence a row)
+    is the same formula at M = 1, not yet read off a GPU."""
+    return 4 * sequences * heads * seq * (2 * head_dim + 1)
 
 
 def _blockwise_bytes(shapes: StepShapes) -> int:
@@ -512,14 +528,16 @@ def _attention_buffer(
         )
     if shapes.attention == "cudnn_padded":
         formula = (
-            f"cudnn_padded: B x H x S x (h + 1) x 4 = {shapes.batch} x {shapes.heads} x "
-            f"{shapes.seq} x {shapes.head_dim + 1} x 4 (cuDNN's workspace not counted)"
+            f"cudnn_padded: B x H x S x (4 + 4 (2h + 1)), the log-sum-exps and cuDNN's backward "
+            f"workspace = {shapes.batch} x {shapes.heads} x {shapes.seq} x "
+            f"(4 + 4 x {2 * shapes.head_dim + 1})"
         )
     elif shapes.attention == "cudnn":
         formula = (
-            f"cudnn: B x H x S x (M + h) x 4 = {shapes.batch} x {shapes.heads} x {shapes.seq} x "
-            f"({PACKED_SLOTS} + {shapes.head_dim}) x 4, with the packed layout and the blockwise "
-            "fallback's buffers and output (cuDNN's workspace not counted)"
+            f"cudnn: B x H x S x M x (4 + 4 (2h + 1)), cuDNN's statistics and backward workspace "
+            f"for M = {PACKED_SLOTS} packed slots a row = {shapes.batch} x {shapes.heads} x "
+            f"{shapes.seq} x {PACKED_SLOTS} x (4 + 4 x {2 * shapes.head_dim + 1}), with the "
+            "packed layout and the blockwise fallback's buffers and output"
         )
     elif shapes.attention == "pallas":
         padded, heads = pallas_padded(shapes.seq), shapes.heads

@@ -12,15 +12,24 @@ from typer.testing import CliRunner
 
 from featherweight.cli.main import app
 from featherweight.errors import StepConfigError
-from featherweight.memory.defaults import resolve
+from featherweight.memory import working_set as wsmod
+from featherweight.memory.defaults import resolve, with_lean_defaults
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.measure import measure_compiled
+from featherweight.memory.plan import plan_for_config
 from featherweight.memory.targets import compile_as_run
-from featherweight.memory.working_set import StepShapes, attention_bytes, attention_of, raw_terms
+from featherweight.memory.working_set import (
+    StepShapes,
+    attention_bytes,
+    attention_of,
+    calibration_for,
+    raw_terms,
+)
 from featherweight.models import attention_choice
 from featherweight.models.attention import attend
-from featherweight.models.attention_choice import AttentionTarget
-from featherweight.models.fused_attention import pallas_attention
+from featherweight.models.attention_choice import AttentionTarget, compiling_for
+from featherweight.models.fused_attention import PACKED_SLOTS, pallas_attention
+from featherweight.models.registry import builtin_config
 from featherweight.parallel.backend import cuda_plugin_installed
 from featherweight.recipe.schema import parse_config
 from tests.conftest import tiny_config
@@ -176,3 +185,38 @@ def test_the_plan_says_why_auto_is_not_cudnn_on_a_gpu():
     assert any("auto is blockwise" in w and "Hopper and later" in w for w in warnings)
     # on a CPU target blockwise is the only choice: no note
     assert not any("auto is blockwise" in w for w in plan_one_device(bf16, MODEL).warnings)
+
+
+# Measured on an NVIDIA H200 (jax 0.11.2, 2026-11-27; benchmarks/results/gpu_h200_2026-11-27.md):
+# cuDNN's backward workspace in the 8B QLoRA step's compiled HLO, and `peak_bytes_in_use` after
+# 7 steps of Llama-3.1-8B QLoRA (random weights, packed rows, memory.attention auto -> cudnn)
+H200_BACKWARD_WORKSPACE = 4311761664  # u8[...] of __cudnn$fmhaSoftmaxBackward, B 2, M 32
+H200_FORWARD_WORKSPACE = 17152  # u8[...] of __cudnn$fmhaSoftmax
+H200_PEAKS = {(2, 2048): 11890529280, (1, 16384): 29339298304}
+
+
+def test_cudnn_workspace_is_the_one_read_off_the_h200():
+    workspace = wsmod.cudnn_workspace_bytes(2 * PACKED_SLOTS, 32, 2048, 128)
+    assert workspace + H200_FORWARD_WORKSPACE == H200_BACKWARD_WORKSPACE
+
+
+@pytest.mark.parametrize("batch,seq", sorted(H200_PEAKS))
+def test_8b_qlora_plans_with_cudnn_are_within_10_percent_of_the_h200_peak(monkeypatch, batch, seq):
+    """The plan of the GPU check's QLoRA case (`benchmarks/gpu_check_cases.py`: AdamW, the
+    chunks the trainer resolves) on a Hopper GPU with cuDNN, against the H200's peak: without
+    cuDNN's workspace the plans were 33% and 56% under it."""
+    monkeypatch.setattr(attention_choice, "cudnn_library_refusal", lambda: None)  # as on a GPU
+    monkeypatch.setattr(attention_choice, "cudnn_packed_refusal", lambda: None)
+    model = builtin_config("Llama-3.1-8B")
+    settings = {
+        "method": "qlora",
+        "batch_size": batch,
+        "model": {"dtype": "bfloat16"},
+        "data": {"seq_len": seq},
+        "optimizer": {"name": "adamw", "learning_rate": 1e-3, "schedule": "constant"},
+    }
+    with compiling_for(AttentionTarget("gpu", "9.0")), calibration_for("xla-gpu"):
+        config = with_lean_defaults(parse_config(settings), model)
+        plan = plan_for_config(config, model)
+        assert attention_of(config, model) == "cudnn"
+    assert abs(plan.device_bytes / H200_PEAKS[batch, seq] - 1) < 0.10

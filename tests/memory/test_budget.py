@@ -314,3 +314,40 @@ def test_the_search_weighs_time_at_the_platforms_rates():
         on_gpu, _ = fit_budget(config, model, 8 * GIB, platform="gpu")
     assert on_cpu.memory.optimizer_state == on_gpu.memory.optimizer_state == "host"
     assert on_cpu.memory.save == SAVEABLE and on_gpu.memory.save == ("mlp_hidden",)
+
+
+def _on_hopper_with_cudnn(monkeypatch):
+    """Plan as for a Hopper GPU with cuDNN at hand (auto resolves to cuDNN's packed layout)."""
+    from featherweight.models import attention_choice
+
+    monkeypatch.setattr(attention_choice, "cudnn_library_refusal", lambda: None)
+    monkeypatch.setattr(attention_choice, "cudnn_packed_refusal", lambda: None)
+    return attention_choice.compiling_for(attention_choice.AttentionTarget("gpu", "9.0"))
+
+
+def _qlora_8b_bf16():
+    return parse_config(
+        {
+            "method": "qlora",
+            "batch_size": 2,
+            "model": {"dtype": "bfloat16"},
+            "data": {"seq_len": 2048},
+        }
+    )
+
+
+def test_a_tight_budget_on_a_gpu_trades_cudnn_for_blockwise_attention(monkeypatch):
+    """cuDNN's backward workspace (4 GiB for the 8B at b2 x 2048, packed rows) is the first
+    thing a 5.5 GiB budget drops; a budget with room keeps cuDNN, the faster kernel."""
+    model = builtin_config("Llama-3.1-8B")
+    with _on_hopper_with_cudnn(monkeypatch), calibration_for("xla-gpu"):
+        tight, plan = fit_budget(_qlora_8b_bf16(), model, parse_budget("5.5GiB"), platform="gpu")
+        assert tight.memory.attention == "blockwise"
+        assert plan.device_bytes <= parse_budget("5.5GiB")
+        start = resolve(_qlora_8b_bf16(), model)
+        lines = describe_changes(start, tight, model, "gpu")
+        assert any(line.startswith("memory.attention: auto -> blockwise (est.") for line in lines)
+        roomy, _ = fit_budget(_qlora_8b_bf16(), model, parse_budget("40GiB"), platform="gpu")
+        assert roomy.memory.attention == "auto"
+        costs = change_costs(start, tight, model, "gpu")
+        assert costs["memory.attention"] > 0.05  # blockwise is measured slower on a GPU

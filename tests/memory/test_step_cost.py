@@ -11,6 +11,7 @@ from featherweight.memory.state_bytes import host_base_bytes
 from featherweight.memory.step_cost import (
     ACCELERATOR_RATES,
     CPU_RATES,
+    blockwise_attention_seconds,
     head_matmul_bytes,
     hlo_dot_flops,
     hlo_dot_operand_bytes,
@@ -20,6 +21,7 @@ from featherweight.memory.step_cost import (
     step_seconds,
 )
 from featherweight.memory.targets import DEVICELESS_COMPILER_OPTIONS, target_mesh
+from featherweight.models.registry import builtin_config
 from featherweight.parallel.backend import cuda_plugin_installed
 from featherweight.recipe.schema import parse_config
 from tests.conftest import tiny_config
@@ -160,3 +162,30 @@ def test_a_base_on_the_host_crosses_the_link_twice_and_its_estimate_adds_up():
     per_token = estimate.compute_seconds / (BATCH * SEQ)
     assert (estimate.hiding_tokens - 1) * per_token < estimate.transfer_seconds
     assert estimate.hiding_tokens * per_token >= estimate.transfer_seconds
+
+
+@pytest.mark.parametrize(
+    "batch,seq,blockwise_s,cudnn_s",
+    # Llama-3.1-8B QLoRA step on an H200 (jax 0.11.2): blockwise from an earlier run that day,
+    # cuDNN from benchmarks/results/gpu_h200_2026-11-27.md
+    [(2, 2048, 0.615, 0.444), (1, 16384, 7.36, 1.95)],
+)
+def test_blockwise_attentions_extra_time_is_the_one_measured_on_an_h200(
+    monkeypatch, batch, seq, blockwise_s, cudnn_s
+):
+    from featherweight.models import attention_choice
+
+    monkeypatch.setattr(attention_choice, "cudnn_library_refusal", lambda: None)
+    monkeypatch.setattr(attention_choice, "cudnn_packed_refusal", lambda: None)
+    model = builtin_config("Llama-3.1-8B")
+    settings = {"method": "qlora", "batch_size": batch, "model": {"dtype": "bfloat16"}}
+    settings |= {"data": {"seq_len": seq}, "memory": {"attention": "blockwise"}}
+    config = resolve(parse_config(settings), model)
+    with attention_choice.compiling_for(attention_choice.AttentionTarget("gpu", "9.0")):
+        extra = blockwise_attention_seconds(config, model, ACCELERATOR_RATES)
+        fused = config.model_copy(
+            update={"memory": config.memory.model_copy(update={"attention": "auto"})}
+        )
+        assert blockwise_attention_seconds(fused, model, ACCELERATOR_RATES) == 0.0
+    assert blockwise_attention_seconds(config, model, CPU_RATES) == 0.0  # no fused kernel
+    assert abs(extra / (blockwise_s - cudnn_s) - 1) < 0.1
