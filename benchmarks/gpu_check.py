@@ -17,12 +17,21 @@ each with its own time limit, and records per case:
   there the compiled bytes stand in, set against the plan's device + host bytes (one memory);
 - 7 steps on one batch: the median of steps 3-6 (seconds, and tokens per second), the loss after
   6 updates (the 7th step's loss) and the gradient norm of every step;
-- the comparison with the all-device run from the same weights and batch: the relative
-  difference of the loss after 6 updates and the largest of the gradient norms' (the first step's
-  gradient is taken at identical weights, so a wrong gradient shows there even if the loss barely
-  moves). They match within 1e-2 in bf16 (1e-4 in float32). The learning rate is high (constant
-  1e-3 for adapters, 1e-4 for full fine-tuning) so that 6 updates move the loss: the table gives
-  the reference's own loss drop beside the comparison, the check's power.
+- the comparison with the all-device run from the same weights and batch, with the same chunks
+  (`gpu_check_cases.reference_chunks`), judged at identical weights: the first step's loss and
+  gradient norm, and the loss after 6 updates, each within 1e-2 (relative) in bf16 (1e-4 in
+  float32). A wrong gradient from offload (e.g. openxla/xla#46231) shows at step 1 and as another
+  loss trend. The later steps' gradient norms are reported (the largest relative difference) but
+  not judged, for two reasons measured on an H200 (2026-11-27, bf16, Llama-3.1-8B QLoRA): a GPU's
+  step is not bitwise deterministic (cuDNN attention's backward, atomics) -- the same config, weights
+  and batch run twice gave the same first loss (12.598352432250977) and losses that part from step
+  2 on (after 6 updates 12.1153 against 12.0322, 6.9e-3 apart); and AdamW's first update is about
+  lr x sign(g) per element, so rounding-level differences flip the sign of noise-level gradient
+  entries and the trajectories part: the later gradient norms of a random-weight QLoRA model swing
+  10x from step to step even in the reference. At identical weights the placements agreed there
+  (step-1 gradient norm within 3.8e-4) while the later norms differed up to 8x. The learning rate
+  is high (constant 1e-3 for adapters, 1e-4 for full fine-tuning) so that 6 updates move the loss:
+  the table gives the reference's own loss drop beside the comparison, the check's power.
 
 Cases (in order of importance, so that a time-out loses the least; Llama-3.1-8B shapes, bf16,
 b2 x 2048 unless named): QLoRA at defaults (the all-device reference for QLoRA); QLoRA at the
@@ -156,16 +165,27 @@ def relative(value: float, reference: float) -> float:
 def comparison(
     record: dict[str, Any], reference: dict[str, Any] | None, tolerance: float
 ) -> tuple[str, bool | None]:
-    """(the cell, whether it matches) for a case against its all-device run; None: no verdict."""
+    """(the cell, whether it matches) for a case against its all-device run; None: no verdict.
+
+    Judged at identical weights: the first step's loss and gradient norm, and the loss after 6
+    updates, within `tolerance` (relative). The later gradient norms are reported, not judged
+    (the module doc says why)."""
     if reference is None or "error" in reference:
         return "reference did not run", None
     if record["numerics"] != reference["numerics"]:
         return "not comparable: the settings change numerics", None
-    loss = relative(record["losses"][-1], reference["losses"][-1])
-    grad = max(map(relative, record["grad_norms"], reference["grad_norms"]))
+    first_loss = relative(record["losses"][0], reference["losses"][0])
+    first_grad = relative(record["grad_norms"][0], reference["grad_norms"][0])
+    final_loss = relative(record["losses"][-1], reference["losses"][-1])
+    later = zip(record["grad_norms"][1:], reference["grad_norms"][1:], strict=True)
+    later_grad = max((relative(*pair) for pair in later), default=0.0)
     finite = all(map(math.isfinite, record["losses"] + record["grad_norms"]))
-    matches = finite and max(loss, grad) <= tolerance
-    return f"loss {loss:.1e}, grad norm {grad:.1e}", matches
+    matches = finite and max(first_loss, first_grad, final_loss) <= tolerance
+    cell = (
+        f"step 1: loss {first_loss:.1e}, grad norm {first_grad:.1e}; after 6 updates: loss "
+        f"{final_loss:.1e}; later grad norms (not judged): up to {later_grad:.1e}"
+    )
+    return cell, matches
 
 
 COLUMNS = (
@@ -176,18 +196,31 @@ COLUMNS = (
 )  # fmt: skip
 
 
+LATER_STEPS_NOT_JUDGED = (
+    "The later steps' gradient norms are shown (the largest relative difference), not judged: "
+    "measured on an H200 on 2026-11-27 (Llama-3.1-8B QLoRA, bf16), a GPU's step is not bitwise "
+    "deterministic (cuDNN attention's backward, atomics) -- the same config, weights and batch run "
+    "twice gave the same first loss (12.598352432250977) and losses that part from step 2 on "
+    "(after 6 updates 12.1153 against 12.0322, 6.9e-3 apart) -- and AdamW's first update is "
+    "about lr x sign(g) per element, so rounding-level differences flip the sign of noise-level "
+    "gradient entries and the trajectories part: a random-weight QLoRA model's later gradient "
+    "norms swing 10x from step to step even in the reference."
+)
+
+
 def table_lines(
     records: dict[str, dict], cases: list[Case], scale: Scale, command: str
 ) -> list[str]:
     """The Markdown report: what ran where and what each number is, then one row per case."""
     first = next((record for record in records.values() if "error" not in record), {})
+    ran_on = first.get("time", datetime.date.today().isoformat())[:10]  # the cases' day
     lines = [
         f"# GPU check: {first.get('device', 'no case ran')}, jax {first.get('jax', '-')}",
         "",
         f"Device memory (`bytes_limit`): {format_bytes(first.get('bytes_limit'))}. "
         f"Each case in its own process, `XLA_PYTHON_CLIENT_PREALLOCATE=false`.",
         "",
-        f"`{command}` on {datetime.date.today().isoformat()} (benchmarks/gpu_check.py says "
+        f"`{command}` on {ran_on} (benchmarks/gpu_check.py says "
         f"what each number is). Shapes: {scale.model_names['large']} (QLoRA, LoRA) and "
         f"{scale.model_names['small']} (full), {scale.dtype}, b{scale.batch} x {scale.seq}; "
         f"random weights (seed {WEIGHT_SEED}) and one random batch (seed {BATCH_SEED}) for "
@@ -198,9 +231,13 @@ def table_lines(
         "XLA:CPU, one memory, device + host). Compiled: XLA's `memory_analysis` of the step "
         "(device bytes; on XLA:CPU all). Plan vs measured: (planned - measured) / measured, "
         "against the device peak, or on XLA:CPU, which keeps no peak, against the compiled "
-        f"bytes. Match: the loss after 6 updates and every step's gradient norm within "
-        f"{scale.tolerance:g} (relative) of the all-device run named; the reference's loss drop "
-        "is the check's power.",
+        "bytes.",
+        "",
+        f"Match: judged at identical weights, the first step's loss and gradient norm, and the "
+        f"loss after 6 updates, each within {scale.tolerance:g} (relative) of the all-device run "
+        "named, run with the same chunks; the reference's loss drop is the check's power. A "
+        "wrong gradient from offload (e.g. openxla/xla#46231) shows at step 1 and as another loss "
+        f"trend. {LATER_STEPS_NOT_JUDGED}",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "| --- | --- | --- |" + " ---: |" * 8 + " --- | --- |",
@@ -265,6 +302,17 @@ def table_name(records: dict[str, dict], scale: Scale) -> str:
     return f"gpu_check_{gpu}{'_tiny' if scale is TINY else ''}.md"
 
 
+def write_table(
+    lines: list[str], records: dict[str, dict], scale: Scale, args: argparse.Namespace
+) -> None:
+    """The table in --table-dir, under `table_name`, and a copy in --out."""
+    table = args.table_dir / table_name(records, scale)
+    table.parent.mkdir(parents=True, exist_ok=True)
+    emit(lines, str(table))
+    if table.resolve() != (args.out / table.name).resolve():
+        shutil.copy(table, args.out / table.name)
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -275,12 +323,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table-dir", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--attention", action="store_true", help="then gpu_check_attention.py")
     parser.add_argument("--speed", action="store_true", help="then gpu_check_speed.py")
+    parser.add_argument(
+        "--table-only", action="store_true", help="no cases: the table of OUT/results.jsonl"
+    )
     parser.add_argument("--case", choices=CASE_NAMES, help=argparse.SUPPRESS)  # the child
     args = parser.parse_args(argv)
     scale = TINY if args.tiny else GPU
     args.out.mkdir(parents=True, exist_ok=True)
     if args.case:
         return case_main(args.case, scale, args.out)
+    command = "python benchmarks/gpu_check.py" + (" --tiny" if args.tiny else "")
+    if args.table_only:  # the verdicts of this code on a run's records
+        records = read_records(args.out)
+        if not records:
+            parser.error(f"--table-only: no records in {args.out / 'results.jsonl'}; pass --out")
+        ran = [case for case in CASES if case.name in records]
+        note = f"{command} (table: --table-only, from its results.jsonl)"
+        write_table(table_lines(records, ran, scale, note), records, scale, args)
+        return 0
     names = [name for name in args.cases.split(",") if name]
     unknown = sorted(set(names) - set(CASE_NAMES))
     if unknown:
@@ -289,11 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "results.jsonl").unlink(missing_ok=True)  # a new run starts a new record
     run_all(cases, scale, args.out, args.deadline)
     records = read_records(args.out)
-    command = "python benchmarks/gpu_check.py" + (" --tiny" if args.tiny else "")
-    table = args.table_dir / table_name(records, scale)
-    table.parent.mkdir(parents=True, exist_ok=True)
-    emit(table_lines(records, cases, scale, command), str(table))
-    shutil.copy(table, args.out / table.name)
+    write_table(table_lines(records, cases, scale, command), records, scale, args)
     if args.attention:  # issue 31's rows: packed rows kept apart, long context
         import gpu_check_attention
 

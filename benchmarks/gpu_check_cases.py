@@ -4,6 +4,15 @@ weights made in place, and the step run as the trainer runs it.
 A case's record: compile seconds, `peak_bytes_in_use` after setting up, compiling and stepping,
 the plan, the compiled step's bytes, and each of `STEPS` steps' time, loss and gradient norm
 (`run_case`); `_numerics` names what must be equal for two cases' losses to be comparable.
+
+A case compared with a reference (`Case.reference`) that is not a search case runs with the
+chunks its reference resolved (`reference_chunks`: loss_chunk, vocab_chunk, mlp_chunk), so that
+only the placement differs. Left to choose its own, a placement that frees device memory resolves
+other chunks, and in bf16 other chunks are other roundings: on an H200 (2026-11-27) the frozen base
+on the host resolved loss 512 / MLP 512 against the reference's 256 / 1024 and its first gradient
+norm, at identical weights, came 13% off; pinned to 256 / 1024 it equalled the embedding-on-host
+run's (0.79085, 3.8e-4 from the reference's). Search cases (budget, smallest) keep the settings
+their search picks: where those change numerics they are not compared.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from featherweight.recipe.build import (
 )
 from featherweight.recipe.optimizer import make_optimizer
 from featherweight.recipe.placement import HOST_SETTINGS, on_host, place, place_abstract
-from featherweight.recipe.schema import TrainConfig, parse_config
+from featherweight.recipe.schema import CHOSEN_FROM_SHAPES, TrainConfig, parse_config
 
 STEPS = 7  # 6 updates, and a 7th step whose loss is the loss after them
 TIMED = slice(2, 6)  # steps 3-6: past the first calls, before the last
@@ -144,9 +153,21 @@ CASES = (
 CASE_NAMES = tuple(case.name for case in CASES)
 
 
+def reference_chunks(case: Case, scale: Scale) -> dict[str, int | None]:
+    """The chunks (`CHOSEN_FROM_SHAPES`) `case_config` resolved for `case`'s reference, which a
+    compared case that is not a search case runs with (so that only the placement differs); {}
+    for a reference itself and for a search case."""
+    if case.reference is None or case.search is not None:
+        return {}
+    reference = next(other for other in CASES if other.name == case.reference)
+    config, _ = case_config(reference, scale, scale.models[reference.model]())
+    return {name: getattr(config.memory, name) for name in CHOSEN_FROM_SHAPES}
+
+
 def case_config(case: Case, scale: Scale, model: ModelConfig) -> tuple[TrainConfig, int | None]:
-    """(the case's config as the trainer would run it, unset chunks chosen from the shapes; the
-    budget it was fitted to, for the budget case)."""
+    """(the case's config as the trainer would run it, unset chunks chosen from the shapes or,
+    for a compared case, its reference's (`reference_chunks`); the budget it was fitted to, for
+    the budget case)."""
     config = parse_config(
         {
             "method": case.method,
@@ -158,7 +179,7 @@ def case_config(case: Case, scale: Scale, model: ModelConfig) -> tuple[TrainConf
                 "learning_rate": 1e-4 if case.method == "full" else 1e-3,
                 "schedule": "constant",
             },
-            "memory": dict(case.memory),
+            "memory": {**reference_chunks(case, scale), **dict(case.memory)},
         }
     )
     budget_bytes = None
