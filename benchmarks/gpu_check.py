@@ -245,6 +245,11 @@ def table_lines(
     return lines + ["| " + " | ".join(_cells(case, records, scale)) + " |" for case in cases]
 
 
+def _chunks(record: dict[str, Any]) -> list[str]:
+    """The chunk settings a record ran with, as its settings text names them."""
+    return re.findall(r"\b(?:loss|vocab|mlp)_chunk \d+", record.get("settings", ""))
+
+
 def _cells(case: Case, records: dict[str, dict], scale: Scale) -> list[str]:
     """One row of `COLUMNS`."""
     record = records.get(case.name)
@@ -267,6 +272,13 @@ def _cells(case: Case, records: dict[str, dict], scale: Scale) -> list[str]:
         cell, matches = comparison(record, records.get(case.reference), scale.tolerance)
         cell = f"{case.reference}: {cell}"
         verdict = {True: "match", False: "MISMATCH", None: "not compared"}[matches]
+        reference = records.get(case.reference) or {}
+        if (
+            case.search is None
+            and _chunks(record) != _chunks(reference)
+            and "error" not in reference
+        ):
+            verdict += " (ran with other chunks than the reference's)"
     else:
         cell = "-"
     if record["budget_bytes"]:

@@ -8,11 +8,11 @@ the plan, the compiled step's bytes, and each of `STEPS` steps' time, loss and g
 A case compared with a reference (`Case.reference`) that is not a search case runs with the
 chunks its reference resolved (`reference_chunks`: loss_chunk, vocab_chunk, mlp_chunk), so that
 only the placement differs. Left to choose its own, a placement that frees device memory resolves
-other chunks, and in bf16 other chunks are other roundings: on an H200 (2026-11-27) the frozen base
-on the host resolved loss 512 / MLP 512 against the reference's 256 / 1024 and its first gradient
-norm, at identical weights, came 13% off; pinned to 256 / 1024 it equalled the embedding-on-host
-run's (0.79085, 3.8e-4 from the reference's). Search cases (budget, smallest) keep the settings
-their search picks: where those change numerics they are not compared.
+other chunks, another program, and the comparison no longer isolates the placement: on an H200
+(2026-11-27) the frozen base on the host resolved loss 512 / MLP 512 against the reference's
+256 / 1024 and its first gradient norm, at identical weights, came 13% off; pinned to 256 / 1024 it
+equalled the embedding-on-host run's (0.79085, 3.8e-4 from the reference's). Search cases (budget,
+smallest) keep the settings their search picks: where those change numerics they are not compared.
 """
 
 from __future__ import annotations

@@ -184,7 +184,11 @@ def test_table_only_judges_a_runs_records_again(tmp_path):
     }  # fmt: skip
     wrong_first = [0.7911 * 1.13, *REFERENCE["grad_norms"][1:]]
     records = [
-        {**_like_reference(case="qlora-base-host", grad_norms=wrong_first), **measured},
+        {
+            **_like_reference(case="qlora-base-host", grad_norms=wrong_first),
+            **measured,
+            "settings": "base: host, loss_chunk 512",  # not the reference's chunks: said so
+        },
         {**REFERENCE, **measured},
         {**_like_reference(case="qlora-embed-host"), **measured},
     ]
@@ -195,5 +199,6 @@ def test_table_only_judges_a_runs_records_again(tmp_path):
     rows = [line for line in table.splitlines() if line.startswith("| qlora")]
     names = [row.split(" | ")[0].lstrip("| ") for row in rows]
     assert names == ["qlora", "qlora-embed-host", "qlora-base-host"]
-    assert rows[1].endswith("| match |") and rows[2].endswith("| MISMATCH |")
+    assert rows[1].endswith("| match |")
+    assert rows[2].endswith("| MISMATCH (ran with other chunks than the reference's) |")
     assert "on 2026-11-27" in table and (tmp_path / "gpu_check_h200.md").read_text() == table
