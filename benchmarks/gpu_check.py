@@ -23,14 +23,15 @@ each with its own time limit, and records per case:
   float32). A wrong gradient from offload (e.g. openxla/xla#46231) shows at step 1 and as another
   loss trend. The later steps' gradient norms are reported (the largest relative difference) but
   not judged, for two reasons measured on an H200 (2026-11-27, bf16, Llama-3.1-8B QLoRA): a GPU's
-  step is not bitwise deterministic (cuDNN attention's backward, atomics) -- the same config, weights
-  and batch run twice gave the same first loss (12.598352432250977) and losses that part from step
-  2 on (after 6 updates 12.1153 against 12.0322, 6.9e-3 apart); and AdamW's first update is about
-  lr x sign(g) per element, so rounding-level differences flip the sign of noise-level gradient
-  entries and the trajectories part: the later gradient norms of a random-weight QLoRA model swing
-  10x from step to step even in the reference. At identical weights the placements agreed there
-  (step-1 gradient norm within 3.8e-4) while the later norms differed up to 8x. The learning rate
-  is high (constant 1e-3 for adapters, 1e-4 for full fine-tuning) so that 6 updates move the loss:
+  step is not bitwise deterministic (likely sources: cuDNN attention's backward, atomic adds) --
+  the same config, weights and batch run twice gave the same first loss (12.598352432250977) and
+  losses that part from step 2 on (after 6 updates 12.1153 against 12.0322, 6.9e-3 apart); and
+  AdamW's first update is about lr x sign(g) per element, so rounding-level differences flip the
+  sign of noise-level gradient entries and the trajectories part: the later gradient norms of a
+  random-weight QLoRA model swing 10x from step to step even in the reference. At identical
+  weights the placements agreed there (step-1 gradient norm within 3.8e-4) while a later norm
+  came 8.4 (relative) apart. The learning rate is high (constant 1e-3 for adapters, 1e-4 for full
+  fine-tuning) so that 6 updates move the loss:
   the table gives the reference's own loss drop beside the comparison, the check's power.
 
 Cases (in order of importance, so that a time-out loses the least; Llama-3.1-8B shapes, bf16,
@@ -199,12 +200,12 @@ COLUMNS = (
 LATER_STEPS_NOT_JUDGED = (
     "The later steps' gradient norms are shown (the largest relative difference), not judged: "
     "measured on an H200 on 2026-11-27 (Llama-3.1-8B QLoRA, bf16), a GPU's step is not bitwise "
-    "deterministic (cuDNN attention's backward, atomics) -- the same config, weights and batch run "
-    "twice gave the same first loss (12.598352432250977) and losses that part from step 2 on "
-    "(after 6 updates 12.1153 against 12.0322, 6.9e-3 apart) -- and AdamW's first update is "
-    "about lr x sign(g) per element, so rounding-level differences flip the sign of noise-level "
-    "gradient entries and the trajectories part: a random-weight QLoRA model's later gradient "
-    "norms swing 10x from step to step even in the reference."
+    "deterministic (likely sources: cuDNN attention's backward, atomic adds) -- the same config, "
+    "weights and batch run twice gave the same first loss (12.598352432250977) and losses that "
+    "part from step 2 on (after 6 updates 12.1153 against 12.0322, 6.9e-3 apart) -- and AdamW's "
+    "first update is about lr x sign(g) per element, so rounding-level differences flip the sign "
+    "of noise-level gradient entries and the trajectories part: a random-weight QLoRA model's "
+    "later gradient norms swing 10x from step to step even in the reference."
 )
 
 
