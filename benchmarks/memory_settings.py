@@ -68,6 +68,7 @@ SMALL_LORA = {  # what `plan --budget` reaches with every same-result setting
     "optimizer_state": "host",
 }
 KEEP_ALL = {"save": ["qkv", "attention", "mlp_hidden"]}  # no projection recomputed backward
+ACCUMULATE = {"accumulation_steps": 2}  # the same batch and update, each micro-batch one row
 VARIANTS = {
     "lora": [
         ("default", "lora", {}, False),
@@ -82,6 +83,7 @@ VARIANTS = {
         ("every setting above", "lora", SMALL_LORA, False),
         ("kept activations: qkv, mlp_hidden", "lora", {"save": ["qkv", "mlp_hidden"]}, False),
         ("kept activations: qkv, attention, mlp_hidden", "lora", KEEP_ALL, False),
+        ("two micro-batches of one row (accumulation_steps 2)", "lora", ACCUMULATE, False),
     ],
     "qlora": [
         ("default", "qlora", {}, False),
@@ -92,6 +94,7 @@ VARIANTS = {
         ("NF4 head, no chunks", "qlora", OLD_DEFAULT, True),
         ("NF4 head + vocab_chunk 16384", "qlora", {"vocab_chunk": 16384}, True),
         ("kept activations: qkv, attention, mlp_hidden", "qlora", KEEP_ALL, False),
+        ("two micro-batches of one row (accumulation_steps 2)", "qlora", ACCUMULATE, False),
     ],
     "full": [
         ("default", "full", {}, False),

@@ -19,21 +19,24 @@ first), so a setting that saves nothing is never kept. The settings, each with w
    phase is the peak (large vocabularies);
 3. saved intermediates: drop them (memory.save = ()) -- the backward pass recomputes them;
 4. MLP chunk: halve the MLP's sequence chunk (down to 256) -- same result; long context;
-5. residual offload: memory.residuals = "host" -- same result, the residual stream crosses the
+5. accumulation: twice the micro-batches (`memory.accumulation_steps`), each half as large --
+   the same batch and update (gradients summed in float32 before it), the weights read once
+   more per micro-batch; where the batch splits so;
+6. residual offload: memory.residuals = "host" -- same result, the residual stream crosses the
    host link twice (transfers overlap compute);
-6. embedding on host: memory.embed = "host" -- same result, only a batch's rows come over;
-7. optimizer state on host: memory.optimizer_state = "host" -- same result, the state crosses the
-   link in and out, one layer at a time (one device only, like 6);
-8. blockwise attention: memory.attention = "blockwise" where cuDNN's fused kernel would run --
+7. embedding on host: memory.embed = "host" -- same result, only a batch's rows come over;
+8. optimizer state on host: memory.optimizer_state = "host" -- same result, the state crosses the
+   link in and out, one layer at a time (one device only, like 7);
+9. blockwise attention: memory.attention = "blockwise" where cuDNN's fused kernel would run --
    same result (exact masks both), without cuDNN's backward workspace (4 GiB for Llama-3.1-8B
    at b2 x 2048 in the packed layout), at blockwise's measured extra time on a GPU
    (`step_cost.DeviceRates.blockwise_attention_extra`);
-9. quantized head (QLoRA): model.quantize_head = true -- the LM head (or tied embedding) in NF4;
-10. optimizer-state dtype: adamw -> adamw_8bit -- 2 bytes of state per parameter instead of 8;
-11. base on host (LoRA/QLoRA): memory.base = "host" -- same result, but the whole frozen layer
+10. quantized head (QLoRA): model.quantize_head = true -- the LM head (or tied embedding) in NF4;
+11. optimizer-state dtype: adamw -> adamw_8bit -- 2 bytes of state per parameter instead of 8;
+12. base on host (LoRA/QLoRA): memory.base = "host" -- same result, but the whole frozen layer
    stack crosses the host link twice a step (forward, and the backward's recompute), the
    costliest transfer of all: it is tried after every other setting that keeps the batch;
-12. micro-batch: halve batch_size (down to 1) -- the streamed step updates per micro-batch, so
+13. micro-batch: halve batch_size (down to 1) -- the streamed step updates per micro-batch, so
    this changes the effective batch; it comes last.
 
 When the last plan still does not fit, `BudgetError` names the largest component, the shortfall in
@@ -59,7 +62,11 @@ from featherweight.memory.targets import Target
 from featherweight.memory.working_set import plan_reserve
 from featherweight.models.config import ModelConfig
 from featherweight.parallel.sharding import planning_mesh
-from featherweight.recipe.build import attention_implementation
+from featherweight.recipe.build import (
+    attention_implementation,
+    check_clipping_and_accumulation,
+    check_preference_settings,
+)
 from featherweight.recipe.placement import check_placements
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.policy import SAVEABLE
@@ -108,7 +115,8 @@ def budget_bytes_of(text: str, target: Target | None = None) -> int:
     """Bytes of a budget: a size (`parse_budget`), or "device": all a step may use of the device
     -- `target`'s usable memory when planning for a GPU target, else this process's device
     (`capacity.of_device`: JAX's pool less the library allowance on a GPU, the physical memory on
-    a CPU). With a budget the room the plan leaves is spent on speed (kept activations)."""
+    a CPU). With a budget the room the plan leaves is spent on speed (kept activations, fewer
+    and larger micro-batches)."""
     if str(text).strip().lower() != DEVICE_BUDGET:
         return parse_budget(text)
     on_target = target is not None and target.platform == "gpu"
@@ -215,6 +223,22 @@ def _kept_activations(config: TrainConfig) -> Iterator[TrainConfig]:
             yield _replace(config, "memory", save=tuple(n for n in SAVEABLE if n in kept))
 
 
+def _more_accumulation(config: TrainConfig) -> Iterator[TrainConfig]:
+    """`config` with twice the micro-batches (`memory.accumulation_steps`), each half as large,
+    where the batch splits so: the same batch and update, one smaller micro-batch's
+    activations, the weights read once more per micro-batch."""
+    steps = 2 * config.memory.accumulation_steps
+    if config.batch_size % steps == 0:
+        yield _replace(config, "memory", accumulation_steps=steps)
+
+
+def _fewer_accumulation(config: TrainConfig) -> Iterator[TrainConfig]:
+    """`config` with half the micro-batches, each twice as large (the same batch and update):
+    what a budget's room buys where the configured accumulation only saved memory."""
+    if config.memory.accumulation_steps > 1:
+        yield _replace(config, "memory", accumulation_steps=config.memory.accumulation_steps // 2)
+
+
 def _micro_batches(config: TrainConfig) -> Iterator[TrainConfig]:
     # on a mesh only batches whose global rows split over data x fsdp can run
     rows = 1 if config.mesh is None else planning_mesh(config.mesh).size
@@ -236,6 +260,7 @@ PREFERENCE: tuple[tuple[str, Callable[[TrainConfig, ModelConfig], Iterator[Train
     ("loss chunk", lambda c, m: _loss_chunks(c)),
     ("saved intermediates", lambda c, m: _no_saved(c)),
     ("MLP chunk", lambda c, m: _mlp_chunks(c)),
+    ("accumulation", lambda c, m: _more_accumulation(c)),
     ("residual offload", lambda c, m: _offload(c)),
     ("embedding on host", lambda c, m: _embedding_on_host(c, m.tie_word_embeddings)),
     ("quantized head", lambda c, m: _quantized_head(c)),
@@ -253,6 +278,7 @@ SEARCHED_FIELDS = (
     ("memory", "loss_chunk"),
     ("memory", "save"),
     ("memory", "mlp_chunk"),
+    ("memory", "accumulation_steps"),
     ("memory", "residuals"),
     ("memory", "embed"),
     ("memory", "optimizer_state"),
@@ -295,6 +321,8 @@ def _plan_if_valid(config: TrainConfig, model_config: ModelConfig) -> MemoryPlan
     try:
         TrainConfig.model_validate(config.model_dump(mode="json"))
         check_placements(config, model_config)  # host placements the trainer would refuse
+        check_clipping_and_accumulation(config)  # e.g. two-pass clipping with accumulation
+        check_preference_settings(config)  # preference pairs are averaged over one batch
         return plan_for_config(config, model_config)
     except (ConfigError, ValueError):
         return None
@@ -390,14 +418,16 @@ def _spend_on_speed(
     budget: int,
     rates: DeviceRates,
 ) -> tuple[TrainConfig, MemoryPlan]:
-    """Memory for speed: while the budget has room, keep the class of activations that saves
-    the most estimated time per byte it adds (`step_cost`: the matmuls the backward no longer
-    recomputes); a saving within `COST_RESOLUTION` of the step is none. A fitted plan's room
-    goes to speed only here, so without a budget the step stays as lean as configured."""
+    """Memory for speed: while the budget has room, take the change that saves the most
+    estimated time per byte it adds (`step_cost`) -- a class of activations kept (the matmuls
+    the backward no longer recomputes) or half the micro-batches, each twice as large (the
+    weights read fewer times for the same tokens; the same batch and update); a saving within
+    `COST_RESOLUTION` of the step is none. A fitted plan's room goes to speed only here, so
+    without a budget the step stays as lean as configured."""
     while True:
         now = seconds_per_token(config, model_config, rates)
         options = []
-        for candidate in _kept_activations(config):
+        for candidate in (*_kept_activations(config), *_fewer_accumulation(config)):
             candidate_plan = _plan_if_valid(candidate, model_config)
             if candidate_plan is None or candidate_plan.device_bytes > budget:
                 continue
@@ -476,8 +506,8 @@ def fit_budget(
     platform: str | None = None,
 ) -> tuple[TrainConfig, MemoryPlan]:
     """(config that fits `budget_bytes` of device memory, its plan), changing settings in the
-    order of `PREFERENCE` only as far as needed, then spending the room left on kept
-    activations. Raises `BudgetError` when nothing fits.
+    order of `PREFERENCE` only as far as needed, then spending the room left on speed (kept
+    activations, fewer and larger micro-batches: `_spend_on_speed`). Raises `BudgetError` when nothing fits.
 
     The plan must fit the budget less `reserve` (a fraction; default the calibration's
     `plan_reserve`: how far below its compiled step a plan fell at worst on the held-out grid),

@@ -307,13 +307,15 @@ def head_matmul_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
     [R, Vc]; a trained head's vocabulary blocks are read once more by the first sweep (the
     log-sum-exp). So the head itself, V x D, streams through twice per sequence chunk (three
     times trained and vocabulary-chunked): a sequence chunk costs bytes, a frozen head's
-    vocabulary chunk only the normed rows once more per block.
+    vocabulary chunk only the normed rows once more per block. Each micro-batch
+    (`memory.accumulation_steps`) has its own sequence chunks.
     """
     require_resolved(config, "the LM head's bytes")
     m, memory = model_config, config.memory
     itemsize = compute_itemsize(config)
     tokens = config.batch_size * config.data.seq_len
     seq_chunks = config.data.seq_len // resolve_chunk_size(config.data.seq_len, memory.loss_chunk)
+    seq_chunks *= memory.accumulation_steps  # each micro-batch streams the head again
     rows = _head_rows_per_sweep(config, model_config)
     blocks = rows // min(memory.vocab_chunk or m.vocab_size, m.vocab_size)
     trained = config.method == "full"
@@ -324,6 +326,31 @@ def head_matmul_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
     if trained:
         moved += blocks * tokens * m.hidden_size + tokens * rows  # d_head
     return moved * itemsize
+
+
+def layer_weight_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
+    """Bytes the layers' matmuls read of their weights in one step (what `hlo_dot_operand_bytes`
+    counts of them): each projection's dense weight (an NF4 weight dequantized, in the compute
+    dtype) in the forward, the backward's input gradient and the recompute -- which skips the
+    down projection and the projections `save` keeps -- and a LoRA adapter's two rank-wide
+    matrices three times, once per micro-batch (`memory.accumulation_steps`). A trained
+    weight's gradient reads activations, not the weight. What a larger micro-batch saves: the
+    same weights read fewer times for the same tokens."""
+    require_resolved(config, "the layers' weight bytes")
+    saved = {"down"} | {
+        name
+        for kept, names in SAVED_PROJECTIONS.items()
+        if kept in config.memory.save
+        for name in names
+    }
+    rank = config.lora.rank if config.method != "full" else 0
+    per_layer = 0
+    for name, shape in layer_shapes(model_config).items():
+        if len(shape) == 2:
+            per_layer += math.prod(shape) * (2 if name in saved else 3)
+            per_layer += 3 * rank * sum(shape) if rank and name in config.lora.targets else 0
+    micro_batches = config.memory.accumulation_steps
+    return micro_batches * model_config.num_layers * per_layer * compute_itemsize(config)
 
 
 class DeviceRates(NamedTuple):
@@ -444,11 +471,12 @@ def host_base_estimate(
 
 def step_seconds(config: TrainConfig, model_config: ModelConfig, rates: DeviceRates) -> float:
     """Estimated seconds of one train step: its matmul FLOPs at the device's rate, the bytes the
-    LM head's matmuls stream at its memory's rate, blockwise attention's extra time where a
+    LM head's and the layers' matmuls read of their weights at its memory's rate, blockwise attention's extra time where a
     fused kernel could run, plus its host transfers at the link's rate (not overlapped: an upper
     bound on what they add)."""
     seconds = step_flops(config, model_config).total / rates.flops_per_second
-    seconds += head_matmul_bytes(config, model_config) / rates.memory_bytes_per_second
+    weights = head_matmul_bytes(config, model_config) + layer_weight_bytes(config, model_config)
+    seconds += weights / rates.memory_bytes_per_second
     seconds += blockwise_attention_seconds(config, model_config, rates)
     if rates.link_bytes_per_second is not None:
         seconds += host_transfer_bytes(config, model_config) / rates.link_bytes_per_second

@@ -17,6 +17,7 @@ from featherweight.memory.step_cost import (
     hlo_dot_operand_bytes,
     host_base_estimate,
     host_transfer_bytes,
+    layer_weight_bytes,
     step_flops,
     step_seconds,
 )
@@ -189,3 +190,27 @@ def test_blockwise_attentions_extra_time_is_the_one_measured_on_an_h200(
         assert blockwise_attention_seconds(fused, model, ACCELERATOR_RATES) == 0.0
     assert blockwise_attention_seconds(config, model, CPU_RATES) == 0.0  # no fused kernel
     assert abs(extra / (blockwise_s - cudnn_s) - 1) < 0.1
+
+
+@pytest.mark.parametrize(
+    ("method", "save"),
+    [("lora", ()), ("qlora", ()), ("lora", ("qkv", "attention", "mlp_hidden")), ("full", ())],
+)
+def test_a_micro_batch_more_reads_the_weights_again_as_in_the_compiled_program(method, save):
+    """Accumulating 2 micro-batches instead of 1 runs the same FLOPs but reads every layer's
+    weights and the LM head once more: the compiled programs' dot operand bytes differ by what
+    `layer_weight_bytes` + `head_matmul_bytes` say (the adapters' rank-wide matrices aside)."""
+
+    def config(steps):
+        memory = {"loss_chunk": None, "vocab_chunk": None, "mlp_chunk": None, "save": list(save)}
+        values = {"method": method, "batch_size": 4, "model": {"dtype": "float32"}}
+        memory["accumulation_steps"] = steps
+        return parse_config({**values, "data": {"seq_len": SEQ}, "memory": memory})
+
+    def planned(c):
+        return layer_weight_bytes(c, MODEL) + head_matmul_bytes(c, MODEL)
+
+    compiled = _compiled_operand_bytes(config(2)) - _compiled_operand_bytes(config(1))
+    estimate = planned(config(2)) - planned(config(1))
+    assert step_flops(config(2), MODEL).total == step_flops(config(1), MODEL).total
+    assert abs(estimate / compiled - 1) < 0.05, (estimate, compiled)
