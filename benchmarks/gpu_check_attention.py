@@ -17,7 +17,7 @@ the longest-context search), each recorded as a JSON line in DIR/attention.jsonl
 - `fw-b1x16384`, `fw-b2x2048`: Llama-3.1-8B QLoRA (random weights, `gpu_check_cases.set_up`,
   the trainer's path) with `memory.attention: auto` -- the implementation it resolves to is
   recorded -- and `-blockwise` beside them: compile seconds, the median of steps 3-6,
-  `peak_bytes_in_use` and the plan's device bytes (cuDNN's workspace is not in the plan).
+  `peak_bytes_in_use` and the plan's device bytes (cuDNN's backward workspace included).
 - `torch-b1x16384`, `torch-b2x2048`: torch + peft + bitsandbytes at the same shapes (bf16 on the
   GPU, NF4 linears, LoRA r 8 on every linear, SDPA attention, gradient checkpointing, AdamW),
   skipped with the reason printed where CUDA torch, peft or bitsandbytes are absent.

@@ -37,7 +37,8 @@ first), so a setting that saves nothing is never kept. The settings, each with w
    stack crosses the host link twice a step (forward, and the backward's recompute), the
    costliest transfer of all: it is tried after every other setting that keeps the batch;
 13. micro-batch: halve batch_size (down to 1) -- the streamed step updates per micro-batch, so
-   this changes the effective batch; it comes last.
+   this changes the effective batch; it comes last, where the batch cannot split into more
+   micro-batches (5.: a preference objective, or micro-batches of one row).
 
 When the last plan still does not fit, `BudgetError` names the largest component, the shortfall in
 GiB, and the changes that would fit (shorter sequence, another method, a smaller LoRA rank).
