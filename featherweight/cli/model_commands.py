@@ -377,7 +377,7 @@ def _plan_on_target(requested, model_config, target, budget_bytes, measure) -> P
 def _plan_and_measure(requested, model_config, target, budget_bytes, measure) -> PlannedStep:
     """`_plan_on_target`'s plan, measurement and verdict, with the attention target set."""
     from featherweight.memory import capacity
-    from featherweight.memory.budget import describe_changes, fit_budget
+    from featherweight.memory.budget import attention_that_fits, describe_changes, fit_budget
     from featherweight.memory.defaults import resolve
     from featherweight.memory.measure import measure_compiled, measure_for_target
     from featherweight.memory.plan import plan_for_config
@@ -389,8 +389,11 @@ def _plan_and_measure(requested, model_config, target, budget_bytes, measure) ->
     resolved, options = resolve(requested, model_config), []
     platform = None if target is None else target.platform  # time weighed at its rates
     with calibration_for(compiler) if compiler else contextlib.nullcontext():
-        if budget_bytes is None:
-            config, memory_plan = resolved, plan_for_config(resolved, model_config)
+        if budget_bytes is None:  # as train: "auto" attention falls back where it cannot fit
+            memory_plan = plan_for_config(resolved, model_config)
+            config, memory_plan = attention_that_fits(
+                requested, memory_plan, model_config, on_target
+            )
         else:
             config, memory_plan = fit_budget(
                 resolved, model_config, budget_bytes, platform=platform

@@ -92,8 +92,9 @@ def printing_planner(console: Console) -> Callable:
             f"{memory_plan.largest_component().name})",
             highlight=False,
         )
+        who = "budget" if config.memory.budget is not None else "planner (to fit the device)"
         for change in describe_changes(config, planned_config, model_config):
-            console.print(f"budget changed {change}", highlight=False)
+            console.print(f"{who} changed {change}", highlight=False)
         return planned_config, memory_plan
 
     return plan

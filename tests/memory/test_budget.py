@@ -405,3 +405,26 @@ def test_the_search_never_proposes_accumulation_a_preference_objective_refuses()
     dpo = _accumulating(1).model_copy(update={"objective": "dpo"})
     doubled = _replace(resolve(dpo, model), "memory", accumulation_steps=2)
     assert _plan_if_valid(doubled, model) is None
+
+
+def test_auto_attention_falls_back_to_blockwise_where_cudnns_workspace_would_not_fit(monkeypatch):
+    """No budget, a 10 GiB GPU: the 8B QLoRA step at b2 x 2048 fits with blockwise attention
+    but not with cuDNN's workspace, so "auto" runs blockwise instead of being refused; on an
+    80 GB GPU it keeps cuDNN; an attention the user named is never changed."""
+    from featherweight.memory.budget import attention_that_fits
+    from featherweight.memory.capacity import Capacity
+
+    model = builtin_config("Llama-3.1-8B")
+    with _on_hopper_with_cudnn(monkeypatch), calibration_for("xla-gpu"):
+        requested = _qlora_8b_bf16()
+        config = resolve(requested, model)
+        plan = plan_for_config(config, model)
+        small, large = (Capacity(size * GIB, "on a GPU", "test") for size in (10, 80))
+        assert plan.device_bytes > small.limit_bytes  # cuDNN's workspace does not fit
+        fitted, fitted_plan = attention_that_fits(requested, plan, model, small)
+        assert fitted.memory.attention == "blockwise"
+        assert fitted_plan.device_bytes <= small.limit_bytes < plan.device_bytes
+        assert attention_that_fits(requested, plan, model, large)[0] == config
+        named = _replace(requested, "memory", attention="cudnn")
+        named_plan = plan_for_config(resolve(named, model), model)
+        assert attention_that_fits(named, named_plan, model, small)[0] == resolve(named, model)
