@@ -545,9 +545,10 @@ def attention_that_fits(
     config: TrainConfig,
     plan: MemoryPlan,
     model_config: ModelConfig,
-    room: capacity.Capacity | None,
+    room: capacity.Capacity | None = None,
 ) -> tuple[TrainConfig, MemoryPlan]:
-    """`memory.attention: auto` chose a fused kernel whose plan does not fit `room`: blockwise
+    """`memory.attention: auto` chose a fused kernel whose plan does not fit `room` (default:
+    this process's device, `capacity.of_device`): blockwise
     instead -- the same result, without cuDNN's backward workspace (4 GiB for Llama-3.1-8B at
     b2 x 2048 in the packed layout), slower -- so that a step which fits without it is not
     refused; its "auto" chunks chosen again for blockwise (`resolve`: the loss phase may become
@@ -555,11 +556,12 @@ def attention_that_fits(
     resolved config and plan come back, unchanged where the plan fits, where no room is known,
     or where the attention is named."""
     resolved = resolve(config, model_config)
-    if room is None or config.memory.attention != "auto":
-        return resolved, plan
-    if room.needed_bytes(plan) <= room.limit_bytes:
+    if config.memory.attention != "auto":
         return resolved, plan
     if attention_implementation(resolved, model_config) == "blockwise":
+        return resolved, plan
+    room = capacity.of_device() if room is None else room  # read only when it can matter
+    if room is None or room.needed_bytes(plan) <= room.limit_bytes:
         return resolved, plan
     blockwise = resolve(_replace(config, "memory", attention="blockwise"), model_config)
     return blockwise, plan_for_config(blockwise, model_config)
@@ -574,6 +576,5 @@ def plan_within_budget(
     process's device, `capacity.of_device`; `attention_that_fits`)."""
     if config.memory.budget is None:
         plan = plan_for_config(resolve(config, model_config), model_config)
-        room = capacity.of_device() if room is None else room
         return attention_that_fits(config, plan, model_config, room)
     return fit_budget(config, model_config, budget_bytes_of(config.memory.budget))
