@@ -32,6 +32,7 @@ from featherweight.quant.nf4 import NF4Tensor, abstract_nf4
 from featherweight.recipe.placement import check_placements, opt_state_placement
 from featherweight.recipe.schema import TrainConfig, require_resolved
 from featherweight.step.opt_state import init_streamed_opt_state, per_tensor_clipping
+from featherweight.step.policy import DEQUANTIZED
 from featherweight.step.reference import build_reference_step, model_loss, preference_model_loss
 from featherweight.step.streamed import build_streamed_step
 
@@ -207,6 +208,11 @@ def check_method_settings(config: TrainConfig, model_config: ModelConfig) -> Non
         lora.check_model(model_config)
     if config.model.quantize_head and config.method != "qlora":
         raise ConfigError("model.quantize_head=true needs method: qlora (the head is frozen there)")
+    if DEQUANTIZED in config.memory.save and config.method != "qlora":
+        raise ConfigError(
+            f"memory.save: {DEQUANTIZED} keeps NF4 weights dense between the passes, and method: "
+            f"{config.method} has no NF4 weights; drop it from memory.save, or use method: qlora"
+        )
     check_placements(config, model_config)
     mlp_chunk, seq = config.memory.mlp_chunk, config.data.seq_len  # "auto": chosen to divide it
     if isinstance(mlp_chunk, int) and mlp_chunk < seq and seq % mlp_chunk:

@@ -32,6 +32,7 @@ from featherweight.models.llama import Params
 from featherweight.parallel.memory_kinds import abstract_on_host, host_sharding
 from featherweight.recipe.optimizer import ROW_CHUNKED_OPTIMIZERS
 from featherweight.recipe.schema import TrainConfig
+from featherweight.step.policy import DEQUANTIZED
 
 HOST_SETTINGS = ("residuals", "optimizer_state", "embed", "base")  # memory.<name>: host
 ARGUMENT_SETTINGS = ("optimizer_state", "embed", "base")  # those that place step arguments
@@ -108,6 +109,11 @@ def check_placements(config: TrainConfig, model_config: ModelConfig) -> None:
         raise ConfigError(
             "memory.base: host keeps the frozen base in host memory, and method: full has none "
             "(every weight trains); use method lora or qlora, or memory.base: device"
+        )
+    if memory.base == "host" and DEQUANTIZED in memory.save:
+        raise ConfigError(
+            f"memory.save: {DEQUANTIZED} keeps every layer's weights dense from the forward pass "
+            "to the backward pass, which memory.base: host exists to avoid; drop one of them"
         )
     if memory.step == "reference":
         raise ConfigError(

@@ -223,7 +223,14 @@ class MemorySettings(_Section):
             "cudnn where it masks the run's rows exactly on its target, blockwise otherwise"
         ),
     )
-    save: tuple[str, ...] = ()
+    save: tuple[str, ...] = Field(
+        (),
+        description=(
+            "what the forward pass keeps for the backward pass instead of recomputing it: qkv, "
+            "attention, mlp_hidden (the block's activations), dequantized (QLoRA: the layer's "
+            "NF4 weights dense, dequantized once a step instead of twice); empty: recompute all"
+        ),
+    )
     step: Literal["streamed", "reference"] = Field(
         "streamed", description="fused-update or jax.grad step"
     )

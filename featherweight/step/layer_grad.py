@@ -10,9 +10,18 @@ that made it (their backward needs only their inputs). "attention" keeps the att
 kept no projection of the layer runs forward again in the backward pass; the attention core's
 own forward (the score products, for its log-sum-exp) and the LoRA adapters' first matmuls
 (rank-wide, for the adapters' gradients) still run again.
+
+"dequantized" (QLoRA) keeps the layer's NF4 linear weights dense: the forward dequantizes them
+once, up front, into the compute dtype (the values `linear` would make, bit for bit), runs the
+layer on them and returns them among the saved intermediates; the backward puts them in place
+of the NF4 tensors, so `linear` reads dense weights and nothing is dequantized again. It
+combines with the activation classes: they decide which matmuls run again, it decides what
+those matmuls read.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 
@@ -31,6 +40,8 @@ from featherweight.models.llama import (
     rms_norm,
     split_dropout_key,
 )
+from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4
+from featherweight.step.policy import DEQUANTIZED
 
 
 def merge_layer(frozen_layer: Params, trainable_layer: Params) -> Params:
@@ -80,6 +91,16 @@ class _Stages:
         return a + mlp(layer, normed, self.lora, self.mlp_key, self.mlp_chunk)
 
 
+def dequantized_weights(frozen_layer: Params, dtype: Any) -> Params:
+    """{name: dense weight in `dtype`} of the layer's NF4 tensors: the copies `linear` would
+    dequantize for its matmuls, made once so the backward pass can read them."""
+    return {
+        name: dequantize_nf4(weight, dtype)
+        for name, weight in frozen_layer.items()
+        if isinstance(weight, NF4Tensor)
+    }
+
+
 def layer_forward(
     frozen_layer: Params,
     trainable_layer: Params,
@@ -90,8 +111,16 @@ def layer_forward(
     dropout_key: jax.Array | None,
     save: tuple[str, ...],
     mlp_chunk: int | None = None,
-) -> tuple[jax.Array, dict[str, tuple[jax.Array, ...]]]:
+) -> tuple[jax.Array, dict[str, Any]]:
     """The layer's output and the intermediates named in `save`."""
+    if DEQUANTIZED in save:
+        dense = dequantized_weights(frozen_layer, x.dtype)
+        rest = tuple(name for name in save if name != DEQUANTIZED)
+        y, saved = layer_forward(
+            {**frozen_layer, **dense}, trainable_layer, x, inputs, config, lora, dropout_key,
+            rest, mlp_chunk,
+        )  # fmt: skip
+        return y, {**saved, DEQUANTIZED: dense}
     if not save:
         layer = merge_layer(frozen_layer, trainable_layer)
         return block(layer, x, inputs, config, lora, dropout_key, mlp_chunk), {}
@@ -116,7 +145,7 @@ def layer_vjp(
     frozen_layer: Params,
     trainable_layer: Params,
     x: jax.Array,
-    saved: dict[str, tuple[jax.Array, ...]],
+    saved: dict[str, Any],
     output_cotangent: jax.Array,
     inputs: AttentionInputs,
     config: ModelConfig,
@@ -125,6 +154,9 @@ def layer_vjp(
     mlp_chunk: int | None = None,
 ) -> tuple[Params, jax.Array]:
     """(gradient of the trainable slice, cotangent of the layer input)."""
+    if DEQUANTIZED in saved:  # the dense weights kept from the forward pass replace the NF4 ones
+        saved = dict(saved)
+        frozen_layer = {**frozen_layer, **saved.pop(DEQUANTIZED)}
     if not saved:
 
         def layer_fn(trainable, hidden):

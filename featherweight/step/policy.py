@@ -13,7 +13,10 @@
   matmuls, costs 2 x B x S x F per layer); "attention": the attention's output and the attention
   residual (skips the o projection, and with "mlp_hidden" every MLP matmul's input is kept; costs
   B x S x (H h + D) per layer). All three: no projection runs forward twice (4N matmul FLOPs per
-  token instead of 6N). Empty = full remat of the block (least memory).
+  token instead of 6N). "dequantized" (QLoRA only): the layer's NF4 linear weights, dequantized
+  once in the forward pass to the compute dtype and kept for the backward pass, which then reads
+  them dense instead of dequantizing again (costs L x the layer's linear weights x itemsize: 4x
+  the NF4 stack in bfloat16). Empty = full remat of the block (least memory).
 - attention: the attention implementation every layer calls (`featherweight.models.attention`):
   "blockwise" (tiled, no S x S array, every backend), "cudnn" / "cudnn_padded" (cuDNN on NVIDIA
   GPUs: packed rows, rows of one document), "pallas" (jax's Triton kernel) or "materialized" (XLA:
@@ -29,7 +32,10 @@ from featherweight.errors import StepConfigError
 from featherweight.models.attention import IMPLEMENTATIONS
 
 RESIDUAL_PLACEMENTS = ("device", "host")
-SAVEABLE = ("qkv", "attention", "mlp_hidden")
+# activations of the block, and the block's dequantized frozen weights (QLoRA)
+KEPT_ACTIVATIONS = ("qkv", "attention", "mlp_hidden")
+DEQUANTIZED = "dequantized"
+SAVEABLE = (*KEPT_ACTIVATIONS, DEQUANTIZED)
 
 
 @dataclasses.dataclass(frozen=True)
