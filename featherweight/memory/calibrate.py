@@ -49,7 +49,7 @@ from scipy.optimize import nnls
 
 from featherweight.errors import FeatherweightError
 from featherweight.memory import working_set
-from featherweight.memory.components import HOST, REBUILT_ON_HOST
+from featherweight.memory.components import DEQUANTIZED_WEIGHTS, HOST, REBUILT_ON_HOST
 from featherweight.memory.defaults import resolve
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.measure import measure_for_target
@@ -446,7 +446,7 @@ def case_of(record: dict[str, Any]) -> tuple[ModelConfig, TrainConfig]:
     return model, TrainConfig.model_validate(record["config"])
 
 
-STORED = ("residual_stream", "saved_intermediates")
+STORED = ("residual_stream", "saved_intermediates", DEQUANTIZED_WEIGHTS)
 
 
 def _outside_working_set(record: dict[str, Any], config: TrainConfig, model: ModelConfig) -> int:

@@ -14,6 +14,7 @@ PERSISTENT = ("frozen_base", "trainable_weights", "optimizer_state", "batch")
 OUTPUTS = "step_outputs"
 HOST_EMBEDDING = "embedding_table"  # the embedding table with memory.embed: host
 HOST_BASE = "base_layers"  # the frozen layer stack with memory.base: host
+DEQUANTIZED_WEIGHTS = "dequantized_weights"  # QLoRA's layer weights kept dense (save: dequantized)
 # host arrays a step writes anew, beside the old ones: the optimizer state, a trained host table
 REBUILT_ON_HOST = ("optimizer_state_rebuilt", "embedding_table_rebuilt")
 METRIC_BYTES = 14  # loss, tokens, grad_norm (float32), updated and params_finite (bool)

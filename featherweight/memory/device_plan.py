@@ -13,6 +13,9 @@ bytes of the layer-streamed step (featherweight/step/streamed.py) per component:
     residual_stream      L x B x S x D x itemsize: each layer's input
     saved_intermediates  L x B x S x ((H + 2K) h  [qkv] + H h + D  [attention] + 2 F  [mlp_hidden])
                          x itemsize
+    dequantized_weights  QLoRA with save "dequantized": L x the layer's linear weights x itemsize,
+                         dense from the forward pass (q, k, v, o, gate, up, down: about 4x the
+                         NF4 stack in bfloat16)
   the working set of the step's peak phase (featherweight/memory/working_set.py)
     backward: layer_weights, layer_gradient, optimizer_update, layer_activations,
               attention (scores, or the blockwise/cuDNN buffers), embedding_gradient
@@ -44,6 +47,7 @@ import jax
 
 from featherweight.errors import ConfigError
 from featherweight.memory.components import (
+    DEQUANTIZED_WEIGHTS,
     DEVICE,
     HOST,
     HOST_BASE,
@@ -72,6 +76,7 @@ from featherweight.memory.working_set import (
 from featherweight.models.config import ModelConfig
 from featherweight.recipe.build import attention_note, check_method_settings
 from featherweight.recipe.schema import TrainConfig, require_resolved
+from featherweight.step.policy import DEQUANTIZED
 
 
 def _output_buffers(config: TrainConfig, model_config: ModelConfig) -> int:
@@ -215,7 +220,7 @@ def _stored(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponen
         "attention": shapes.heads * shapes.head_dim + shapes.hidden,  # its output, its residual
         "mlp_hidden": 2 * shapes.intermediate,
     }
-    width = sum(widths[name] for name in save)
+    width = sum(widths.get(name, 0) for name in save)
     stored = [
         PlanComponent(
             "residual_stream",
@@ -232,6 +237,15 @@ def _stored(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponen
                 shapes.layers * shapes.tokens * width * shapes.itemsize,
                 placement,
                 f"L x B x S x {width} x {shapes.itemsize} ({' + '.join(save)})",
+            )
+        )
+    if DEQUANTIZED in save:  # QLoRA's NF4 linear weights, dense in the compute dtype
+        stored.append(
+            PlanComponent(
+                DEQUANTIZED_WEIGHTS,
+                shapes.layers * shapes.layer_linear * shapes.itemsize,
+                placement,
+                f"L x {shapes.layer_linear} linear weights x {shapes.itemsize} (dequantized)",
             )
         )
     return stored

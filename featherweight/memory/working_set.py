@@ -4,6 +4,10 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
     backward phase: one layer's VJP and update
       layer_weights        c_w x one layer's linear weights in the compute dtype (sliced, or
                            dequantized from NF4: the copy the matmuls read)
+      dequantized_weights_ahead  `save: dequantized` (QLoRA): the next layer's kept dense
+                           weights, one layer's linear weights x itemsize, sliced from the kept
+                           stack one layer ahead as the layer inputs are (compiled on XLA:CPU:
+                           the step grows by L + 1 layers' dense weights, to 0.01%)
       layer_gradient       one layer's gradient of the trainable tensors
       embedding_gradient   full fine-tuning with the embedding on the device: its V x D x
                            itemsize gradient, alive from the loss to the embedding's update (tied:
@@ -103,6 +107,7 @@ from featherweight.optim.adamw8bit import BLOCK_SIZE
 from featherweight.recipe.build import attention_implementation
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.loss import resolve_chunk_size
+from featherweight.step.policy import DEQUANTIZED
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 DEFAULT_CALIBRATION = "xla-cpu/float32"
@@ -358,6 +363,15 @@ def phase_working_sets(
     backward = [*_layer_backward(shapes, terms, counts), *table]
     if terms["base_layer"]:
         backward.append(_base_in_flight(config, terms["base_layer"]))
+    if DEQUANTIZED in config.memory.save:
+        backward.append(
+            WorkingBuffer(
+                "dequantized_weights_ahead",
+                shapes.layer_linear * shapes.itemsize,
+                f"the next layer's kept dense weights, fetched one layer ahead = "
+                f"{shapes.layer_linear} x {shapes.itemsize}",
+            )
+        )
     phases = {"backward": backward, "loss": _loss_phase(shapes, terms, counts, table)}
     if terms["head_gradient"]:
         phases["head_update"] = [*table, _update_buffer(shapes, terms, counts)]

@@ -142,6 +142,29 @@ def test_kept_activations_grow_the_plan_as_they_grow_the_compiled_step():
     assert abs(percent_difference(planned_kept, compiled_kept)) <= 10.0
 
 
+def test_kept_dequantized_weights_grow_the_plan_as_they_grow_the_compiled_step():
+    # QLoRA (float32, XLA:CPU): keeping the NF4 weights dense grows the compiled step by L + 1
+    # layers' dense weights (the stack, and the next layer's slice fetched ahead in the backward)
+    model = tiny_config(hidden_size=256, intermediate_size=768, num_layers=4, vocab_size=512)
+
+    def compiled_and_planned(save):
+        config = train_config(
+            method="qlora", batch_size=2, model={"dtype": "float32"},
+            memory={"save": save, "loss_chunk": None, "mlp_chunk": None, "vocab_chunk": None},
+        )  # fmt: skip
+        plan = plan_for_config(config, model)
+        return measure_compiled(config, model).total_bytes, plan.cpu_comparable_bytes, plan
+
+    layer_dense = (2 * 64 * 256 + 2 * 32 * 256 + 3 * 768 * 256) * 4  # q, o; k, v; the MLP
+    activations = ["qkv", "attention", "mlp_hidden"]
+    for save, tolerance in (([], 0.01), (activations, 0.05)):
+        compiled, planned, _ = compiled_and_planned(save)
+        compiled_kept, planned_kept, plan = compiled_and_planned([*save, "dequantized"])
+        assert plan.bytes_of("dequantized_weights") == 4 * layer_dense
+        grown = compiled_kept - compiled
+        assert abs((planned_kept - planned) - grown) <= tolerance * grown, (save, grown)
+
+
 # published parameter counts (model cards)
 PARAMETER_COUNTS = {
     "Llama-3.1-8B": 8.03e9,
