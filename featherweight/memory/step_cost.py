@@ -43,9 +43,11 @@ from featherweight.memory.state_bytes import (
 )
 from featherweight.models.config import ModelConfig
 from featherweight.models.shapes import layer_shapes
+from featherweight.quant.nf4 import nf4_nbytes
 from featherweight.recipe.build import attention_implementation
 from featherweight.recipe.schema import TrainConfig, require_resolved
 from featherweight.step.loss import resolve_chunk_size
+from featherweight.step.policy import DEQUANTIZED
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -469,6 +471,37 @@ def host_base_estimate(
     )
 
 
+def dequantization_seconds(
+    config: TrainConfig, model_config: ModelConfig, rates: DeviceRates
+) -> float:
+    """What dequantizing QLoRA's NF4 layer weights costs a step (0 for LoRA and full).
+
+    A dequantization reads a weight's NF4 bytes (codes, absmax and their scales) and writes it
+    dense in the compute dtype, at the device's memory rate. The forward pass dequantizes every
+    weight of every layer once; the backward pass again (its matmuls need the weights for the
+    input gradient whatever activations are kept) -- the MLP's weights once per MLP chunk when
+    the MLP runs in sequence chunks (the chunk loop's remat dequantizes inside the loop; the
+    forward's is hoisted out of it: both compiled on XLA:CPU) -- unless `save: dequantized` keeps
+    them from the forward pass; each micro-batch of `memory.accumulation_steps` dequantizes
+    anew. Kept weights placed in host memory (`residuals: host`) cross the link out and back."""
+    if config.method != "qlora":
+        return 0.0
+    memory, itemsize = config.memory, compute_itemsize(config)
+    sizes = {name: math.prod(s) for name, s in layer_shapes(model_config).items() if len(s) == 2}
+    moved = {name: nf4_nbytes(size) + size * itemsize for name, size in sizes.items()}
+    layer = sum(moved.values())  # one layer's weights dequantized once
+    mlp = sum(moved[name] for name in ("gate", "up", "down"))
+    chunked = memory.mlp_chunk is not None and "mlp_hidden" not in memory.save
+    mlp_passes = config.data.seq_len // min(memory.mlp_chunk, config.data.seq_len) if chunked else 1
+    kept = DEQUANTIZED in memory.save
+    backward = 0 if kept else layer - mlp + mlp_passes * mlp
+    layers = model_config.num_layers * memory.accumulation_steps
+    seconds = layers * (layer + backward) / rates.memory_bytes_per_second
+    if kept and memory.residuals == "host" and rates.link_bytes_per_second is not None:
+        seconds += 2 * layers * sum(sizes.values()) * itemsize / rates.link_bytes_per_second
+    return seconds
+
+
 def step_seconds(config: TrainConfig, model_config: ModelConfig, rates: DeviceRates) -> float:
     """Estimated seconds of one train step: its matmul FLOPs at the device's rate, the bytes the
     LM head's and the layers' matmuls read of their weights at its memory's rate, blockwise attention's extra time where a
@@ -478,6 +511,7 @@ def step_seconds(config: TrainConfig, model_config: ModelConfig, rates: DeviceRa
     weights = head_matmul_bytes(config, model_config) + layer_weight_bytes(config, model_config)
     seconds += weights / rates.memory_bytes_per_second
     seconds += blockwise_attention_seconds(config, model_config, rates)
+    seconds += dequantization_seconds(config, model_config, rates)
     if rates.link_bytes_per_second is not None:
         seconds += host_transfer_bytes(config, model_config) / rates.link_bytes_per_second
     return seconds

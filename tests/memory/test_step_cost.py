@@ -2,9 +2,13 @@
 FLOPs counted in the compiled program's optimized HLO, setting by setting; host transfers follow
 the placements."""
 
+import math
+import re
+
 import jax
 import pytest
 
+from featherweight.memory import step_cost
 from featherweight.memory.defaults import resolve
 from featherweight.memory.measure import abstract_step_arguments
 from featherweight.memory.state_bytes import host_base_bytes
@@ -12,6 +16,7 @@ from featherweight.memory.step_cost import (
     ACCELERATOR_RATES,
     CPU_RATES,
     blockwise_attention_seconds,
+    dequantization_seconds,
     head_matmul_bytes,
     hlo_dot_flops,
     hlo_dot_operand_bytes,
@@ -23,6 +28,7 @@ from featherweight.memory.step_cost import (
 )
 from featherweight.memory.targets import DEVICELESS_COMPILER_OPTIONS, target_mesh
 from featherweight.models.registry import builtin_config
+from featherweight.models.shapes import layer_shapes
 from featherweight.parallel.backend import cuda_plugin_installed
 from featherweight.recipe.schema import parse_config
 from tests.conftest import tiny_config
@@ -48,6 +54,7 @@ def _config(method: str, **memory):
         ("lora", {"save": ["qkv", "attention", "mlp_hidden"]}),
         ("qlora", {"save": ["attention"]}),
         ("full", {"save": ["qkv", "attention", "mlp_hidden"]}),
+        ("qlora", {"save": ["qkv", "attention", "mlp_hidden", "dequantized"]}),
     ],
     ids=[
         "lora",
@@ -59,6 +66,7 @@ def _config(method: str, **memory):
         "lora-keep-all",
         "qlora-keep-attention",
         "full-keep-all",
+        "qlora-keep-all-and-dequantized",
     ],
 )
 def test_step_flops_from_the_shapes_equal_the_compiled_programs(method, memory):
@@ -214,3 +222,70 @@ def test_a_micro_batch_more_reads_the_weights_again_as_in_the_compiled_program(m
     estimate = planned(config(2)) - planned(config(1))
     assert step_flops(config(2), MODEL).total == step_flops(config(1), MODEL).total
     assert abs(estimate / compiled - 1) < 0.05, (estimate, compiled)
+
+
+_LOOPS = re.compile(r"(?:body|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+# the final multiply of `dequantize_nf4` (codes x absmax), forward or in a VJP's remat
+_DEQUANTIZED = re.compile(r'op_name="[^"]*dequantize_nf4\)+/mul"')
+
+
+def _hlo_dequantized_values(compiled, weight_sizes: set[int]) -> int:
+    """Dense values NF4 dequantizations write in one run of a compiled step: each instruction
+    outside fused computations whose root is `dequantize_nf4`'s final multiply and whose result
+    is a whole weight, loops counted by their trip counts."""
+    own, calls, entry, current = {}, {}, None, None
+    for line in compiled.as_text().splitlines():
+        header = step_cost._COMPUTATION.match(line)
+        if header:
+            current = header.group(1)
+            entry = current if line.startswith("ENTRY") else entry
+            own[current], calls[current] = 0, []
+            continue
+        instruction = step_cost._INSTRUCTION.match(line) if current else None
+        if instruction is None:
+            continue
+        shape, opcode = step_cost._shape_and_opcode(instruction.group(2))
+        array = step_cost._array(shape)
+        size = 0 if array is None else math.prod(array.dims)
+        if _DEQUANTIZED.search(line) and size in weight_sizes and opcode != "parameter":
+            own[current] += size
+        if opcode in ("while", "call", "conditional"):  # not fusions: their root is counted
+            trips = step_cost._TRIP_COUNT.search(line)
+            repeat = int(trips.group(1)) if opcode == "while" and trips else 1
+            calls[current] += [(called, repeat) for called in _LOOPS.findall(line)]
+            for group in step_cost._BRANCHES.findall(line):
+                calls[current] += [(branch.strip().lstrip("%"), 1) for branch in group.split(",")]
+
+    def total(computation: str) -> int:
+        return own.get(computation, 0) + sum(n * total(c) for c, n in calls.get(computation, ()))
+
+    return total(entry)
+
+
+def test_kept_dequantized_weights_halve_the_dequantizations_as_the_estimate_counts():
+    # QLoRA (float32) on XLA:CPU: the forward dequantizes every weight once, the backward again (the MLP's
+    # once per MLP chunk, inside the chunk loop's remat) -- unless `save: dequantized` keeps them.
+    # The compiled program's dequantized values, setting to setting, scale as the estimate's time
+    sizes = [math.prod(shape) for shape in layer_shapes(MODEL).values() if len(shape) == 2]
+
+    def qlora(mlp_chunk=None, save=()):
+        memory = {"loss_chunk": None, "vocab_chunk": None, "mlp_chunk": mlp_chunk, "save": save}
+        settings = {"method": "qlora", "batch_size": BATCH, "data": {"seq_len": SEQ}}
+        return parse_config({**settings, "model": {"dtype": "float32"}, "memory": memory})
+
+    cases = {
+        "recompute": qlora(),
+        "kept": qlora(save=["dequantized"]),
+        "mlp-chunk": qlora(mlp_chunk=8),
+        "mlp-chunk-kept": qlora(mlp_chunk=8, save=["dequantized"]),
+    }
+    counted, estimated = {}, {}
+    for name, config in cases.items():
+        step, arguments = abstract_step_arguments(config, MODEL)
+        counted[name] = _hlo_dequantized_values(step.lower(*arguments).compile(), set(sizes))
+        estimated[name] = dequantization_seconds(config, MODEL, CPU_RATES)
+    assert counted["recompute"] == 2 * counted["kept"] == 2 * MODEL.num_layers * sum(sizes)
+    assert counted["mlp-chunk-kept"] == counted["kept"]
+    for name in cases:
+        ratio = counted[name] / counted["recompute"]
+        assert estimated[name] / estimated["recompute"] == pytest.approx(ratio, rel=0.01), name
