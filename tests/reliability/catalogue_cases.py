@@ -265,6 +265,24 @@ def quantized_head(env: Env) -> Action:
 
 
 @case(
+    "kept dequantized weights without QLoRA",
+    r"memory\.save: dequantized keeps NF4 weights dense .* method: lora has no NF4 weights",
+    r"drop it from memory\.save, or use method: qlora",
+)
+def dequantized_without_qlora(env: Env) -> Action:
+    return env.train(**{"memory.save": ["dequantized"]})
+
+
+@case(
+    "kept dequantized weights with the base on the host",
+    r"memory\.save: dequantized keeps every layer's weights dense",
+    r"which memory\.base: host exists to avoid; drop one of them",
+)
+def dequantized_with_base_on_host(env: Env) -> Action:
+    return env.train(**{"method": "qlora", "memory.save": ["dequantized"], "memory.base": "host"})
+
+
+@case(
     "global clipping the step cannot do in one pass",
     r"optimizer\.clipping: global with method: full and the streamed step",
     r"choose optimizer\.clipping: two_pass .*, per_tensor .*memory\.step: reference",
@@ -312,7 +330,7 @@ def base_on_host_with_full(env: Env) -> Action:
 @case(
     "unknown saved intermediate",
     r"\['attn'\]",
-    r"known names are \['qkv', 'attention', 'mlp_hidden'\]",
+    r"known names are \['qkv', 'attention', 'mlp_hidden', 'dequantized'\]",
 )
 def unknown_saved(env: Env) -> Action:
     return lambda: parse_config({"memory": {"save": ["attn"]}})  # refused by the schema

@@ -59,6 +59,8 @@ config | relative path not beside the config | `data.train: qa.jsonl` in configs
 config | unknown LoRA target | `lora: {targets: [q, qq]}` | ConfigError | names `qq` and lists the valid targets
 config | LoRA rank larger than a target weight | `lora: {rank: 128}` on a model 64 wide | AdapterConfigError | names the target and its shape: a smaller rank, or drop the target
 config | quantized head without QLoRA | `method: lora` with `model.quantize_head: true` | ConfigError | needs `method: qlora`
+config | kept dequantized weights without QLoRA | `method: lora` with `memory: {save: [dequantized]}` | ConfigError | says LoRA has no NF4 weights: drop it from `memory.save`, or `method: qlora`
+config | kept dequantized weights with the base on the host | `method: qlora`, `memory: {save: [dequantized], base: host}` | ConfigError | says the kept dense stack contradicts `memory.base: host`: drop one
 config | global clipping the step cannot do in one pass | `method: full`, `optimizer.clip_norm: 1.0` (streamed step) | ConfigError | choose `optimizer.clipping: two_pass` or `per_tensor`, accumulation, or `memory.step: reference`
 config | loss chunk that does not divide the sequence | `memory.loss_chunk: 48`, `seq_len: 64` | StepConfigError | names both sizes and a divisor to use
 config | MLP chunk that does not divide the sequence | `memory.mlp_chunk: 48`, `seq_len: 64` | ConfigError | names both sizes and a divisor to use
