@@ -474,31 +474,38 @@ def host_base_estimate(
 def dequantization_seconds(
     config: TrainConfig, model_config: ModelConfig, rates: DeviceRates
 ) -> float:
-    """What dequantizing QLoRA's NF4 layer weights costs a step (0 for LoRA and full).
+    """What dequantizing QLoRA's NF4 layer weights costs a step (0 for LoRA and full), in bytes
+    at the device's memory rate.
 
     A dequantization reads a weight's NF4 bytes (codes, absmax and their scales) and writes it
-    dense in the compute dtype, at the device's memory rate. The forward pass dequantizes every
-    weight of every layer once; the backward pass again (its matmuls need the weights for the
-    input gradient whatever activations are kept) -- the MLP's weights once per MLP chunk when
-    the MLP runs in sequence chunks (the chunk loop's remat dequantizes inside the loop; the
-    forward's is hoisted out of it: both compiled on XLA:CPU) -- unless `save: dequantized` keeps
-    them from the forward pass; each micro-batch of `memory.accumulation_steps` dequantizes
-    anew. Kept weights placed in host memory (`residuals: host`) cross the link out and back."""
+    dense in the compute dtype. The forward pass dequantizes every weight of every layer once;
+    the backward pass again (its matmuls need the weights for the input gradient whatever
+    activations are kept), the MLP's once per MLP chunk when the MLP runs in sequence chunks
+    (the chunk loop's remat dequantizes inside the loop; the forward's is hoisted out of it).
+    `save: dequantized` keeps them instead, which is not free: the forward writes them into the
+    kept stack by dequantizing each weight a second time inside that write (so compiled by
+    XLA:CPU, and by XLA:GPU for an H100, deviceless), and the backward moves each layer's slice
+    out of the stack twice, a slice and a copy into the loop's carry (a dense read and write
+    each; so compiled by XLA:CPU). So keeping pays only where the backward would dequantize the
+    MLP many times (MLP chunks: about five or more in bfloat16). Each micro-batch of
+    `memory.accumulation_steps` does all of it anew; kept weights placed in host memory
+    (`residuals: host`) also cross the link out and back."""
     if config.method != "qlora":
         return 0.0
     memory, itemsize = config.memory, compute_itemsize(config)
     sizes = {name: math.prod(s) for name, s in layer_shapes(model_config).items() if len(s) == 2}
     moved = {name: nf4_nbytes(size) + size * itemsize for name, size in sizes.items()}
     layer = sum(moved.values())  # one layer's weights dequantized once
+    dense = sum(sizes.values()) * itemsize
     mlp = sum(moved[name] for name in ("gate", "up", "down"))
     chunked = memory.mlp_chunk is not None and "mlp_hidden" not in memory.save
     mlp_passes = config.data.seq_len // min(memory.mlp_chunk, config.data.seq_len) if chunked else 1
     kept = DEQUANTIZED in memory.save
-    backward = 0 if kept else layer - mlp + mlp_passes * mlp
+    per_layer = 2 * layer + 4 * dense if kept else 2 * layer - mlp + mlp_passes * mlp
     layers = model_config.num_layers * memory.accumulation_steps
-    seconds = layers * (layer + backward) / rates.memory_bytes_per_second
+    seconds = layers * per_layer / rates.memory_bytes_per_second
     if kept and memory.residuals == "host" and rates.link_bytes_per_second is not None:
-        seconds += 2 * layers * sum(sizes.values()) * itemsize / rates.link_bytes_per_second
+        seconds += 2 * layers * dense / rates.link_bytes_per_second
     return seconds
 
 

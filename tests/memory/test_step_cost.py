@@ -30,6 +30,7 @@ from featherweight.memory.targets import DEVICELESS_COMPILER_OPTIONS, target_mes
 from featherweight.models.registry import builtin_config
 from featherweight.models.shapes import layer_shapes
 from featherweight.parallel.backend import cuda_plugin_installed
+from featherweight.quant.nf4 import nf4_nbytes
 from featherweight.recipe.schema import parse_config
 from tests.conftest import tiny_config
 
@@ -225,48 +226,80 @@ def test_a_micro_batch_more_reads_the_weights_again_as_in_the_compiled_program(m
 
 
 _LOOPS = re.compile(r"(?:body|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_FUSED = re.compile(r"calls=%?([\w.\-]+)")
 # the final multiply of `dequantize_nf4` (codes x absmax), forward or in a VJP's remat
 _DEQUANTIZED = re.compile(r'op_name="[^"]*dequantize_nf4\)+/mul"')
 
 
-def _hlo_dequantized_values(compiled, weight_sizes: set[int]) -> int:
-    """Dense values NF4 dequantizations write in one run of a compiled step: each instruction
-    outside fused computations whose root is `dequantize_nf4`'s final multiply and whose result
-    is a whole weight, loops counted by their trip counts."""
+def _fused_computations(text: str) -> tuple[set[str], dict[str, str]]:
+    """(computations holding a dequantization's final multiply, each computation's root opcode)."""
+    dequantizing, roots, current = set(), {}, None
+    for line in text.splitlines():
+        header = step_cost._COMPUTATION.match(line)
+        current = header.group(1) if header else current
+        if current and _DEQUANTIZED.search(line):
+            dequantizing.add(current)
+        if current and line.lstrip().startswith("ROOT "):
+            rest = step_cost._INSTRUCTION.match(line).group(2)
+            roots[current] = step_cost._shape_and_opcode(rest)[1]
+    return dequantizing, roots
+
+
+def _hlo_weight_traffic(compiled, shapes: set[tuple[int, ...]], layers: int) -> tuple[int, int]:
+    """(values NF4 dequantizations write, dense weight values sliced or copied) in one run of a
+    compiled step, loops by their trip counts: each fusion outside fused computations holding
+    `dequantize_nf4`'s final multiply and writing a whole weight (or one layer's slot of a kept
+    stack: a dynamic-update-slice); each copy or dynamic slice whose result is one weight."""
+    text = compiled.as_text()
+    dequantizing, roots = _fused_computations(text)
+    sizes = {math.prod(shape) for shape in shapes}
     own, calls, entry, current = {}, {}, None, None
-    for line in compiled.as_text().splitlines():
+    for line in text.splitlines():
         header = step_cost._COMPUTATION.match(line)
         if header:
             current = header.group(1)
             entry = current if line.startswith("ENTRY") else entry
-            own[current], calls[current] = 0, []
+            own[current], calls[current] = [0, 0], []
             continue
         instruction = step_cost._INSTRUCTION.match(line) if current else None
         if instruction is None:
             continue
         shape, opcode = step_cost._shape_and_opcode(instruction.group(2))
-        array = step_cost._array(shape)
+        array = step_cost._array(shape) if shape.startswith(("f32", "bf16")) else None
         size = 0 if array is None else math.prod(array.dims)
-        if _DEQUANTIZED.search(line) and size in weight_sizes and opcode != "parameter":
-            own[current] += size
-        if opcode in ("while", "call", "conditional"):  # not fusions: their root is counted
+        fused = _FUSED.search(line).group(1) if opcode == "fusion" else None
+        root = roots.get(fused, "") if fused else opcode
+        if fused in dequantizing:
+            written = size // layers if root == "dynamic-update-slice" else size
+            own[current][0] += written if written in sizes else 0
+        elif root in ("copy", "dynamic-slice") and size:
+            own[current][1] += size if tuple(d for d in array.dims if d != 1) in shapes else 0
+        if opcode in ("while", "call", "conditional"):  # not fusions: counted above
             trips = step_cost._TRIP_COUNT.search(line)
             repeat = int(trips.group(1)) if opcode == "while" and trips else 1
             calls[current] += [(called, repeat) for called in _LOOPS.findall(line)]
             for group in step_cost._BRANCHES.findall(line):
                 calls[current] += [(branch.strip().lstrip("%"), 1) for branch in group.split(",")]
 
-    def total(computation: str) -> int:
-        return own.get(computation, 0) + sum(n * total(c) for c, n in calls.get(computation, ()))
+    def total(computation: str) -> tuple[int, int]:
+        counts = list(own.get(computation, (0, 0)))
+        for called, repeat in calls.get(computation, ()):
+            inner = total(called)
+            counts = [counts[0] + repeat * inner[0], counts[1] + repeat * inner[1]]
+        return counts[0], counts[1]
 
     return total(entry)
 
 
-def test_kept_dequantized_weights_halve_the_dequantizations_as_the_estimate_counts():
-    # QLoRA (float32) on XLA:CPU: the forward dequantizes every weight once, the backward again (the MLP's
-    # once per MLP chunk, inside the chunk loop's remat) -- unless `save: dequantized` keeps them.
-    # The compiled program's dequantized values, setting to setting, scale as the estimate's time
-    sizes = [math.prod(shape) for shape in layer_shapes(MODEL).values() if len(shape) == 2]
+def test_kept_dequantized_weights_cost_what_the_compiled_step_moves():
+    # QLoRA (float32) on XLA:CPU: the forward dequantizes every weight once, the backward again
+    # (the MLP's once per MLP chunk, inside the chunk loop's remat). Kept, the backward
+    # dequantizes nothing, but the forward dequantizes each weight once more into the kept stack
+    # and the backward slices and copies each layer's weights out of it. The compiled
+    # program's weight bytes, setting to setting, scale as the estimate's time does
+    shapes = [shape for shape in layer_shapes(MODEL).values() if len(shape) == 2]
+    layer = sum(math.prod(shape) for shape in shapes)
+    nf4_per_value = sum(nf4_nbytes(math.prod(shape)) for shape in shapes) / layer
 
     def qlora(mlp_chunk=None, save=()):
         memory = {"loss_chunk": None, "vocab_chunk": None, "mlp_chunk": mlp_chunk, "save": save}
@@ -279,13 +312,37 @@ def test_kept_dequantized_weights_halve_the_dequantizations_as_the_estimate_coun
         "mlp-chunk": qlora(mlp_chunk=8),
         "mlp-chunk-kept": qlora(mlp_chunk=8, save=["dequantized"]),
     }
-    counted, estimated = {}, {}
+    counted, moved, estimated = {}, {}, {}
     for name, config in cases.items():
         step, arguments = abstract_step_arguments(config, MODEL)
-        counted[name] = _hlo_dequantized_values(step.lower(*arguments).compile(), set(sizes))
+        compiled = step.lower(*arguments).compile()
+        counted[name] = _hlo_weight_traffic(compiled, set(shapes), MODEL.num_layers)
+        dequantized, copied = counted[name]
+        moved[name] = dequantized * (nf4_per_value + 4) + copied * 2 * 4
         estimated[name] = dequantization_seconds(config, MODEL, CPU_RATES)
-    assert counted["recompute"] == 2 * counted["kept"] == 2 * MODEL.num_layers * sum(sizes)
-    assert counted["mlp-chunk-kept"] == counted["kept"]
+    twice = 2 * MODEL.num_layers * layer
+    assert counted["recompute"] == (twice, 0)
+    assert counted["kept"] == counted["mlp-chunk-kept"] == (twice, twice)
+    assert counted["mlp-chunk"][0] > twice  # the MLP's weights once per chunk in the backward
     for name in cases:
-        ratio = counted[name] / counted["recompute"]
+        ratio = moved[name] / moved["recompute"]
         assert estimated[name] / estimated["recompute"] == pytest.approx(ratio, rel=0.01), name
+
+
+def test_dequantization_costs_each_micro_batch_and_nothing_without_nf4_weights():
+    qlora = _config("qlora", save=["dequantized"])
+    seconds = dequantization_seconds(qlora, MODEL, ACCELERATOR_RATES)
+    micro = qlora.model_copy(
+        update={"memory": qlora.memory.model_copy(update={"accumulation_steps": 2})}
+    )
+    assert dequantization_seconds(micro, MODEL, ACCELERATOR_RATES) == pytest.approx(2 * seconds)
+    assert dequantization_seconds(_config("lora"), MODEL, ACCELERATOR_RATES) == 0.0
+    # kept in host memory with the residuals, the dense weights cross the link out and back
+    on_host = _config("qlora", save=["dequantized"], residuals="host")
+    dense = MODEL.num_layers * sum(
+        math.prod(shape) for shape in layer_shapes(MODEL).values() if len(shape) == 2
+    )
+    link = 2 * dense * 2 / ACCELERATOR_RATES.link_bytes_per_second  # bfloat16
+    assert dequantization_seconds(on_host, MODEL, ACCELERATOR_RATES) == pytest.approx(
+        seconds + link
+    )
