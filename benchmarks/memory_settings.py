@@ -69,6 +69,7 @@ SMALL_LORA = {  # what `plan --budget` reaches with every same-result setting
 }
 KEEP_ALL = {"save": ["qkv", "attention", "mlp_hidden"]}  # no projection recomputed backward
 ACCUMULATE = {"accumulation_steps": 2}  # the same batch and update, each micro-batch one row
+KEEP_DEQUANTIZED = {"save": ["dequantized"]}  # QLoRA: the NF4 weights dequantized once a step
 VARIANTS = {
     "lora": [
         ("default", "lora", {}, False),
@@ -95,6 +96,20 @@ VARIANTS = {
         ("NF4 head + vocab_chunk 16384", "qlora", {"vocab_chunk": 16384}, True),
         ("kept activations: qkv, attention, mlp_hidden", "qlora", KEEP_ALL, False),
         ("two micro-batches of one row (accumulation_steps 2)", "qlora", ACCUMULATE, False),
+        ("kept dequantized weights", "qlora", KEEP_DEQUANTIZED, False),
+        (
+            "kept activations + dequantized weights",
+            "qlora",
+            {"save": [*KEEP_ALL["save"], *KEEP_DEQUANTIZED["save"]]},
+            False,
+        ),
+        ("mlp_chunk 32, dequantized weights not kept", "qlora", {"mlp_chunk": 32}, False),
+        (
+            "mlp_chunk 32 + kept dequantized weights",
+            "qlora",
+            {"mlp_chunk": 32, **KEEP_DEQUANTIZED},
+            False,
+        ),
     ],
     "full": [
         ("default", "full", {}, False),

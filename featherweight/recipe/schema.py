@@ -228,7 +228,8 @@ class MemorySettings(_Section):
         description=(
             "what the forward pass keeps for the backward pass instead of recomputing it: qkv, "
             "attention, mlp_hidden (the block's activations), dequantized (QLoRA: the layer's "
-            "NF4 weights dense, dequantized once a step instead of twice); empty: recompute all"
+            "NF4 weights kept dense for the backward pass, which then dequantizes nothing; pays "
+            "only against many MLP chunks); empty: recompute all"
         ),
     )
     step: Literal["streamed", "reference"] = Field(

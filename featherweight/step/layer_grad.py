@@ -16,7 +16,8 @@ once, up front, into the compute dtype (the values `linear` would make, bit for 
 layer on them and returns them among the saved intermediates; the backward puts them in place
 of the NF4 tensors, so `linear` reads dense weights and nothing is dequantized again. It
 combines with the activation classes: they decide which matmuls run again, it decides what
-those matmuls read.
+those matmuls read. (Compiled, XLA dequantizes once more to write the kept stack, and the
+backward loop copies each layer's weights out of it: `memory/step_cost.py` prices both.)
 """
 
 from __future__ import annotations

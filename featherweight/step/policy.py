@@ -14,9 +14,11 @@
   residual (skips the o projection, and with "mlp_hidden" every MLP matmul's input is kept; costs
   B x S x (H h + D) per layer). All three: no projection runs forward twice (4N matmul FLOPs per
   token instead of 6N). "dequantized" (QLoRA only): the layer's NF4 linear weights, dequantized
-  once in the forward pass to the compute dtype and kept for the backward pass, which then reads
-  them dense instead of dequantizing again (costs L x the layer's linear weights x itemsize: 4x
-  the NF4 stack in bfloat16). Empty = full remat of the block (least memory).
+  in the forward pass to the compute dtype and kept for the backward pass, which then reads them
+  dense instead of dequantizing again (costs L x the layer's linear weights x itemsize: 4x the
+  NF4 stack in bfloat16; and in time a second dequantization into the kept stack and a copy out
+  of it, so it pays only against many MLP chunks: `memory/step_cost.py`). Empty = full remat of
+  the block (least memory).
 - attention: the attention implementation every layer calls (`featherweight.models.attention`):
   "blockwise" (tiled, no S x S array, every backend), "cudnn" / "cudnn_padded" (cuDNN on NVIDIA
   GPUs: packed rows, rows of one document), "pallas" (jax's Triton kernel) or "materialized" (XLA:
