@@ -113,3 +113,27 @@ def test_kept_activations_are_planned_as_the_h100_compiles_them():
     grown = compiled_kept - compiled_lean
     assert abs((planned_kept - planned_lean) - grown) <= 0.1 * grown
     assert abs(percent_difference(planned_kept, compiled_kept)) <= 10.0
+
+
+def test_kept_dequantized_weights_are_planned_as_the_h100_compiles_them():
+    """SmolLM2-135M QLoRA b2 x 256 (bfloat16): keeping the NF4 weights dense grows the compile
+    for the H100 by L x the layer's linear weights x 2 bytes, the plan's `dequantized_weights`
+    (here the loss phase is the peak, so the backward's one layer fetched ahead does not show)."""
+    model = builtin_config("SmolLM2-135M")
+
+    def planned_and_compiled(save):
+        settings = {"method": "qlora", "batch_size": 2, "model": {"dtype": "bfloat16"},
+                    "data": {"seq_len": 256},
+                    "memory": {"save": save, "loss_chunk": None, "vocab_chunk": None,
+                               "mlp_chunk": None}}  # fmt: skip
+        with calibration_for("xla-gpu"):
+            config = resolve(parse_config(settings), model)
+            plan = plan_for_config(config, model)
+        return plan, measure_for_target(config, model, "h100").device_bytes
+
+    lean_plan, compiled_lean = planned_and_compiled([])
+    kept_plan, compiled_kept = planned_and_compiled(["dequantized"])
+    grown = compiled_kept - compiled_lean
+    assert kept_plan.bytes_of("dequantized_weights") == 30 * 3_538_944 * 2
+    assert abs((kept_plan.device_bytes - lean_plan.device_bytes) - grown) <= 0.01 * grown
+    assert abs(percent_difference(kept_plan.device_bytes, compiled_kept)) <= 10.0
