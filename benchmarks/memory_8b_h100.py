@@ -77,9 +77,7 @@ def max_context(config, model: ModelConfig, budget_bytes: int) -> int:
     low, high = 0, 1024 * 1024
     while high - low > 1024:
         middle = (low + high) // 2 // 1024 * 1024
-        candidate = config.model_copy(
-            update={"batch_size": 1, "data": config.data.model_copy(update={"seq_len": middle})}
-        )
+        candidate = _at_length(config, middle)
         with calibration_for("xla-gpu"):
             fits = plan_for_config(candidate, model).device_bytes <= budget_bytes
         low, high = (middle, high) if fits else (low, middle)
@@ -87,9 +85,10 @@ def max_context(config, model: ModelConfig, budget_bytes: int) -> int:
 
 
 def _at_length(config, seq: int):
-    return config.model_copy(
-        update={"batch_size": 1, "data": config.data.model_copy(update={"seq_len": seq})}
-    )
+    """`config` at batch 1 (one micro-batch: the search's split of the batch of 2 undone) x seq."""
+    memory = config.memory.model_copy(update={"accumulation_steps": 1})
+    data = config.data.model_copy(update={"seq_len": seq})
+    return config.model_copy(update={"batch_size": 1, "data": data, "memory": memory})
 
 
 def context_rows(model: ModelConfig, compile_row) -> list[tuple[str, object, ModelConfig]]:
