@@ -4,10 +4,11 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
     backward phase: one layer's VJP and update
       layer_weights        c_w x one layer's linear weights in the compute dtype (sliced, or
                            dequantized from NF4: the copy the matmuls read)
-      dequantized_weights_ahead  `save: dequantized` (QLoRA): the next layer's kept dense
-                           weights, one layer's linear weights x itemsize, sliced from the kept
-                           stack one layer ahead as the layer inputs are (compiled on XLA:CPU:
-                           the step grows by L + 1 layers' dense weights, to 0.01%)
+      dequantized_weights_ahead  `save: dequantized` (QLoRA) on XLA:CPU: the next layer's kept
+                           dense weights, one layer's linear weights x itemsize, sliced from the
+                           kept stack one layer ahead as the layer inputs are (compiled on
+                           XLA:CPU the step grows by L + 1 layers' dense weights, to 0.01%; for
+                           an H100, deviceless, by L layers' and 0.5%: no such copy there)
       layer_gradient       one layer's gradient of the trainable tensors
       embedding_gradient   full fine-tuning with the embedding on the device: its V x D x
                            itemsize gradient, alive from the loss to the embedding's update (tied:
@@ -363,7 +364,7 @@ def phase_working_sets(
     backward = [*_layer_backward(shapes, terms, counts), *table]
     if terms["base_layer"]:
         backward.append(_base_in_flight(config, terms["base_layer"]))
-    if DEQUANTIZED in config.memory.save:
+    if DEQUANTIZED in config.memory.save and calibration_key(config).startswith("xla-cpu"):
         backward.append(
             WorkingBuffer(
                 "dequantized_weights_ahead",

@@ -116,16 +116,17 @@ def test_kept_activations_are_planned_as_the_h100_compiles_them():
 
 
 def test_kept_dequantized_weights_are_planned_as_the_h100_compiles_them():
-    """SmolLM2-135M QLoRA b2 x 256 (bfloat16): keeping the NF4 weights dense grows the compile
-    for the H100 by L x the layer's linear weights x 2 bytes, the plan's `dequantized_weights`
-    (here the loss phase is the peak, so the backward's one layer fetched ahead does not show)."""
-    model = builtin_config("SmolLM2-135M")
+    """Llama-3.2-1B QLoRA b1 x 2048 (bfloat16, MLP chunks of 256, the backward phase the peak):
+    keeping the NF4 weights dense grows the compile for the H100 by L x the layer's linear
+    weights x 2 bytes, the plan's `dequantized_weights`, and by no more: XLA's GPU compiler
+    makes no copy of the next layer's weights as XLA:CPU does (planning that one would be 5.7%
+    over the growth)."""
+    model = builtin_config("Llama-3.2-1B")
 
     def planned_and_compiled(save):
-        settings = {"method": "qlora", "batch_size": 2, "model": {"dtype": "bfloat16"},
-                    "data": {"seq_len": 256},
-                    "memory": {"save": save, "loss_chunk": None, "vocab_chunk": None,
-                               "mlp_chunk": None}}  # fmt: skip
+        settings = {"method": "qlora", "batch_size": 1, "model": {"dtype": "bfloat16"},
+                    "data": {"seq_len": 2048},
+                    "memory": {"save": save, "mlp_chunk": 256, "attention": "blockwise"}}  # fmt: skip
         with calibration_for("xla-gpu"):
             config = resolve(parse_config(settings), model)
             plan = plan_for_config(config, model)
@@ -134,6 +135,7 @@ def test_kept_dequantized_weights_are_planned_as_the_h100_compiles_them():
     lean_plan, compiled_lean = planned_and_compiled([])
     kept_plan, compiled_kept = planned_and_compiled(["dequantized"])
     grown = compiled_kept - compiled_lean
-    assert kept_plan.bytes_of("dequantized_weights") == 30 * 3_538_944 * 2
+    assert kept_plan.peak_phase == "backward"
+    assert kept_plan.bytes_of("dequantized_weights") == 16 * 60_817_408 * 2
     assert abs((kept_plan.device_bytes - lean_plan.device_bytes) - grown) <= 0.01 * grown
     assert abs(percent_difference(kept_plan.device_bytes, compiled_kept)) <= 10.0
