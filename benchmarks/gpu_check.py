@@ -35,7 +35,10 @@ each with its own time limit, and records per case:
   the table gives the reference's own loss drop beside the comparison, the check's power.
 
 Cases (in order of importance, so that a time-out loses the least; Llama-3.1-8B shapes, bf16,
-b2 x 2048 unless named): QLoRA at defaults (the all-device reference for QLoRA); QLoRA at the
+b2 x 2048 unless named): QLoRA at defaults (the all-device reference for QLoRA); QLoRA at loss
+and MLP chunks 512 all on the device, then with the frozen base on the host at those chunks
+(on the H200 on 2026-11-27 the base on the host at those chunks was 13% off the step-1 gradient
+norm of the reference at 256 / 1024, and equal at the reference's chunks: open); QLoRA at the
 settings `fit_budget` picks for 5.5 GiB (issue 30: it must peak within 5.5 GiB); QLoRA with each
 argument placement alone (embed, optimizer_state, base: the ones E1200 refused); full fine-tuning
 of Llama-3.2-1B all on the device and with its AdamW state on the host; QLoRA at the smallest

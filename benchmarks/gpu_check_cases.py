@@ -123,13 +123,22 @@ class Case:
     model: str  # "large" (Llama-3.1-8B's role) or "small" (Llama-3.2-1B's)
     method: str
     what: str
-    memory: tuple[tuple[str, str], ...] = ()
+    memory: tuple[tuple[str, str | int], ...] = ()
     search: str | None = None  # "budget", "smallest" or "smallest-on-device"
     reference: str | None = None  # None: this case is an all-device reference
 
 
 CASES = (
     Case("qlora", "large", "qlora", "QLoRA at defaults: the all-device reference"),
+    # open since the H200 run of 2026-11-27: the base on the host at loss / MLP chunks 512 was
+    # 13% off the reference's step-1 gradient norm (at 256 / 1024), equal at the reference's
+    # chunks; these two say whether the chunks or the base on the host at them move it
+    Case("qlora-chunks-512", "large", "qlora",
+         "QLoRA at loss and MLP chunks 512, all on the device: the reference of the next",
+         (("loss_chunk", 512), ("mlp_chunk", 512))),
+    Case("qlora-base-host-chunks-512", "large", "qlora",
+         "QLoRA, frozen layer stack on the host, at loss and MLP chunks 512",
+         (("base", "host"),), reference="qlora-chunks-512"),
     Case("qlora-budget", "large", "qlora", "QLoRA at the settings fit_budget picks",
          search="budget", reference="qlora"),
     Case("qlora-embed-host", "large", "qlora", "QLoRA, embedding table on the host",
