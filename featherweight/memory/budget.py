@@ -497,7 +497,8 @@ def fit_budget(
 ) -> tuple[TrainConfig, MemoryPlan]:
     """(config that fits `budget_bytes` of device memory, its plan), changing settings in the
     order of `PREFERENCE` only as far as needed, then spending the room left on speed (kept
-    activations, fewer and larger micro-batches: `_spend_on_speed`). Raises `BudgetError` when nothing fits.
+    activations, fewer and larger micro-batches: `_spend_on_speed`). Raises `BudgetError` when
+    nothing fits.
 
     The plan must fit the budget less `reserve` (a fraction; default the calibration's
     `plan_reserve`: how far below its compiled step a plan fell at worst on the held-out grid),
@@ -537,8 +538,7 @@ def attention_that_fits(
     room: capacity.Capacity | None = None,
 ) -> tuple[TrainConfig, MemoryPlan]:
     """`memory.attention: auto` chose a fused kernel whose plan does not fit `room` (default:
-    this process's device, `capacity.of_device`): blockwise
-    instead -- the same result, without cuDNN's backward workspace (4 GiB for Llama-3.1-8B at
+    this process's device, `capacity.of_device`): blockwise instead -- the same result, without cuDNN's backward workspace (4 GiB for Llama-3.1-8B at
     b2 x 2048 in the packed layout), slower -- so that a step which fits without it is not
     refused; its "auto" chunks chosen again for blockwise (`resolve`: the loss phase may become
     the peak). `config` as requested (settings still "auto"), `plan` its resolved plan; the

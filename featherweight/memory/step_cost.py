@@ -234,13 +234,8 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
     projections = _projection_flops(config, model_config)
     linear = sum(base for base, _ in projections.values())
     adapters = sum(adapter for _, adapter in projections.values())
-    attention = attention_flops(config, model_config) // (4 * m.num_layers)
-    saved = {"down"} | {
-        name
-        for kept, names in SAVED_PROJECTIONS.items()
-        if kept in config.memory.save
-        for name in names
-    }
+    attention = _attention_forward_flops(config, model_config)
+    saved = _not_recomputed(config)
     shapes = layer_shapes(m)
     remat = sum(
         base + adapter
@@ -264,13 +259,26 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
     return StepFlops(m.num_layers * per_layer, head, recompute)
 
 
-def attention_flops(config: TrainConfig, model_config: ModelConfig) -> int:
-    """The attention's matmul FLOPs in a step, every layer: the scores and the weighted sum
-    (2 x 2 B H S^2 h, the whole square) in the forward, the remat forward and the backward's two
-    operand gradients of each (4 x)."""
+def _not_recomputed(config: TrainConfig) -> set[str]:
+    """The projections the backward's recompute skips: the down projection (its output is not
+    needed backward) and those whose outputs `save` keeps."""
+    kept = config.memory.save
+    return {"down"} | {
+        name for cls, names in SAVED_PROJECTIONS.items() if cls in kept for name in names
+    }
+
+
+def _attention_forward_flops(config: TrainConfig, model_config: ModelConfig) -> int:
+    """One layer's attention matmuls in the forward: the scores and the weighted sum, 2 x 2 B H
+    S^2 h (the whole square)."""
     m = model_config
-    per_layer = 2 * 2 * config.batch_size * m.num_heads * config.data.seq_len**2 * m.head_dim
-    return 4 * per_layer * m.num_layers
+    return 2 * 2 * config.batch_size * m.num_heads * config.data.seq_len**2 * m.head_dim
+
+
+def attention_flops(config: TrainConfig, model_config: ModelConfig) -> int:
+    """The attention's matmul FLOPs in a step, every layer: the forward's, the remat forward's
+    and the backward's two operand gradients of each (4 x `_attention_forward_flops`)."""
+    return 4 * _attention_forward_flops(config, model_config) * model_config.num_layers
 
 
 def blockwise_attention_seconds(
@@ -339,12 +347,7 @@ def layer_weight_bytes(config: TrainConfig, model_config: ModelConfig) -> int:
     weight's gradient reads activations, not the weight. What a larger micro-batch saves: the
     same weights read fewer times for the same tokens."""
     require_resolved(config, "the layers' weight bytes")
-    saved = {"down"} | {
-        name
-        for kept, names in SAVED_PROJECTIONS.items()
-        if kept in config.memory.save
-        for name in names
-    }
+    saved = _not_recomputed(config)
     rank = config.lora.rank if config.method != "full" else 0
     per_layer = 0
     for name, shape in layer_shapes(model_config).items():
@@ -511,9 +514,9 @@ def dequantization_seconds(
 
 def step_seconds(config: TrainConfig, model_config: ModelConfig, rates: DeviceRates) -> float:
     """Estimated seconds of one train step: its matmul FLOPs at the device's rate, the bytes the
-    LM head's and the layers' matmuls read of their weights at its memory's rate, blockwise attention's extra time where a
-    fused kernel could run, plus its host transfers at the link's rate (not overlapped: an upper
-    bound on what they add)."""
+    LM head's and the layers' matmuls read of their weights at its memory's rate, blockwise
+    attention's extra time where a fused kernel could run, QLoRA's dequantizations, plus its host
+    transfers at the link's rate (not overlapped: an upper bound on what they add)."""
     seconds = step_flops(config, model_config).total / rates.flops_per_second
     weights = head_matmul_bytes(config, model_config) + layer_weight_bytes(config, model_config)
     seconds += weights / rates.memory_bytes_per_second

@@ -85,6 +85,15 @@ def test_clipping_and_accumulation_with_host_state_keep_the_rules(method):
     assert not _violations(_config(method, ("optimizer_state",), **accumulated))
 
 
+def test_kept_dequantized_weights_in_host_memory_keep_the_rules():
+    # QLoRA's dense weights kept from forward to backward travel with the residuals
+    for settings, save in (
+        (("residuals",), ["dequantized"]),
+        (("residuals", "optimizer_state", "embed"), ["dequantized", "qkv", "mlp_hidden"]),
+    ):
+        assert not _violations(_config("qlora", settings, memory={"save": save}))
+
+
 def test_a_tied_table_on_the_host_keeps_the_rules():
     assert not _violations(_config("qlora", ("embed", "optimizer_state", "base")), TIED)
 
