@@ -48,6 +48,7 @@ class PackStats(NamedTuple):
     truncated_examples: int  # longer than a row, cut to the row length
     truncated_tokens: int  # tokens cut off those examples
     dropped_examples: int  # left with no loss token after truncation
+    most_per_row: int = 0  # the most examples one row holds (cuDNN's packed slots must hold it)
 
     @property
     def fill(self) -> float:
@@ -108,9 +109,11 @@ def pack(
     pad_id: int,
     overflow: Overflow = "truncate",
     several_per_row: bool = True,
+    max_per_row: int | None = None,
 ) -> tuple[PackedRows, PackStats]:
     """Pack examples into rows of `seq_len + 1` tokens by best-fit decreasing
-    (`several_per_row=False`: one example per row, in order, the rest padding).
+    (`several_per_row=False`: one example per row, in order, the rest padding), at most
+    `max_per_row` examples a row (None: as many as fit).
 
     Longest examples are placed first, each into the fullest row that still has room (ties keep
     the input order, so the result is deterministic). An example longer than a row is cut to
@@ -136,13 +139,18 @@ def pack(
     counts = (truncated_examples, truncated_tokens, dropped)
     if not several_per_row:
         return _packed(kept, [[index] for index in range(len(kept))], seq_len, pad_id, counts)
-    rows = best_fit_rows([len(example.ids) for example in kept], capacity)
+    rows = best_fit_rows([len(example.ids) for example in kept], capacity, max_per_row)
     return _packed(kept, rows, seq_len, pad_id, counts)
 
 
-def best_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+def best_fit_rows(
+    lengths: Sequence[int], capacity: int, max_per_row: int | None = None
+) -> list[list[int]]:
     """Item indices grouped into rows of `capacity` slots by best-fit decreasing: longest first,
-    each into the fullest row that still has room (ties keep the input order: deterministic)."""
+    each into the fullest row that still has room and fewer than `max_per_row` items (None: no
+    limit); ties keep the input order: deterministic."""
+    if max_per_row is not None and max_per_row < 1:
+        raise ConfigError(f"max_per_row must be at least 1, got {max_per_row}")
     order = sorted(range(len(lengths)), key=lambda index: -lengths[index])
     rows: list[list[int]] = []
     open_rows: list[tuple[int, int]] = []  # (free slots, row index), sorted
@@ -155,7 +163,7 @@ def best_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
             free, row = open_rows.pop(slot)
             rows[row].append(index)
             free -= lengths[index]
-        if free > 0:
+        if free > 0 and (max_per_row is None or len(rows[row]) < max_per_row):
             bisect.insort(open_rows, (free, row))
     return rows
 
@@ -175,6 +183,7 @@ def _packed(
         truncated_examples=counts[0],
         truncated_tokens=counts[1],
         dropped_examples=counts[2],
+        most_per_row=max((len(row) for row in rows), default=0),
     )
     return packed, stats
 

@@ -41,7 +41,7 @@ from featherweight.data.records import (
     skip_reason,
     split,
 )
-from featherweight.errors import DataError
+from featherweight.errors import ConfigError, DataError
 from featherweight.io.tokenizer import Tokenizer
 
 NO_COMPLETION = "no completion token left within seq_len (the prompt fills the room)"
@@ -133,6 +133,7 @@ class PairStats(NamedTuple):
     truncated_tokens: int
     dropped_pairs: int
     drop_reasons: tuple[tuple[str, int], ...] = ()
+    most_per_row: int = 0  # the most examples one row holds (cuDNN's packed slots must hold it)
 
     @property
     def fill(self) -> float:
@@ -174,8 +175,15 @@ def pack_pairs(
     pad_id: int,
     overflow: Overflow = "truncate",
     several_per_row: bool = True,
+    max_per_row: int | None = None,
 ) -> tuple[PackedRows, PairStats]:
-    """Rows of `seq_len + 1` tokens holding the pairs (module docstring)."""
+    """Rows of `seq_len + 1` tokens holding the pairs (module docstring), at most `max_per_row`
+    examples a row (None: as many as fit); a pair is two, so a row holds `max_per_row // 2`."""
+    if several_per_row and max_per_row is not None and max_per_row < 2:
+        raise ConfigError(
+            f"data.max_documents_per_row={max_per_row} cannot hold a preference pair (two "
+            "examples) in a packed row; set 2 or more, or data.pack: false"
+        )
     capacity = seq_len + 1
     kept: list[PairExample] = []
     truncated = cut_tokens = 0
@@ -189,7 +197,8 @@ def pack_pairs(
         kept.append(fitted)
     examples = tuple(example for pair in kept for example in pair)
     if several_per_row:
-        rows = best_fit_rows([pair.length for pair in kept], capacity)
+        pairs_per_row = None if max_per_row is None else max_per_row // 2
+        rows = best_fit_rows([pair.length for pair in kept], capacity, pairs_per_row)
         rows = [tuple(e for p in row for e in (2 * p, 2 * p + 1)) for row in rows]
     else:
         rows = [(index,) for index in range(len(examples))]
@@ -207,6 +216,7 @@ def pack_pairs(
         truncated_tokens=cut_tokens,
         dropped_pairs=sum(drops.values()),
         drop_reasons=tuple(drops.most_common()),
+        most_per_row=max((len(row) for row in rows), default=0),
     )
     return packed, stats
 
@@ -238,15 +248,16 @@ def prepare_preference_dataset(
     seed: int = 0,
     columns: Mapping[str, str] | None = None,
     pack_examples: bool = True,
+    max_per_row: int | None = None,
 ) -> Dataset:
     """Read, tokenize, split (seeded, by pair) and pack a preference dataset: a `Dataset` whose
-    rows hold pairs and whose stats are `PairStats`."""
+    rows hold pairs (at most `max_per_row` examples a row) and whose stats are `PairStats`."""
     skipped = Skipped()
     pairs = tokenize_pairs(read_records(path, skip_bad, columns, skipped), tokenizer, skip_bad,
                            skipped)  # fmt: skip
     refuse_empty(path, len(pairs), skipped)
     train_pairs, eval_pairs = split(pairs, eval_fraction, seed)
-    options = (seq_len, tokenizer.pad_id, overflow, pack_examples)
+    options = (seq_len, tokenizer.pad_id, overflow, pack_examples, max_per_row)
     train, train_stats = pack_pairs(train_pairs, *options)
     if train_stats.pairs == 0:
         raise DataError(

@@ -514,9 +514,11 @@ def prepare_dataset(
     columns: Mapping[str, str] | None = None,
     instruction_template: InstructionTemplate | None = None,
     pack_examples: bool = True,
+    max_per_row: int | None = None,
 ) -> Dataset:
     """Read, tokenize (streamed), split (seeded) and pack a dataset into rows of `seq_len + 1`
-    tokens. `pack_examples=False` puts one example in each row (the rest padding)."""
+    tokens, at most `max_per_row` examples a row (None: as many as fit). `pack_examples=False`
+    puts one example in each row (the rest padding)."""
     skipped = Skipped()
     records = read_records(path, skip_bad, columns, skipped)
     # packing keeps at most seq_len + 1 tokens of an example ("truncate"), and "error" refuses
@@ -526,17 +528,14 @@ def prepare_dataset(
     )
     refuse_empty(path, len(examples), skipped)
     train_examples, eval_examples = split(examples, eval_fraction, seed)
-    train, train_stats = pack(train_examples, seq_len, tokenizer.pad_id, overflow, pack_examples)
+    options = (seq_len, tokenizer.pad_id, overflow, pack_examples, max_per_row)
+    train, train_stats = pack(train_examples, *options)
     if train_stats.rows == 0:
         raise DataError(
             f"dataset {path}: no training example has a loss token within seq_len={seq_len}; "
             "raise seq_len"
         )
-    evaluation, eval_stats = (
-        pack(eval_examples, seq_len, tokenizer.pad_id, overflow, pack_examples)
-        if eval_examples
-        else (None, None)
-    )
+    evaluation, eval_stats = pack(eval_examples, *options) if eval_examples else (None, None)
     reasons = tuple(
         (reason, count, skipped.first[reason]) for reason, count in skipped.reasons.most_common()
     )

@@ -24,7 +24,7 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
                            tile edge; on XLA:CPU three for a lone tile, S <= t), counted once;
                            cudnn_padded: the log-sum-exps, B H S x 4, and cuDNN's backward
                            workspace for B sequences (`cudnn_workspace_bytes`); cudnn (packed
-                           rows): cuDNN's statistics for M = PACKED_SLOTS documents a row,
+                           rows): cuDNN's statistics for M documents a row (`packed_slots`),
                            B H S M x 4, its backward workspace for B x M sequences, the
                            layout's int32 arrays, and the blockwise fallback's buffers (as
                            blockwise) and output (B S H h x itemsize) beside them. The
@@ -102,10 +102,10 @@ from featherweight.memory.state_bytes import (
 from featherweight.models.attention import block_size
 from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.config import ModelConfig
-from featherweight.models.fused_attention import PACKED_SLOTS, pallas_tile
+from featherweight.models.fused_attention import pallas_tile
 from featherweight.models.shapes import layer_shapes
 from featherweight.optim.adamw8bit import BLOCK_SIZE
-from featherweight.recipe.build import attention_implementation
+from featherweight.recipe.build import attention_implementation, packed_slots
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.loss import resolve_chunk_size
 from featherweight.step.policy import DEQUANTIZED
@@ -201,11 +201,12 @@ def attention_bytes(shapes: StepShapes) -> tuple[int, int]:
         workspace = cudnn_workspace_bytes(batch, heads, seq, shapes.head_dim)
         return 0, 4 * batch * heads * seq + workspace
     if shapes.attention == "cudnn":
-        # statistics for PACKED_SLOTS documents a row, the backward's workspace, the layout, and
-        # the blockwise fallback's buffers and output beside cuDNN's (`packed_or_fallback`)
-        stats = 4 * batch * heads * seq * PACKED_SLOTS
-        workspace = cudnn_workspace_bytes(batch * PACKED_SLOTS, heads, seq, shapes.head_dim)
-        layout = 4 * 4 * batch * (PACKED_SLOTS + 1)
+        # statistics for M documents a row, the backward's workspace, the layout, and the
+        # blockwise fallback's buffers and output beside cuDNN's (`packed_or_fallback`)
+        slots = shapes.packed_slots
+        stats = 4 * batch * heads * seq * slots
+        workspace = cudnn_workspace_bytes(batch * slots, heads, seq, shapes.head_dim)
+        layout = 4 * 4 * batch * (slots + 1)
         fallback = batch * seq * heads * shapes.head_dim * shapes.itemsize
         return 0, stats + workspace + layout + fallback + _blockwise_bytes(shapes)
     if shapes.attention == "pallas":
@@ -220,8 +221,8 @@ def cudnn_workspace_bytes(sequences: int, heads: int, seq: int, head_dim: int) -
     """The workspace cuDNN's fused attention backward (`__cudnn$fmhaSoftmaxBackward`) takes for
     `sequences` sequences of `seq` positions: 4 x sequences x H x S x (2h + 1) bytes, two float32
     accumulators of the query's shape and a float32 row term per sequence. In the packed layout
-    every row is M = PACKED_SLOTS sequences of up to S positions, so it is M times the padded
-    layout's. Read off the step compiled on an H200 (jax 0.11.2): u8[4311761664] for 2 x 32
+    every row is M sequences of up to S positions (`recipe.build.packed_slots`), so it is M
+    times the padded layout's. Read off the step compiled on an H200 (jax 0.11.2): u8[4311761664] for 2 x 32
     sequences, 32 heads, 2048 positions, head dim 128, which is this plus the forward's 17152
     bytes (benchmarks/results/gpu_h200_2026-11-27.md). The padded layout's (one sequence a row)
     is the same formula at M = 1, not yet read off a GPU."""
@@ -290,6 +291,7 @@ class StepShapes:
         )
         self.full = config.method == "full"
         self.attention = attention_of(config, model_config)
+        self.packed_slots = packed_slots(config)  # cuDNN's packed layout: documents a row
         self.tied = model.tie_word_embeddings
         # the gate and up outputs kept from the forward pass (`memory.save`): the backward reads
         # them instead of recomputing them, which changes its F-wide buffers
@@ -550,9 +552,9 @@ def _attention_buffer(
     elif shapes.attention == "cudnn":
         formula = (
             f"cudnn: B x H x S x M x (4 + 4 (2h + 1)), cuDNN's statistics and backward workspace "
-            f"for M = {PACKED_SLOTS} packed slots a row = {shapes.batch} x {shapes.heads} x "
-            f"{shapes.seq} x {PACKED_SLOTS} x (4 + 4 x {2 * shapes.head_dim + 1}), with the "
-            "packed layout and the blockwise fallback's buffers and output"
+            f"for M = {shapes.packed_slots} packed slots a row = {shapes.batch} x {shapes.heads} "
+            f"x {shapes.seq} x {shapes.packed_slots} x (4 + 4 x {2 * shapes.head_dim + 1}), "
+            "with the packed layout and the blockwise fallback's buffers and output"
         )
     elif shapes.attention == "pallas":
         padded, heads = pallas_padded(shapes.seq), shapes.heads

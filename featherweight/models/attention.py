@@ -5,7 +5,7 @@ The implementations (`IMPLEMENTATIONS`), one call (`attend`):
 - "blockwise": the tiled ("flash") attention below, in plain JAX, on every backend;
 - "cudnn": cuDNN's fused kernel; packed rows (segment ids) in cuDNN's packed layout, Hopper and
   later (`models/fused_attention.py`), a batch with a row of more documents than its slots
-  (`PACKED_SLOTS`) by blockwise instead;
+  (`packed_slots`) by blockwise instead;
 - "cudnn_padded": cuDNN's fused kernel on rows of one document each, by their lengths;
 - "pallas": jax's Pallas Triton flash attention with segment ids (NVIDIA GPUs);
 - "materialized": XLA's path of `jax.nn.dot_product_attention`: float32 B x H x S x S scores,
@@ -58,6 +58,7 @@ import numpy as np
 
 from featherweight.errors import StepConfigError
 from featherweight.models.fused_attention import (
+    DEFAULT_PACKED_SLOTS,
     cudnn_attention,
     packed_or_fallback,
     pallas_attention,
@@ -351,10 +352,12 @@ def attend(
     v: jax.Array,
     segment_ids: jax.Array | None,
     implementation: str,
+    packed_slots: int = DEFAULT_PACKED_SLOTS,
 ) -> jax.Array:
     """Causal (and segment-masked) grouped-query self-attention: q [B, S, H, h], k, v [B, S, K, h]
     -> [B, S, H, h], by `implementation` (one of `IMPLEMENTATIONS`; "cudnn" gives cuDNN packed
-    rows, "cudnn_padded" rows of one document each: `models/fused_attention.py`)."""
+    rows of at most `packed_slots` documents, "cudnn_padded" rows of one document each:
+    `models/fused_attention.py`)."""
     if implementation == "blockwise":
         return blockwise_attention(q, k, v, segment_ids)
     if implementation == "materialized":
@@ -369,9 +372,9 @@ def attend(
     if implementation == "cudnn":  # more documents in a row than cuDNN's slots: blockwise
 
         def packed(q, k, v, segment_ids):
-            return cudnn_attention(q, k, v, segment_ids, "packed")
+            return cudnn_attention(q, k, v, segment_ids, "packed", packed_slots)
 
-        return packed_or_fallback(q, k, v, segment_ids, packed, blockwise_attention)
+        return packed_or_fallback(q, k, v, segment_ids, packed, blockwise_attention, packed_slots)
     if implementation == "pallas":
         return pallas_attention(q, k, v, segment_ids)
     raise StepConfigError(

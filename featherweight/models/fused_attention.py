@@ -11,10 +11,12 @@ exactly what the segment ids say, and tests compare it with blockwise on packed 
   jax's private `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention` takes that
   layout (jax-ml/jax#25812; a public one is proposed in #29731), and cuDNN runs it on Hopper and
   later only. `cudnn_packed_refusal` checks the private signature before it is used. M is
-  static and costs memory: cuDNN keeps float32 softmax statistics of B x M x H x S (M = S would
-  be 32 GiB for Llama-3.1-8B at 16K tokens), so M is `PACKED_SLOTS` and a batch with a row of
-  more documents than that runs the exact fallback instead (`packed_or_fallback`: a `lax.cond`
-  on the batch, blockwise in the step).
+  static and costs memory: cuDNN keeps float32 softmax statistics of B x M x H x S and its
+  backward a workspace of 4 x B x M x H x S x (2h + 1) bytes (read off an H200: 4 GiB for
+  Llama-3.1-8B at b2 x 2048 and M = 32). So M is small: `data.max_documents_per_row` where the
+  packer holds rows to it, else `DEFAULT_PACKED_SLOTS`, and a batch with a row of more documents
+  than M runs the exact fallback instead (`packed_or_fallback`: a `lax.cond` on the batch,
+  blockwise in the step).
 - cuDNN, one document per row (`"padded"`, `data.pack: false`): the public
   `jax.nn.dot_product_attention(..., query_seq_lengths=..., implementation="cudnn")`, each row's
   length the count of its non-padding tokens (`row_lengths`).
@@ -44,7 +46,9 @@ import jax
 import jax.numpy as jnp
 
 Rows = Literal["plain", "padded", "packed"]
-PACKED_SLOTS = 32  # documents per row cuDNN's packed layout holds (its statistics: B x M x H x S)
+# documents a row cuDNN's packed layout holds when the packer sets no limit: 4 keeps the
+# backward's workspace at an eighth of 32's (0.5 GiB for Llama-3.1-8B at b2 x 2048)
+DEFAULT_PACKED_SLOTS = 4
 PALLAS_BLOCK = 128  # the Pallas kernel's forward tile edge (jax's default BlockSizes)
 PALLAS_BACKWARD_BLOCK = 32  # its backward tiles (jax's default BlockSizes)
 
@@ -72,7 +76,9 @@ def documents_per_row(segment_ids: jax.Array) -> jax.Array:
     return jnp.sum(_boundaries(segment_ids)[0], axis=1, dtype=jnp.int32)
 
 
-def packed_layout(segment_ids: jax.Array, max_documents: int = PACKED_SLOTS) -> PackedLayout:
+def packed_layout(
+    segment_ids: jax.Array, max_documents: int = DEFAULT_PACKED_SLOTS
+) -> PackedLayout:
     """The documents of each row of `segment_ids` [B, S] as cuDNN's packed layout with
     M = `max_documents` slots: exact for rows of at most M documents (`documents_per_row`);
     the documents past the M-th are left out."""
@@ -128,12 +134,17 @@ def _zero_padding(x: jax.Array, real: jax.Array) -> jax.Array:
 
 
 def cudnn_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, rows: Rows
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    rows: Rows,
+    slots: int = DEFAULT_PACKED_SLOTS,
 ) -> jax.Array:
     """Causal grouped-query attention by cuDNN's fused kernel, masked exactly as `segment_ids`
     say for `rows`: "plain" (no segment ids), "padded" (one document per row, then padding) or
-    "packed" (several documents per row, at most `PACKED_SLOTS`: `packed_or_fallback`; Hopper
-    and later, jax's private API) -> [B, S, H, h]."""
+    "packed" (several documents per row, at most `slots`: `packed_or_fallback`; Hopper and
+    later, jax's private API) -> [B, S, H, h]."""
     if rows == "plain" or segment_ids is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     real = segment_ids != 0
@@ -154,7 +165,7 @@ def cudnn_attention(
     if refusal:
         raise NotImplementedError(refusal)
     module = _private_cudnn()
-    layout = packed_layout(segment_ids, PACKED_SLOTS)
+    layout = packed_layout(segment_ids, slots)
     out = module.dot_product_attention(
         q,
         k,
@@ -176,7 +187,7 @@ def packed_or_fallback(
     segment_ids: jax.Array,
     fused,
     fallback,
-    slots: int = PACKED_SLOTS,
+    slots: int = DEFAULT_PACKED_SLOTS,
 ) -> jax.Array:
     """`fused(q, k, v, segment_ids)` when no row holds more than `slots` documents, else
     `fallback(...)`: one `lax.cond` on the batch, so both are compiled and exactly one runs

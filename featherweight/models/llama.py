@@ -29,6 +29,7 @@ import numpy as np
 from featherweight.errors import StepConfigError
 from featherweight.models.attention import IMPLEMENTATIONS, attend
 from featherweight.models.config import ModelConfig
+from featherweight.models.fused_attention import DEFAULT_PACKED_SLOTS
 from featherweight.parallel.memory_kinds import host_table_rows, on_host, scan_layers
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, take_rows_nf4
 
@@ -47,7 +48,7 @@ class LoraSpec(NamedTuple):
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=("cos", "sin", "segment_ids"),
-    meta_fields=("implementation",),
+    meta_fields=("implementation", "packed_slots"),
 )
 @dataclasses.dataclass(frozen=True)
 class AttentionInputs:
@@ -57,12 +58,14 @@ class AttentionInputs:
     only to earlier tokens of the same segment (packed examples never see each other).
     implementation: which attention runs (`featherweight.models.attention.IMPLEMENTATIONS`); a
     static field of the pytree, so it reaches every layer through scans and VJPs unchanged.
+    packed_slots: the documents a row cuDNN's packed layout holds ("cudnn"; static likewise).
     """
 
     cos: jax.Array
     sin: jax.Array
     segment_ids: jax.Array | None
     implementation: str = "blockwise"
+    packed_slots: int = DEFAULT_PACKED_SLOTS
 
 
 # --- rotary position embeddings ----------------------------------------------------------------
@@ -92,9 +95,10 @@ def attention_inputs(
     positions: jax.Array,
     segment_ids: jax.Array | None = None,
     implementation: str = "blockwise",
+    packed_slots: int = DEFAULT_PACKED_SLOTS,
 ) -> AttentionInputs:
     """Rotary tables for integer `positions` [B, S] (float32, as transformers computes them), the
-    segment ids, and the attention implementation every layer calls."""
+    segment ids, and the attention implementation every layer calls (with cuDNN's packed slots)."""
     if implementation not in IMPLEMENTATIONS:
         raise StepConfigError(
             f"attention implementation {implementation!r} is unknown; use one of {IMPLEMENTATIONS}"
@@ -102,7 +106,9 @@ def attention_inputs(
     inv_freq = jnp.asarray(rope_inverse_frequencies(config))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, h/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [B, S, h]
-    return AttentionInputs(jnp.cos(angles), jnp.sin(angles), segment_ids, implementation)
+    return AttentionInputs(
+        jnp.cos(angles), jnp.sin(angles), segment_ids, implementation, packed_slots
+    )
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -179,7 +185,8 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, inputs: AttentionIn
     The default, blockwise, never builds an S x S array (`featherweight.models.attention`).
     """
     batch, seq = q.shape[:2]
-    return attend(q, k, v, inputs.segment_ids, inputs.implementation).reshape(batch, seq, -1)
+    out = attend(q, k, v, inputs.segment_ids, inputs.implementation, inputs.packed_slots)
+    return out.reshape(batch, seq, -1)
 
 
 def self_attention(

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from featherweight.errors import ConfigError
 from featherweight.models.attention_choice import AttentionTarget, choose_attention, cudnn_refusal
 from featherweight.models.config import ModelConfig
+from featherweight.models.fused_attention import DEFAULT_PACKED_SLOTS
 from featherweight.models.llama import LINEAR_NAMES, LoraSpec, Params
 from featherweight.models.shapes import layer_shapes, top_level_shapes
 from featherweight.parallel.sharding import mesh_from_settings, step_shardings
@@ -136,8 +137,8 @@ def build_train_step(
     require_resolved(config, "build_train_step")
     lora = lora_config_of(config)
     spec: LoraSpec | None = None if lora is None else lora.spec
-    attention = attention_implementation(config, model_config)
-    policy = dataclasses.replace(config.memory.policy, attention=attention)
+    attention, slots = attention_implementation(config, model_config), packed_slots(config)
+    policy = dataclasses.replace(config.memory.policy, attention=attention, packed_slots=slots)
     init_opt_state = opt_state_initializer(config, optimizer)
     accumulation_steps = config.memory.accumulation_steps
     mesh, shardings = mesh or mesh_from_settings(config.mesh), None
@@ -150,7 +151,7 @@ def build_train_step(
             model_config, step_optimizer(config, optimizer), lora=spec,
             chunk_size=policy.loss_chunk, shardings=shardings,
             accumulation_steps=accumulation_steps, attention=attention,
-            objective=config.preference,
+            objective=config.preference, packed_slots=slots,
         )  # fmt: skip
         return step, init_opt_state
     clip_norm, two_pass = step_clipping(config)
@@ -185,6 +186,13 @@ def attention_implementation(
         model_config.head_dim,
         rows="packed" if config.data.pack else "padded",
     )
+
+
+def packed_slots(config: TrainConfig) -> int:
+    """The documents a row cuDNN's packed attention holds: `data.max_documents_per_row`, which
+    the packer holds every row to, else `DEFAULT_PACKED_SLOTS` (a batch with a row of more runs
+    blockwise: `models.fused_attention.packed_or_fallback`)."""
+    return config.data.max_documents_per_row or DEFAULT_PACKED_SLOTS
 
 
 def attention_note(config: TrainConfig, model_config: ModelConfig) -> str | None:
@@ -229,6 +237,12 @@ def check_preference_settings(config: TrainConfig) -> None:
     `ConfigError` naming the config keys, before anything is read)."""
     if config.preference is None:
         return
+    most = config.data.max_documents_per_row
+    if config.data.pack and most is not None and most < 2:
+        raise ConfigError(
+            f"data.max_documents_per_row={most} cannot hold a preference pair (two examples) in "
+            "a packed row; set 2 or more, or data.pack: false"
+        )
     if config.memory.accumulation_steps > 1:
         raise ConfigError(
             f"objective: {config.objective} averages over each batch's pairs, so "

@@ -111,6 +111,16 @@ class DataSettings(_Section):
     )
     seq_len: int = Field(256, gt=0)
     pack: bool = Field(True, description="several examples per row; false: one (padded)")
+    max_documents_per_row: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "packed rows hold at most this many examples (a preference pair is two); cuDNN's "
+            "packed attention then holds exactly that many a row, its backward workspace "
+            "4 x B x M x H x S x (2h + 1) bytes. None: rows hold as many as fit, cuDNN holds "
+            "4 a row (lean) and a batch with a row of more runs blockwise attention"
+        ),
+    )
     overflow: Literal["truncate", "error"] = "truncate"
     skip_bad: bool = False
     shuffle_seed: int = Field(0, ge=0, le=MAX_SEED)
@@ -288,11 +298,15 @@ class MemorySettings(_Section):
     def policy(self) -> MemoryPolicy:
         """The streamed step's runtime form of these settings: the fields both share, by name.
 
-        `attention` is left at the policy's default here: "auto" depends on the target, so
-        `recipe.build.attention_implementation` resolves it and the step builder sets it."""
+        `attention` and `packed_slots` are left at the policy's defaults here: "auto" depends on
+        the target and the slots on `data`, so the step builder sets them
+        (`recipe.build.attention_implementation`, `recipe.build.packed_slots`)."""
         if self.unresolved:
             raise ConfigError(_unresolved_message("the step's memory policy", self.unresolved))
-        shared = {field.name for field in dataclasses.fields(MemoryPolicy)} - {"attention"}
+        shared = {field.name for field in dataclasses.fields(MemoryPolicy)} - {
+            "attention",
+            "packed_slots",
+        }
         return MemoryPolicy(**{name: getattr(self, name) for name in shared})
 
 

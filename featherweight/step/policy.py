@@ -24,6 +24,9 @@
   GPUs: packed rows, rows of one document), "pallas" (jax's Triton kernel) or "materialized" (XLA:
   float32 B x H x S x S scores). A config's "auto" is
   resolved before the policy is built (`recipe.build.attention_implementation`).
+- packed_slots: the documents a row cuDNN's packed layout ("cudnn") holds; a batch with a row of
+  more runs blockwise. `data.max_documents_per_row` where the packer holds rows to it
+  (`recipe.build.packed_slots`), else `models.fused_attention.DEFAULT_PACKED_SLOTS`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import dataclasses
 
 from featherweight.errors import StepConfigError
 from featherweight.models.attention import IMPLEMENTATIONS
+from featherweight.models.fused_attention import DEFAULT_PACKED_SLOTS
 
 RESIDUAL_PLACEMENTS = ("device", "host")
 # activations of the block, and the block's dequantized frozen weights (QLoRA)
@@ -50,6 +54,7 @@ class MemoryPolicy:
     mlp_chunk: int | None = None
     save: tuple[str, ...] = ()
     attention: str = "blockwise"
+    packed_slots: int = DEFAULT_PACKED_SLOTS
 
     def __post_init__(self) -> None:
         if self.attention not in IMPLEMENTATIONS:
@@ -57,6 +62,8 @@ class MemoryPolicy:
                 f"attention={self.attention!r} is not an implementation; use one of "
                 f"{IMPLEMENTATIONS} (a config's 'auto' is resolved for its target first)"
             )
+        if self.packed_slots < 1:
+            raise StepConfigError(f"packed_slots={self.packed_slots} must be at least 1")
         if self.residuals not in RESIDUAL_PLACEMENTS:
             raise StepConfigError(
                 f"residuals={self.residuals!r} is not a placement; use one of {RESIDUAL_PLACEMENTS}"

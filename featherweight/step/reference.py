@@ -17,6 +17,7 @@ import optax
 from featherweight.errors import StepConfigError
 from featherweight.models.batch import Batch
 from featherweight.models.config import ModelConfig
+from featherweight.models.fused_attention import DEFAULT_PACKED_SLOTS
 from featherweight.models.llama import (
     LoraSpec,
     Params,
@@ -56,11 +57,12 @@ def model_loss(
     vocab_chunk: int | None = None,
     mlp_chunk: int | None = None,
     attention: str = "blockwise",
+    packed_slots: int = DEFAULT_PACKED_SLOTS,
 ) -> jax.Array:
     """Mean next-token cross-entropy of the model given by frozen + trainable parameters, with
-    the `attention` implementation."""
+    the `attention` implementation (cuDNN's packed layout of `packed_slots` documents a row)."""
     params = merge_params(frozen, trainable)
-    inputs = attention_inputs(config, batch.positions, batch.segment_ids, attention)
+    inputs = attention_inputs(config, batch.positions, batch.segment_ids, attention, packed_slots)
     hidden = run_layers(
         params["layers"],
         embed(params, batch.input_ids),
@@ -100,13 +102,14 @@ def preference_model_loss(
     key: jax.Array | None = None,
     attention: str = "blockwise",
     chunks: tuple[int | None, int | None] | None = None,
+    packed_slots: int = DEFAULT_PACKED_SLOTS,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(loss, metrics) of a preference objective, differentiated by `jax.grad` through the whole
     model: the policy's per-token log-probs, summed per completion; DPO's reference is the same
     frozen base with the adapters off (`lora=None`), or the batch's precomputed log-probs.
     `chunks` (loss chunk, vocabulary chunk) computes the log-probs chunk by chunk (evaluation)."""
     params = merge_params(frozen, trainable)
-    inputs = attention_inputs(config, batch.positions, batch.segment_ids, attention)
+    inputs = attention_inputs(config, batch.positions, batch.segment_ids, attention, packed_slots)
     keys = layer_dropout_keys(key, lora, config.num_layers)
     hidden = run_layers(
         params["layers"], embed(params, batch.input_ids), inputs, config, lora, True, keys
@@ -130,6 +133,7 @@ def _loss_and_grad(
     remat: bool,
     attention: str,
     objective: PreferenceObjective | None,
+    packed_slots: int = DEFAULT_PACKED_SLOTS,
 ) -> Callable[..., tuple[jax.Array, Params, dict[str, jax.Array]]]:
     """`(trainable, frozen, batch, key, weight) -> (loss, grads, metrics)`: the cross-entropy, or
     `objective` when one is given (its metrics returned beside), scaled by `weight`, and its
@@ -139,12 +143,14 @@ def _loss_and_grad(
         def weighted(trainable):
             if objective is not None:
                 loss, extra = preference_model_loss(
-                    trainable, frozen, batch, config, objective, lora, key, attention
-                )
+                    trainable, frozen, batch, config, objective, lora, key, attention,
+                    packed_slots=packed_slots,
+                )  # fmt: skip
                 return loss * weight, extra
             loss = model_loss(
-                trainable, frozen, batch, config, lora, key, chunk_size, remat, attention=attention
-            )
+                trainable, frozen, batch, config, lora, key, chunk_size, remat,
+                attention=attention, packed_slots=packed_slots,
+            )  # fmt: skip
             return loss * weight, {}
 
         (loss, extra), grads = jax.value_and_grad(weighted, has_aux=True)(trainable)
@@ -164,6 +170,7 @@ def build_reference_step(
     accumulation_steps: int = 1,
     attention: str = "blockwise",
     objective: PreferenceObjective | None = None,
+    packed_slots: int = DEFAULT_PACKED_SLOTS,
 ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """A jitted `step(trainable, opt_state, frozen, batch, key) -> (trainable, opt_state, metrics)`.
 
@@ -175,7 +182,7 @@ def build_reference_step(
     micro-batch's activations. `metrics["grad_norm"]` is the gradient's global norm (before any
     clipping). `shardings` (`featherweight.parallel.sharding.StepShardings`) compiles for a
     device mesh; None for one device. `attention` names the implementation every layer calls
-    (`featherweight.models.attention`). `objective` (a `PreferenceObjective`) differentiates
+    (`featherweight.models.attention`; "cudnn" with `packed_slots` documents a row). `objective` (a `PreferenceObjective`) differentiates
     that objective instead of the cross-entropy; its metrics join the step's.
     """
     check_optimizer(optimizer)
@@ -183,7 +190,9 @@ def build_reference_step(
         raise StepConfigError(f"accumulation_steps={accumulation_steps} must be at least 1")
     check_objective(objective, lora, accumulation_steps)
 
-    loss_and_grad = _loss_and_grad(config, lora, chunk_size, remat, attention, objective)
+    loss_and_grad = _loss_and_grad(
+        config, lora, chunk_size, remat, attention, objective, packed_slots
+    )
 
     def accumulated(trainable, frozen, batch, key):
         total = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)

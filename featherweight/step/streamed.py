@@ -133,7 +133,8 @@ class _StepModel:
         return LayerContext(
             self.config,
             attention_inputs(
-                self.config, batch.positions, batch.segment_ids, self.policy.attention
+                self.config, batch.positions, batch.segment_ids, self.policy.attention,
+                self.policy.packed_slots,
             ),
             self.lora, layer_dropout_keys(key, self.lora, self.config.num_layers), self.policy,
             self.constrain,

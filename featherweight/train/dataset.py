@@ -18,6 +18,7 @@ from featherweight.data.preference import PairStats, prepare_preference_dataset
 from featherweight.data.records import Dataset, prepare_dataset
 from featherweight.io.atomic import atomic_write_text
 from featherweight.io.tokenizer import Tokenizer
+from featherweight.recipe.build import packed_slots
 from featherweight.recipe.schema import TrainConfig
 from featherweight.train.run_dir import DATA_SUMMARY
 
@@ -33,6 +34,7 @@ def build_dataset(config: TrainConfig, tokenizer: Tokenizer, train_path: str | P
         columns=dict(settings.columns),
         instruction_template=None if template is None else template.template(),
         pack_examples=settings.pack,
+        max_per_row=settings.max_documents_per_row,
     )
     tokenizer = with_chat_template(tokenizer, settings.chat_template)
     prepare = prepare_dataset
@@ -104,8 +106,8 @@ def data_summary(
 def _pairs_line(name: str, split: dict[str, Any], seq_len: int) -> str:
     line = (
         f"{name}: {split['pairs']:,} pairs -> {split['rows']:,} rows of {seq_len + 1} tokens "
-        f"({split['packing_efficiency']:.1%} filled), {split['tokens']:,} tokens "
-        f"({split['loss_tokens']:,} in completions)"
+        f"({split['packing_efficiency']:.1%} filled, up to {split['most_per_row']} examples a "
+        f"row), {split['tokens']:,} tokens ({split['loss_tokens']:,} in completions)"
     )
     if split["truncated_pairs"]:
         line += (
@@ -122,8 +124,8 @@ def _split_line(name: str, split: dict[str, Any], seq_len: int) -> str:
         return _pairs_line(name, split, seq_len)
     line = (
         f"{name}: {split['examples']:,} examples -> {split['rows']:,} rows of {seq_len + 1} "
-        f"tokens ({split['packing_efficiency']:.1%} filled), {split['tokens']:,} tokens "
-        f"({split['loss_tokens']:,} in the loss)"
+        f"tokens ({split['packing_efficiency']:.1%} filled, up to {split['most_per_row']} a "
+        f"row), {split['tokens']:,} tokens ({split['loss_tokens']:,} in the loss)"
     )
     if split["truncated_examples"]:
         line += (
@@ -160,3 +162,21 @@ def write_summary(output_dir: Path, summary: dict[str, Any]) -> Path:
     path = output_dir / DATA_SUMMARY
     atomic_write_text(path, json.dumps(summary, indent=2) + "\n")
     return path
+
+
+def packed_slots_note(config: TrainConfig, attention: str, dataset: Dataset) -> str | None:
+    """Where cuDNN's packed attention holds fewer documents a row than the training rows do (no
+    `data.max_documents_per_row`): the share of rows whose batches run blockwise instead (exact,
+    slower), and the setting that packs to the slots; None where every row fits or cuDNN is
+    not the attention."""
+    stats = dataset.train_stats
+    slots = packed_slots(config)
+    if attention != "cudnn" or stats is None or stats.most_per_row <= slots:
+        return None
+    over = sum(len(row) > slots for row in dataset.train.rows)
+    return (
+        f"cuDNN's packed attention holds {slots} documents a row and {over} of {stats.rows} "
+        f"training rows hold more (up to {stats.most_per_row}): a batch with one runs blockwise "
+        f"attention (same result, slower); data.max_documents_per_row: N packs at most N a row "
+        f"and gives cuDNN N slots (its workspace grows with N)"
+    )

@@ -36,12 +36,17 @@ from featherweight.models.batch import Batch
 from featherweight.models.llama import Params
 from featherweight.parallel.distributed import any_process, is_primary
 from featherweight.parallel.sharding import place_batch
-from featherweight.recipe.build import evaluation_fn
+from featherweight.recipe.build import attention_implementation, evaluation_fn
 from featherweight.recipe.optimizer import learning_rate_schedule
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.preference import REPORTED_METRICS
 from featherweight.train import run_dir
-from featherweight.train.dataset import data_summary, summary_lines, write_summary
+from featherweight.train.dataset import (
+    data_summary,
+    packed_slots_note,
+    summary_lines,
+    write_summary,
+)
 from featherweight.train.loggers import check_loggers, open_loggers
 from featherweight.train.metrics import MetricsLog, plot_loss_curve
 from featherweight.train.progress import training_progress
@@ -235,6 +240,10 @@ def print_data_summary(run: Run, console: Console) -> None:
     summary = data_summary(run.config, run.dataset, run.data.steps_per_epoch, run.config.data.train)
     for line in summary_lines(summary):
         console.print(line, highlight=False)
+    attention = attention_implementation(run.config, run.model_config)
+    note = packed_slots_note(run.config, attention, run.dataset)
+    if note is not None:
+        console.print(note, highlight=False)
     if is_primary():
         write_summary(run.output_dir, summary)
 

@@ -21,7 +21,7 @@ from featherweight.data.records import Dataset
 from featherweight.models.batch import Batch
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params, attention_inputs, embed, merge_params, run_layers
-from featherweight.recipe.build import attention_implementation
+from featherweight.recipe.build import attention_implementation, packed_slots
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.common import head_param_names
 from featherweight.step.loss import token_nll
@@ -30,12 +30,14 @@ from featherweight.step.loss import token_nll
 def reference_fn(config: TrainConfig, model_config: ModelConfig) -> Callable:
     """Jitted `(trainable, frozen, batch) -> [B, S]` float32: the reference model's log-prob of
     each target (0 outside the loss mask)."""
-    attention = attention_implementation(config, model_config)
+    attention, slots = attention_implementation(config, model_config), packed_slots(config)
     memory = config.memory
 
     def logps(trainable: Params, frozen: Params, batch: Batch) -> jax.Array:
         params = merge_params(frozen, trainable)
-        inputs = attention_inputs(model_config, batch.positions, batch.segment_ids, attention)
+        inputs = attention_inputs(
+            model_config, batch.positions, batch.segment_ids, attention, slots
+        )
         hidden = run_layers(
             params["layers"], embed(params, batch.input_ids), inputs, model_config, None,
             mlp_chunk=memory.mlp_chunk,

@@ -143,3 +143,29 @@ def test_examples_whose_targets_are_all_cut_off_are_dropped_and_counted():
     packed, stats = pack([Example(ids, targets), EXAMPLES[1]], SEQ_LEN, PAD_ID)
     assert stats.dropped_examples == 1 and stats.truncated_examples == 1
     assert stats.examples == len(packed.examples) == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(2, 12), min_size=1, max_size=40), st.integers(1, 5))
+def test_a_row_holds_at_most_max_per_row_examples_and_every_example_once(lengths, most):
+    rng = np.random.default_rng(0)
+    examples = [
+        Example(rng.integers(1, 200, n).astype(np.int32), np.ones(n, bool)) for n in lengths
+    ]
+    packed, stats = pack(examples, SEQ_LEN, PAD_ID, max_per_row=most)
+    assert max(len(row) for row in packed.rows) <= most
+    assert stats.most_per_row == max(len(row) for row in packed.rows)
+    assert sorted(index for row in packed.rows for index in row) == list(range(len(lengths)))
+    loads = [sum(len(packed.examples[i].ids) for i in row) for row in packed.rows]
+    assert max(loads) <= SEQ_LEN + 1
+
+
+def test_max_per_row_changes_only_rows_that_would_hold_more():
+    short = [random_example(np.random.default_rng(n), 4, n) for n in range(12)]  # 8 fit a row
+    _, free = pack(short, SEQ_LEN, PAD_ID)
+    packed, capped = pack(short, SEQ_LEN, PAD_ID, max_per_row=3)
+    assert free.most_per_row == 8 and free.rows == 2
+    assert capped.most_per_row == 3 and capped.rows == 4
+    assert [len(row) for row in packed.rows] == [3, 3, 3, 3]
+    _, wide = pack(short, SEQ_LEN, PAD_ID, max_per_row=8)  # a limit no row reaches: as before
+    assert wide == free

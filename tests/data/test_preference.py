@@ -8,7 +8,7 @@ import pytest
 
 from featherweight.data.iterator import DataIterator, eval_batches
 from featherweight.data.preference import NO_COMPLETION, prepare_preference_dataset
-from featherweight.errors import DataError
+from featherweight.errors import ConfigError, DataError
 from featherweight.io.gguf_reader import GGUFSource
 from tests.data.test_records import target_runs, with_template
 
@@ -130,3 +130,17 @@ def test_processes_number_their_pairs_apart_in_the_global_batch(smol, tmp_path):
     per_row = [sorted(set(row[row >= 0])) for row in ids]
     assert per_row == [[0], [1], [128], [129]]  # process 1's pair after process 0's 2 x 64 slots
     assert ids.max() < ids.size
+
+
+def test_max_per_row_counts_a_pair_as_two_examples(smol, tmp_path):
+    records = [{**STRING, "chosen": f"It is red{'.' * n}"} for n in range(1, 6)]
+    path = write(tmp_path, records)
+    free = prepare_preference_dataset(path, smol, 512)
+    assert free.train_stats.most_per_row == 10  # all five pairs in one row
+    capped = prepare_preference_dataset(path, smol, 512, max_per_row=5)  # two pairs a row
+    assert capped.train_stats.most_per_row == 4 and capped.train_stats.rows == 3
+    assert sorted(i for row in capped.train.rows for i in row) == list(range(10))
+    with pytest.raises(ConfigError, match="max_documents_per_row=1 cannot hold a preference"):
+        prepare_preference_dataset(path, smol, 512, max_per_row=1)
+    single = prepare_preference_dataset(path, smol, 512, pack_examples=False, max_per_row=1)
+    assert single.train_stats.rows == 10  # unpacked: a pair in two rows, no limit to refuse

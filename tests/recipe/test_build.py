@@ -66,6 +66,12 @@ def test_refusals_before_any_weights():
     with pytest.raises(AdapterConfigError, match="rank"):
         check_method_settings(parse_config({"lora": {"rank": 4096}}), model_config)
     assert isinstance(make_optimizer(parse_config({}).optimizer, 5), optax.GradientTransformation)
+    pairs = {"objective": "dpo", "data": {"max_documents_per_row": 1}}
+    with pytest.raises(ConfigError, match="max_documents_per_row=1 cannot hold a preference"):
+        check_method_settings(parse_config(pairs), model_config)
+    check_method_settings(
+        parse_config({**pairs, "data": {"max_documents_per_row": 2}}), model_config
+    )
 
 
 @pytest.mark.parametrize(
@@ -121,3 +127,27 @@ def test_a_base_on_the_host_is_accepted_for_adapters(method):
     check_method_settings(
         parse_config({"method": method, "memory": {"base": "host"}}), tiny_config()
     )
+
+
+@pytest.mark.parametrize("step", ["streamed", "reference"])
+@pytest.mark.parametrize(("most", "slots"), [(None, 4), (6, 6)])
+def test_cudnn_packed_attention_holds_the_packers_limit(monkeypatch, step, most, slots):
+    """Every layer's cuDNN packed attention gets `data.max_documents_per_row` slots (4 without
+    one), in both steps: traced with the dispatch recorded (cuDNN itself needs a GPU)."""
+    from featherweight.memory.measure import abstract_step_arguments
+    from featherweight.models import attention as attention_module
+    from featherweight.recipe import build
+
+    seen = []
+
+    def recorded(q, k, v, segments, fused, fallback, slots):
+        seen.append(slots)
+        return fallback(q, k, v, segments)
+
+    monkeypatch.setattr(attention_module, "packed_or_fallback", recorded)
+    monkeypatch.setattr(build, "attention_implementation", lambda *args, **kwargs: "cudnn")
+    settings = {"model": {"dtype": "float32"}, "memory": {"step": step}}
+    config = parse_config({**settings, "data": {"seq_len": 32, "max_documents_per_row": most}})
+    jitted, arguments = abstract_step_arguments(config, tiny_config())
+    jitted.trace(*arguments)
+    assert seen and set(seen) == {slots}

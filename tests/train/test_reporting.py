@@ -83,6 +83,8 @@ def test_a_run_reports_its_data_progress_metrics_and_tensorboard_events(
     assert summary["steps_per_epoch"] == -(-summary["train"]["rows"] // 2)
     assert result.run.config.steps == summary["steps"] == -(-3 * summary["steps_per_epoch"] // 2)
     assert f"data: 24 records read from {demo_data}" in text
+    most = summary["train"]["most_per_row"]  # the most examples a packed row holds
+    assert most >= 1 and f"up to {most} a row)" in text
     assert f"steps: {summary['steps']} = {summary['epochs']:g} epochs" in text
 
     steps = summary["steps"]
