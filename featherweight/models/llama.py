@@ -113,11 +113,12 @@ def attention_inputs(
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate [B, S, N, h] by the tables [B, S, h] (the `rotate_half` convention of HF)."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    cos = cos[:, :, None, :].astype(x.dtype)
-    sin = sin[:, :, None, :].astype(x.dtype)
-    return x * cos + rotated * sin
+    with jax.named_scope("rotary"):
+        half = x.shape[-1] // 2
+        rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+        cos = cos[:, :, None, :].astype(x.dtype)
+        sin = sin[:, :, None, :].astype(x.dtype)
+        return x * cos + rotated * sin
 
 
 # --- building blocks -----------------------------------------------------------------------------
@@ -125,9 +126,10 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm in float32, cast back to the input dtype before the weight (as transformers)."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight.astype(x.dtype) * normed.astype(x.dtype)
+    with jax.named_scope("rms_norm"):
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
 def linear(
@@ -150,17 +152,25 @@ def linear(
         y = y + bias.astype(y.dtype)
     adapter = layer.get("lora", {}).get(name)
     if adapter is not None and lora is not None:
-        x_in = x
-        if lora.dropout > 0.0 and dropout_key is not None:
-            keep = jax.random.bernoulli(
-                jax.random.fold_in(dropout_key, LINEAR_NAMES.index(name)),
-                1.0 - lora.dropout,
-                x.shape,
-            )
-            x_in = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(x.dtype)
-        down = jnp.einsum("...i,ri->...r", x_in, adapter["a"].astype(x.dtype))
-        y = y + lora.scale * jnp.einsum("...r,or->...o", down, adapter["b"].astype(x.dtype))
+        with jax.named_scope("lora"):
+            y = y + _lora_update(x, adapter, lora, name, dropout_key)
     return y
+
+
+def _lora_update(
+    x: jax.Array, adapter: Params, lora: LoraSpec, name: str, dropout_key: jax.Array | None
+) -> jax.Array:
+    """`scale * B A dropout(x)` of the adapter on the linear `name`: [..., in] -> [..., out]."""
+    x_in = x
+    if lora.dropout > 0.0 and dropout_key is not None:
+        keep = jax.random.bernoulli(
+            jax.random.fold_in(dropout_key, LINEAR_NAMES.index(name)),
+            1.0 - lora.dropout,
+            x.shape,
+        )
+        x_in = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(x.dtype)
+    down = jnp.einsum("...i,ri->...r", x_in, adapter["a"].astype(x.dtype))
+    return lora.scale * jnp.einsum("...r,or->...o", down, adapter["b"].astype(x.dtype))
 
 
 def attention_qkv(
@@ -185,7 +195,8 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, inputs: AttentionIn
     The default, blockwise, never builds an S x S array (`featherweight.models.attention`).
     """
     batch, seq = q.shape[:2]
-    out = attend(q, k, v, inputs.segment_ids, inputs.implementation, inputs.packed_slots)
+    with jax.named_scope("attention"):
+        out = attend(q, k, v, inputs.segment_ids, inputs.implementation, inputs.packed_slots)
     return out.reshape(batch, seq, -1)
 
 
@@ -209,9 +220,9 @@ def mlp_gate_up(
     dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The two input projections of the MLP: gate and up, [B, S, F] each."""
-    return linear(layer, "gate", normed, lora, dropout_key), linear(
-        layer, "up", normed, lora, dropout_key
-    )
+    with jax.named_scope("mlp"):
+        gate = linear(layer, "gate", normed, lora, dropout_key)
+        return gate, linear(layer, "up", normed, lora, dropout_key)
 
 
 def mlp_down(
@@ -222,7 +233,8 @@ def mlp_down(
     dropout_key: jax.Array | None = None,
 ) -> jax.Array:
     """SwiGLU output: down(silu(gate) * up)."""
-    return linear(layer, "down", jax.nn.silu(gate) * up, lora, dropout_key)
+    with jax.named_scope("mlp"):
+        return linear(layer, "down", jax.nn.silu(gate) * up, lora, dropout_key)
 
 
 def mlp(

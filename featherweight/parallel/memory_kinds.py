@@ -98,7 +98,8 @@ def scan_layers(body, init, layers, xs, length: int):
     def step(carry, per_layer):
         inner, current = carry
         device_slices, x, index = per_layer
-        upcoming = host_slice(host_stacks, jnp.minimum(index + 1, length - 1))
+        with jax.named_scope("layer_fetch"):
+            upcoming = host_slice(host_stacks, jnp.minimum(index + 1, length - 1))
         inner, y = body(inner, (layer_of(device_slices, current), x))
         return (inner, upcoming), y
 

@@ -324,13 +324,14 @@ def dequantize_nf4(tensor: NF4Tensor, dtype: jnp.dtype = jnp.float32) -> jax.Arr
 
     Computed in float32 and cast to `dtype` at the end (the compute dtype of the layer).
     """
-    high = tensor.codes >> 4
-    low = tensor.codes & 0xF
-    indices = jnp.stack([high, low], axis=-1).reshape(*tensor.stack_shape, -1)
-    values = jnp.take(jnp.asarray(NF4_CODE), indices.astype(jnp.int32))
-    values = values.reshape(*tensor.stack_shape, -1, BLOCK_SIZE)
-    values = values * dequantize_absmax(tensor)[..., None]
-    return values.reshape(*tensor.stack_shape, *tensor.shape).astype(dtype)
+    with jax.named_scope("nf4_dequantize"):
+        high = tensor.codes >> 4
+        low = tensor.codes & 0xF
+        indices = jnp.stack([high, low], axis=-1).reshape(*tensor.stack_shape, -1)
+        values = jnp.take(jnp.asarray(NF4_CODE), indices.astype(jnp.int32))
+        values = values.reshape(*tensor.stack_shape, -1, BLOCK_SIZE)
+        values = values * dequantize_absmax(tensor)[..., None]
+        return values.reshape(*tensor.stack_shape, *tensor.shape).astype(dtype)
 
 
 def take_rows_nf4(tensor: NF4Tensor, row_ids: jax.Array, dtype: jnp.dtype) -> jax.Array:

@@ -87,7 +87,8 @@ def forward_layers(
             frozen_l, trainable_l, x, context.inputs, context.config, context.lora, key_l,
             policy.save, policy.mlp_chunk,
         )  # fmt: skip
-        return y, jax.tree.map(put, (x, saved))
+        with jax.named_scope("layer_store"):
+            return y, jax.tree.map(put, (x, saved))
 
     layers = (frozen_layers, trainable_layers)
     return scan_layers(forward_layer, x, layers, context.keys, context.config.num_layers)
@@ -130,6 +131,7 @@ def update_sink(
     def params(target, index):
         return jax.tree.unflatten(treedef, [stack[index] for stack in target[0]])
 
+    @jax.named_scope("layer_update")
     def absorb(target, index, grads, streamed):
         stacks, states, finite = target
         new_stacks, new_states, outputs = [], [], []
@@ -205,6 +207,7 @@ def backward_layers(
     # a frozen base in host memory rides in the carry, fetched one layer ahead like the inputs
     base_on_host = has_host_leaves(frozen_layers)
 
+    @jax.named_scope("layer_fetch")
     def fetch_layer(index):
         saved = jax.tree.map(fetch, _slice(stored, index))
         return (saved, host_slice(frozen_layers, index)) if base_on_host else (saved, None)
@@ -215,9 +218,11 @@ def backward_layers(
         cotangent = context.constrain(cotangent)
         upcoming = fetch_layer(jnp.maximum(index - 1, 0))
         (x, saved), frozen_l = current
+        if not base_on_host:
+            with jax.named_scope("layer_fetch"):
+                frozen_l = _slice(frozen_layers, index)
         grads, cotangent = layer_vjp(
-            frozen_l if base_on_host else _slice(frozen_layers, index),
-            sink.params(target, index), x, saved, cotangent, context.inputs, context.config,
+            frozen_l, sink.params(target, index), x, saved, cotangent, context.inputs, context.config,
             context.lora, None if context.keys is None else context.keys[index],
             context.policy.mlp_chunk,
         )  # fmt: skip

@@ -292,6 +292,7 @@ def _from_chunks(x: jax.Array) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _chunked_loss_sum(layout: _Chunks, hidden, final_norm, head, targets, mask):
+    @jax.named_scope("loss_chunk")
     def body(total, chunk_inputs):
         h, chunk_targets, chunk_mask = chunk_inputs
         normed = rms_norm(h, final_norm, layout.eps)
@@ -313,6 +314,7 @@ def _chunked_loss_fwd(layout: _Chunks, hidden, final_norm, head, targets, mask):
     weight = mask.astype(jnp.float32)
     one_sweep = not train_head and layout.vocab < head.shape[0]
 
+    @jax.named_scope("loss_chunk")
     def body(carry, chunk_inputs):
         d_head, d_norm = carry
         h, chunk_targets, chunk_weight = chunk_inputs
@@ -427,6 +429,7 @@ def token_nll(
         vocab if vocab_chunk is None else min(vocab_chunk, vocab),
     )
 
+    @jax.named_scope("loss_chunk")
     def body(_, chunk_inputs):
         h, chunk_targets = chunk_inputs
         normed = rms_norm(h, head_params["final_norm"], layout.eps)

@@ -228,7 +228,7 @@ def test_a_micro_batch_more_reads_the_weights_again_as_in_the_compiled_program(m
 _LOOPS = re.compile(r"(?:body|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _FUSED = re.compile(r"calls=%?([\w.\-]+)")
 # the final multiply of `dequantize_nf4` (codes x absmax), forward or in a VJP's remat
-_DEQUANTIZED = re.compile(r'op_name="[^"]*dequantize_nf4\)+/mul"')
+_DEQUANTIZED = re.compile(r'op_name="[^"]*dequantize_nf4\)+/nf4_dequantize/mul"')
 
 
 def _fused_computations(text: str) -> tuple[set[str], dict[str, str]]:
