@@ -420,15 +420,16 @@ def test_the_search_never_proposes_accumulation_a_preference_objective_refuses()
 
 
 def test_auto_attention_falls_back_to_blockwise_where_cudnns_workspace_would_not_fit(monkeypatch):
-    """No budget, a 10 GiB GPU: the 8B QLoRA step at b2 x 2048 fits with blockwise attention
-    but not with cuDNN's workspace, so "auto" runs blockwise instead of being refused; on an
-    80 GB GPU it keeps cuDNN; an attention the user named is never changed."""
+    """No budget, a 10 GiB GPU: the 8B QLoRA step at b2 x 2048 with 32 documents a row fits
+    with blockwise attention but not with cuDNN's workspace for 32 slots, so "auto" runs
+    blockwise instead of being refused; on an 80 GB GPU it keeps cuDNN; an attention the user
+    named is never changed."""
     from featherweight.memory.budget import attention_that_fits
     from featherweight.memory.capacity import Capacity
 
     model = builtin_config("Llama-3.1-8B")
     with _on_hopper_with_cudnn(monkeypatch), calibration_for("xla-gpu"):
-        requested = _qlora_8b_bf16()
+        requested = _replace(_qlora_8b_bf16(), "data", max_documents_per_row=32)
         config = resolve(requested, model)
         plan = plan_for_config(config, model)
         small, large = (Capacity(size * GIB, "on a GPU", "test") for size in (10, 80))
