@@ -402,11 +402,12 @@ def token_losses_sum(
     if chunk < seq or rows < vocab:
         layout = _Chunks(eps, chunk, rows)
         return _chunked_loss_sum(layout, hidden, final_norm, head, target_ids, loss_mask)
-    normed = rms_norm(hidden, final_norm, eps)
-    logits = _logits(normed, _head_rows(head, 0, vocab, normed.dtype))
-    target_logit = jnp.take_along_axis(logits, target_ids[..., None], axis=-1)[..., 0]
-    nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
-    return jnp.sum(nll * loss_mask.astype(jnp.float32))
+    with jax.named_scope("loss_chunk"):  # the whole sequence as one chunk
+        normed = rms_norm(hidden, final_norm, eps)
+        logits = _logits(normed, _head_rows(head, 0, vocab, normed.dtype))
+        target_logit = jnp.take_along_axis(logits, target_ids[..., None], axis=-1)[..., 0]
+        nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
+        return jnp.sum(nll * loss_mask.astype(jnp.float32))
 
 
 def token_nll(
