@@ -60,20 +60,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _configured(args: argparse.Namespace):
-    """(scale, model config, the case's train config at the asked settings)."""
-    scale = TINY if args.tiny else GPU
-    case = next(case for case in CASES if case.name == args.case)
+def case_setup(case_name: str, settings: str, tiny: bool):
+    """(scale, case, model config, the case's train config): at its defaults, or at the fastest
+    settings within the device's usable memory, as the speed rows choose them."""
+    scale = TINY if tiny else GPU
+    case = next(case for case in CASES if case.name == case_name)
     model = scale.models[case.model]()
     config, _ = case_config(case, scale, model)
-    if args.settings == "fastest":
+    if settings == "fastest":
         config, _ = budget.fit_budget(config, model, capacity.of_device().limit_bytes)
     return scale, case, model, config
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Set up, compile, warm up and trace the step; write trace/, step_hlo.txt and run.json."""
-    scale, case, model, config = _configured(args)
+    scale, case, model, config = case_setup(args.case, args.settings, args.tiny)
     step, (trainable, opt_state, frozen, batch, key) = set_up(config, model, scale)
     start = time.perf_counter()
     compiled = step.lower(trainable, opt_state, frozen, batch, key).compile()
