@@ -91,7 +91,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         return time.perf_counter() - began
 
     warmup_s = [run(index) for index in range(args.warmup)]
-    with jax.profiler.trace(str(args.out / "trace")):
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # the op events only: a smaller trace to bring back
+    with jax.profiler.trace(str(args.out / "trace"), profiler_options=options):
         step_s = [run(args.warmup + index) for index in range(args.steps)]
     device = jax.devices()[0]
     record = {

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -190,3 +191,23 @@ def test_tiny_profile_runs_end_to_end_on_cpu_and_reanalyzes_from_its_files(tmp_p
     result = subprocess.run(again, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((out / "profile.json").read_text())["by_category"] == categories
+
+
+@pytest.mark.slow  # the tiny profile and two tiny flag processes: about 30 s
+def test_the_gpu_call_wrapper_leaves_two_tables_and_two_archives(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu"}
+    env["FLAGS_ARGS"] = "--tiny --steps 1 --rounds 1"
+    env["GPU_CHECK_WHEELS"] = str(tmp_path / "no-wheels")
+    command = [str(REPO / "benchmarks" / "gpu_profile.sh"), "--tiny", "--steps", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "flags.md", "profile.md", "results.tar.gz", "trace.tar.gz"
+    ]  # fmt: skip
+    with tarfile.open(out / "results.tar.gz") as archive:
+        names = set(archive.getnames())
+    assert {"profile/profile.json", "flags/flags.json", "flags/flags.jsonl"} <= names
+    with tarfile.open(out / "trace.tar.gz") as archive:
+        names = archive.getnames()
+    assert "profile/step_hlo.txt" in names and any(n.endswith(".xplane.pb") for n in names)
