@@ -38,7 +38,7 @@ from typing import Any
 import jax
 from gpu_check_cases import CASE_NAMES, CASES, GPU, TINY, case_config, set_up, settings_text
 from jax.profiler import ProfileData
-from profile_ops import CATEGORIES, module_name, parse_hlo, step_events, summarize
+from profile_ops import CATEGORIES, module_name, parse_hlo, step_events, summarize, trace_layout
 from results_file import emit
 
 from featherweight.memory import budget, capacity
@@ -129,6 +129,7 @@ def analyze(out: Path, top: int) -> dict[str, Any]:
     step_s = statistics.median(record["step_s"])
     summary = summarize(events, instructions, steps, step_s, top)
     profile = {**record, "median_step_s": step_s, "events_from": where, **summary}
+    profile["trace_layout"] = trace_layout(planes)
     (out / "profile.json").write_text(json.dumps(profile, indent=1))
     emit(table_lines(profile), str(out / "profile.md"))
     return profile
@@ -191,6 +192,16 @@ def table_lines(profile: dict[str, Any]) -> list[str]:
             f"{_share(row['share_of_step'])} | {row['runs_per_step']:g} | {row['what']} | "
             f"{row['scope']} ({', '.join(row['fused_scopes'])}) | {row['category']} |"
             for row in profile["top_ops"]
+        ),
+        "",
+        "## The trace's lines (what the attribution read from)",
+        "",
+        "| plane | line | events | first names | stats |",
+        "| --- | --- | ---: | --- | --- |",
+        *(
+            f"| {row['plane']} | {row['line']} | {row['events']} | "
+            f"{', '.join(f'`{name[:60]}`' for name in row['names'])} | {', '.join(row['stats'])} |"
+            for row in profile.get("trace_layout", [])
         ),
     ]
     return lines

@@ -248,15 +248,56 @@ def _device_events(devices, instructions, module) -> tuple[list[OpEvent], str]:
             kept = []
             for event in line.events:
                 stats = _stats(event)
-                if stats.get("hlo_module", module) != module:
+                if _event_module(stats, module) != module:
                     continue
-                op = str(stats.get("hlo_op", event.name))
-                if op in instructions or _MEMCPY.search(event.name):
-                    kept.append((op, event.start_ns, event.duration_ns))
-                else:
-                    kept.append((f"?{event.name}", event.start_ns, event.duration_ns))
+                op = _op_of(event, stats, instructions)
+                kept.append((op or f"?{event.name}", event.start_ns, event.duration_ns))
             events += [OpEvent(n, s, d, o, line.name) for n, s, d, o in _self_times(kept)]
     return events, "; ".join(sorted(set(where)))
+
+
+_ANNOTATIONS = ("hlo_op", "kernel_annotation", "annotation", "level 0", "long_name", "tf_op")
+_HLO_MODULE = re.compile(r"hlo_module=([\w.\-]+)")
+_TOKEN = re.compile(r"[\w.\-]+")
+
+
+def _event_module(stats: dict[str, Any], module: str) -> str:
+    """The module an event belongs to: its `hlo_module` stat, or `hlo_module=` inside a kernel
+    annotation ("XlaModule:#hlo_module=jit_step,program_id=7#"); `module` where neither says."""
+    if "hlo_module" in stats:
+        return str(stats["hlo_module"])
+    for key in ("kernel_annotation", "annotation"):
+        found = _HLO_MODULE.search(str(stats.get(key, "")))
+        if found:
+            return found.group(1)
+    return module
+
+
+def _op_of(event: Any, stats: dict[str, Any], instructions: dict) -> str:
+    """The step instruction a device event ran, "" where none: the `hlo_op` stat (the
+    profiler's own), an annotation or the event's name that is, or ends in, an instruction's
+    name ("...::fusion.3:#...#" -> fusion.3); a memcpy keeps its name."""
+    for text in [str(stats[key]) for key in _ANNOTATIONS if key in stats] + [event.name]:
+        if text in instructions:
+            return text
+        tokens = [token for token in _TOKEN.findall(text) if token in instructions]
+        if tokens:
+            return tokens[-1]
+    return event.name if _MEMCPY.search(event.name) else ""
+
+
+def trace_layout(planes: Iterable[Any], examples: int = 3) -> list[dict[str, Any]]:
+    """Each plane's lines: event count, the first few event names and the stat keys seen, so a
+    trace whose layout the attribution does not read can be read by a person."""
+    layout = []
+    for plane in planes:
+        for line in plane.lines:
+            events = list(line.events)
+            keys = sorted({key for event in events[:50] for key in _stats(event)})
+            names = [event.name for event in events[:examples]]
+            layout.append({"plane": plane.name, "line": line.name, "events": len(events),
+                           "names": names, "stats": keys})  # fmt: skip
+    return layout
 
 
 def busy_ns(events: Iterable[OpEvent]) -> float:

@@ -211,3 +211,26 @@ def test_the_gpu_call_wrapper_leaves_two_tables_and_two_archives(tmp_path):
     with tarfile.open(out / "trace.tar.gz") as archive:
         names = archive.getnames()
     assert "profile/step_hlo.txt" in names and any(n.endswith(".xplane.pb") for n in names)
+
+
+def test_raw_gpu_kernels_map_through_their_annotation_where_no_hlo_op_stat_exists():
+    # the profiler adds `hlo_op` / `hlo_module` when it post-processes; a raw trace's kernels
+    # may carry only XLA's annotations
+    hlo = profile_ops.parse_hlo(HLO)
+    stream = [
+        _event(
+            "sm90_gemm", 0, 300, kernel_annotation="XlaModule:#hlo_module=jit_step#::custom-call.7"
+        ),
+        _event("loop_fusion", 300, 50, annotation="loop_fusion.2:#scope=x#"),
+        _event("other_kernel", 400, 9, annotation="XlaModule:#hlo_module=jit_other#::fmha"),
+        _event("unknown_kernel", 500, 7),
+    ]
+    planes = [_plane("/device:GPU:0", {"Stream #7": stream})]
+    events, _ = profile_ops.step_events(planes, hlo, "jit_step")
+    assert [(e.op, e.duration_ns) for e in events] == [
+        ("custom-call.7", 300), ("loop_fusion.2", 50), ("?unknown_kernel", 7)
+    ]  # fmt: skip
+    layout = profile_ops.trace_layout(planes)
+    assert layout == [{"plane": "/device:GPU:0", "line": "Stream #7", "events": 4,
+                       "names": ["sm90_gemm", "loop_fusion", "other_kernel"],
+                       "stats": ["annotation", "kernel_annotation"]}]  # fmt: skip
