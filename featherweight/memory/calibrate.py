@@ -85,7 +85,12 @@ COUNTS = {
 REFINES = {"activations_f_saved": "activations_f"}
 # terms counted once (no fitted count): they are what they are
 FIXED = {
-    "backward": ("layer_gradient", "embedding_gradient", "attention_blockwise"),
+    "backward": (
+        "layer_gradient",
+        "embedding_gradient",
+        "attention_blockwise",
+        "dequantized_layer",
+    ),
     "loss": (
         "embedding_gradient",
         "head_gradient",

@@ -18,7 +18,8 @@ bytes of the layer-streamed step (featherweight/step/streamed.py) per component:
                          NF4 stack in bfloat16)
   the working set of the step's peak phase (featherweight/memory/working_set.py)
     backward: layer_weights, layer_gradient, optimizer_update, layer_activations,
-              attention (scores, or the blockwise/cuDNN buffers), embedding_gradient
+              attention (scores, or the blockwise/cuDNN buffers), dequantized_layer (XLA:GPU,
+              QLoRA), embedding_gradient, base_layers_in_flight
     loss: logits_chunk, embedding_gradient, head_gradient, dequantized_head, ...
     head_update (an untied head in full fine-tuning): embedding_gradient, head_update
     embedding (full fine-tuning): embedding_gradient, embedding_update

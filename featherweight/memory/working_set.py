@@ -9,6 +9,10 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
                            kept stack one layer ahead as the layer inputs are (compiled on
                            XLA:CPU the step grows by L + 1 layers' dense weights, to 0.01%; for
                            an H100, deviceless, by L layers' and 0.5%: no such copy there)
+      dequantized_layer    XLA:GPU, QLoRA: the layer's NF4 weights dequantized for the MLP's
+                           backward, beyond the attention's buffers: the phase peaks at the larger
+                           of the two moments, max(attention, L's linear weights x itemsize)
+                           (`dequantized_layer_bytes`; compiled for an H100, deviceless)
       layer_gradient       one layer's gradient of the trainable tensors
       embedding_gradient   full fine-tuning with the embedding on the device: its V x D x
                            itemsize gradient, alive from the loss to the embedding's update (tied:
@@ -109,6 +113,7 @@ from featherweight.recipe.build import attention_implementation, packed_slots
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.loss import resolve_chunk_size
 from featherweight.step.policy import DEQUANTIZED
+from featherweight.step.streamed import gradient_mode
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 DEFAULT_CALIBRATION = "xla-cpu/float32"
@@ -253,6 +258,28 @@ def blockwise_tiles(seq_len: int, compiler: str | None = None) -> int:
     return LONE_TILE_TILES.get(compiler or target_compiler(), BLOCKWISE_TILES)
 
 
+def dequantized_layer_bytes(config: TrainConfig, shapes: StepShapes) -> int:
+    """XLA:GPU, QLoRA: the bytes by which the backward's MLP moment exceeds its attention moment.
+
+    The backward of one layer peaks at one of two moments: the attention's backward (its tiles,
+    the buffers `attention_bytes` counts) or the MLP's, where the layer's NF4 weights are
+    dequantized dense into the compute dtype for the matmuls -- q, k, v, o kept dense from the
+    recompute for the attention's backward, gate and up dense, down being dequantized -- and the
+    attention's tiles are no longer alive. So the phase holds its calibrated buffers plus
+    max(attention, dense layer), counted as the attention plus this difference. Compiled for an
+    H100 (deviceless, jax 0.10.2), Llama-3.1-8B QLoRA b1 x 2048 (loss / MLP chunks 256, the
+    base and optimizer state on the host): the peak is the MLP's dequantization, holding 363.5
+    of the layer's 416 MiB dense, no attention tile alive. The calibrated counts come from toy
+    models whose dense layer is far below their attention's tiles, where this is 0; without it
+    the 8B plans at one row per micro-batch fell 19-20% below the compile. XLA:CPU's count of
+    the layer's weights (`layer_weights`, c_w) already holds the copy; with `save: dequantized`
+    the backward reads the kept dense stack and dequantizes nothing."""
+    quantized = config.method == "qlora" and DEQUANTIZED not in config.memory.save
+    if not quantized or not calibration_key(config).startswith("xla-gpu"):
+        return 0
+    return max(0, shapes.layer_linear * shapes.itemsize - sum(attention_bytes(shapes)))
+
+
 class WorkingBuffer(NamedTuple):
     """A group of buffers of one phase: name, planned bytes, formula with this run's numbers."""
 
@@ -347,6 +374,7 @@ def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
             else 0
         ),
         "base_layer": host_base_bytes(config, model_config) // shapes.layers,
+        "dequantized_layer": dequantized_layer_bytes(config, shapes),
         "top_state_on_device": (
             top_optimizer_bytes(config, model_config)
             if config.memory.optimizer_state == "host"
@@ -364,6 +392,16 @@ def phase_working_sets(
     counts = calibration or calibration_counts(calibration_key(config))
     table = _embedding_gradient(shapes, terms)
     backward = [*_layer_backward(shapes, terms, counts), *table]
+    if terms["dequantized_layer"]:
+        backward.append(
+            WorkingBuffer(
+                "dequantized_layer",
+                terms["dequantized_layer"],
+                f"XLA:GPU: the layer's NF4 weights dequantized for the MLP's backward, beyond the "
+                f"attention's buffers = max(0, {shapes.layer_linear} x {shapes.itemsize} - "
+                f"{sum(attention_bytes(shapes))})",
+            )
+        )
     if terms["base_layer"]:
         backward.append(_base_in_flight(config, terms["base_layer"]))
     if DEQUANTIZED in config.memory.save and calibration_key(config).startswith("xla-cpu"):
@@ -518,12 +556,26 @@ def _base_in_flight(config: TrainConfig, layer_bytes: int) -> WorkingBuffer:
     destination). XLA:CPU has one memory for both, so the layer computing is the slice the loop
     takes with the base on the device too (already in `layer_weights`); the next one's move to
     the device is a copy of its own there (compiled: one layer more than with the base on the
-    device)."""
+    device).
+
+    One exception, read off XLA's GPU compiler: the fused step (each layer updated in the
+    backward pass) with its optimizer state on the host holds one layer at its peak -- the next
+    layer is fetched after the MLP's backward, behind the state's slices -- where the kept
+    gradient (micro-batches, global clipping) or a state on the device holds two (compiled for
+    an H100, deviceless: Llama-3.1-8B QLoRA b1 and b2 x 2048 fused, one 107 MiB NF4 layer fewer
+    than b2 x 2048 as two micro-batches; Llama-3.2-1B likewise)."""
     if calibration_key(config).startswith("xla-cpu"):
         return WorkingBuffer(
             "base_layers_in_flight",
             layer_bytes,
             f"XLA:CPU: one memory, the next layer's copy from the host = {layer_bytes}",
+        )
+    if _fused_with_host_state(config):
+        return WorkingBuffer(
+            "base_layers_in_flight",
+            layer_bytes,
+            f"one layer of the frozen base from the host (fused step, optimizer state on the "
+            f"host: the next one comes over after the peak) = {layer_bytes}",
         )
     return WorkingBuffer(
         "base_layers_in_flight",
@@ -531,6 +583,16 @@ def _base_in_flight(config: TrainConfig, layer_bytes: int) -> WorkingBuffer:
         f"2 x one layer of the frozen base from the host (computing, coming over) = 2 x "
         f"{layer_bytes}",
     )
+
+
+def _fused_with_host_state(config: TrainConfig) -> bool:
+    """Whether the streamed step updates each layer in its backward pass (no kept gradient:
+    `step.streamed.gradient_mode`) with the optimizer state in host memory."""
+    settings = config.optimizer
+    mode = gradient_mode(
+        settings.clip_norm, settings.clipping == "two_pass", config.memory.accumulation_steps
+    )
+    return mode != "kept" and config.memory.optimizer_state == "host"
 
 
 def _attention_buffer(

@@ -139,3 +139,35 @@ def test_kept_dequantized_weights_are_planned_as_the_h100_compiles_them():
     assert kept_plan.bytes_of("dequantized_weights") == 16 * 60_817_408 * 2
     assert abs((kept_plan.device_bytes - lean_plan.device_bytes) - grown) <= 0.01 * grown
     assert abs(percent_difference(kept_plan.device_bytes, compiled_kept)) <= 10.0
+
+
+# the smallest settings the budget search finds for Llama-3.1-8B QLoRA b2 x 2048, fixed here
+SMALLEST_8B = {
+    "method": "qlora",
+    "batch_size": 2,
+    "model": {"dtype": "bfloat16", "quantize_head": True},
+    "data": {"seq_len": 2048},
+    "optimizer": {"name": "adamw_8bit"},
+    "memory": {"vocab_chunk": 16384, "loss_chunk": 256, "mlp_chunk": 256, "residuals": "host",
+               "embed": "host", "optimizer_state": "host", "base": "host"},
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("steps", [2, 1], ids=["two-micro-batches", "whole-batch"])
+def test_one_row_micro_batches_of_the_8b_are_planned_as_the_h100_compiles_them(steps):
+    """Llama-3.1-8B QLoRA b2 x 2048 at its smallest settings, split into two micro-batches of one
+    row (the kept gradient) or whole (the fused step), compiled for the H100: the plan within
+    10%. The split's peak is the MLP's backward with the layer dequantized (`dequantized_layer`,
+    288 MiB; planned without it, 19% below the compile); the fused step with its optimizer state
+    on the host holds one layer of the host base at its peak, not two (planned as two, 11.5%
+    over)."""
+    model = builtin_config("Llama-3.1-8B")
+    values = {**SMALLEST_8B, "memory": {**SMALLEST_8B["memory"], "accumulation_steps": steps}}
+    config = parse_config(values)
+    with calibration_for("xla-gpu"):
+        plan = plan_for_config(config, model)
+    compiled = measure_for_target(config, model, "h100")
+    assert compiled.compiled  # host placements compiled as they run
+    error = percent_difference(plan.device_bytes, compiled.device_bytes)
+    assert abs(error) <= 10.0, error

@@ -13,7 +13,7 @@ from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import comparable_total, percent_difference
 from featherweight.memory.working_set import calibration_for
 from featherweight.models.registry import BUILTIN_MODELS, builtin_config
-from featherweight.models.shapes import parameter_count
+from featherweight.models.shapes import layer_shapes, parameter_count
 from featherweight.recipe.schema import TrainConfig, parse_config
 from tests.conftest import tiny_config
 
@@ -255,10 +255,11 @@ def test_accumulation_plans_one_micro_batch_and_a_float32_gradient_buffer():
     ("method", "optimizer", "memory"),
     [
         ("lora", {"clip_norm": 1.0}, {"accumulation_steps": 2}),
+        ("qlora", {}, {"accumulation_steps": 2, "base": "host", "optimizer_state": "host"}),
         ("full", {"clip_norm": 1.0, "clipping": "two_pass"}, {}),
         ("full", {}, {"accumulation_steps": 2}),
     ],
-    ids=["lora-kept-accumulated", "full-two-pass", "full-accumulated"],
+    ids=["lora-kept-accumulated", "qlora-accumulated-host", "full-two-pass", "full-accumulated"],
 )
 def test_clipping_and_accumulation_plans_match_the_compiled_step(method, optimizer, memory):
     config = train_config(
@@ -295,3 +296,48 @@ def test_a_base_on_the_host_is_planned_as_the_compiled_step_holds_it(method):
     on_device = plan_for_config(config.model_copy(update={"memory": config.memory.model_copy(
         update={"base": "device"})}), model)  # fmt: skip
     assert on_device.device_bytes - plan.device_bytes == stack - stack // model.num_layers
+
+
+def test_the_gpu_plans_the_backward_at_the_larger_of_attention_and_the_dequantized_layer():
+    """XLA:GPU, QLoRA: the backward's peak is the attention's tiles or the layer dequantized for
+    the MLP's backward, whichever is larger (`dequantized_layer` is the difference); XLA:CPU's
+    count of the layer's weights holds the copy there, and LoRA has nothing to dequantize."""
+    model = builtin_config("Llama-3.1-8B")
+    memory = {"loss_chunk": 256, "mlp_chunk": 256, "attention": "blockwise"}
+    dense = 2 * sum(
+        rows * columns for rows, columns in (s for s in layer_shapes(model).values() if len(s) == 2)
+    )
+
+    def plan(batch, method="qlora", **extra):
+        config = train_config(
+            method=method, batch_size=batch, model={"dtype": "bfloat16"},
+            data={"seq_len": 2048}, memory={**memory, **extra},
+        )  # fmt: skip
+        with calibration_for("xla-gpu"):
+            return plan_for_config(config, model)
+
+    for batch in (1, 2, 4):
+        attention = plan(batch).bytes_of("attention_blockwise")
+        assert plan(batch).bytes_of("dequantized_layer") == max(0, dense - attention)
+    assert plan(4).bytes_of("dequantized_layer") == 0  # the attention's tiles are the larger
+    assert plan(1, method="lora").bytes_of("dequantized_layer") == 0
+    assert plan(1, save=["dequantized"]).bytes_of("dequantized_layer") == 0
+    on_cpu = train_config(method="qlora", batch_size=1, data={"seq_len": 2048}, memory=memory)
+    assert plan_for_config(on_cpu, model).bytes_of("dequantized_layer") == 0
+
+
+def test_a_fused_step_with_its_state_on_the_host_plans_one_base_layer_in_flight_on_a_gpu():
+    model = tiny_config(num_layers=4)
+    memory = {"base": "host", "optimizer_state": "host"}
+
+    def in_flight(**extra):
+        config = train_config(
+            method="qlora", batch_size=2, model={"dtype": "bfloat16"}, memory={**memory, **extra}
+        )
+        with calibration_for("xla-gpu"):
+            plan = plan_for_config(config, model)
+        return plan.bytes_of("base_layers_in_flight") // (plan.bytes_of("base_layers") // 4)
+
+    assert in_flight() == 1  # fused: the next layer comes over after the peak
+    assert in_flight(accumulation_steps=2) == 2  # the kept gradient: computing and coming over
+    assert in_flight(optimizer_state="device") == 2
