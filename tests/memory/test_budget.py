@@ -370,13 +370,15 @@ def test_a_gpu_budget_keeps_qloras_dequantized_weights_only_where_that_saves_tim
 
 
 def test_a_tight_budget_on_a_gpu_trades_cudnn_for_blockwise_attention(monkeypatch):
-    """cuDNN's backward workspace (4 GiB for the 8B at b2 x 2048, packed rows) is the first
-    thing a 5.5 GiB budget drops; a budget with room keeps cuDNN, the faster kernel."""
+    """cuDNN's backward workspace (packed rows) is one of the things a 5 GiB budget drops for the
+    8B at b2 x 2048; a budget with room keeps cuDNN, the faster kernel. (Blockwise saves less
+    than the workspace: its smaller tiles leave the layer's dequantized weights the backward's
+    peak, `dequantized_layer`; 5.5 GiB fits without the trade.)"""
     model = builtin_config("Llama-3.1-8B")
     with _on_hopper_with_cudnn(monkeypatch), calibration_for("xla-gpu"):
-        tight, plan = fit_budget(_qlora_8b_bf16(), model, parse_budget("5.5GiB"), platform="gpu")
+        tight, plan = fit_budget(_qlora_8b_bf16(), model, parse_budget("5GiB"), platform="gpu")
         assert tight.memory.attention == "blockwise"
-        assert plan.device_bytes <= parse_budget("5.5GiB")
+        assert plan.device_bytes <= parse_budget("5GiB")
         start = resolve(_qlora_8b_bf16(), model)
         lines = describe_changes(start, tight, model, "gpu")
         assert any(line.startswith("memory.attention: auto -> blockwise (est.") for line in lines)
