@@ -239,6 +239,16 @@ def step_events(
 
 
 def _device_events(devices, instructions, module) -> tuple[list[OpEvent], str]:
+    """The device planes' op events of `module`; should no event name it (the profiler spelling
+    the module otherwise), every event, said in the source text: only the step ran traced."""
+    events, where = _module_events(devices, instructions, module)
+    if any(event.op in instructions for event in events):
+        return events, where
+    events, where = _module_events(devices, instructions, None)
+    return events, f"{where} (no event of module {module!r}: every module's)"
+
+
+def _module_events(devices, instructions, module: str | None) -> tuple[list[OpEvent], str]:
     events, where = [], []
     for plane in devices:
         lines = [line for line in plane.lines if line.name == "XLA Ops"]
@@ -248,7 +258,7 @@ def _device_events(devices, instructions, module) -> tuple[list[OpEvent], str]:
             kept = []
             for event in line.events:
                 stats = _stats(event)
-                if _event_module(stats, module) != module:
+                if module is not None and _event_module(stats, module) != module:
                     continue
                 op = _op_of(event, stats, instructions)
                 kept.append((op or f"?{event.name}", event.start_ns, event.duration_ns))

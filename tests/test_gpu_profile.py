@@ -234,3 +234,12 @@ def test_raw_gpu_kernels_map_through_their_annotation_where_no_hlo_op_stat_exist
     assert layout == [{"plane": "/device:GPU:0", "line": "Stream #7", "events": 4,
                        "names": ["sm90_gemm", "loop_fusion", "other_kernel"],
                        "stats": ["annotation", "kernel_annotation"]}]  # fmt: skip
+
+
+def test_a_module_spelled_otherwise_by_the_profiler_keeps_every_event_and_says_so():
+    hlo = profile_ops.parse_hlo(HLO)
+    ops = [_event(op, 0, 600, hlo_module="jit_step.123") for op in ("gemm_fusion.3", "fmha")]
+    planes = [_plane("/device:GPU:0", {"XLA Ops": ops})]
+    events, where = profile_ops.step_events(planes, hlo, "jit_step")
+    assert [event.op for event in events] == ["gemm_fusion.3", "fmha"]
+    assert where == "/device:GPU:0 XLA Ops (no event of module 'jit_step': every module's)"
