@@ -19,25 +19,31 @@ first), so a setting that saves nothing is never kept. The settings, each with w
    phase is the peak (large vocabularies);
 3. saved intermediates: drop them (memory.save = ()) -- the backward pass recomputes them;
 4. MLP chunk: halve the MLP's sequence chunk (down to 256) -- same result; long context;
-5. residual offload: memory.residuals = "host" -- same result, the residual stream crosses the
+5. accumulation: twice the micro-batches (`memory.accumulation_steps`), each half as large --
+   the same batch and update (gradients summed in float32 before it), the weights read once
+   more per micro-batch; where the batch splits so;
+6. residual offload: memory.residuals = "host" -- same result, the residual stream crosses the
    host link twice (transfers overlap compute);
-6. embedding on host: memory.embed = "host" -- same result, only a batch's rows come over;
-7. optimizer state on host: memory.optimizer_state = "host" -- same result, the state crosses the
-   link in and out, one layer at a time (one device only, like 6);
-8. blockwise attention: memory.attention = "blockwise" where cuDNN's fused kernel would run --
+7. embedding on host: memory.embed = "host" -- same result, only a batch's rows come over;
+8. optimizer state on host: memory.optimizer_state = "host" -- same result, the state crosses the
+   link in and out, one layer at a time (one device only, like 7);
+9. blockwise attention: memory.attention = "blockwise" where cuDNN's fused kernel would run --
    same result (exact masks both), without cuDNN's backward workspace (4 GiB for Llama-3.1-8B
    at b2 x 2048 in the packed layout), at blockwise's measured extra time on a GPU
    (`step_cost.DeviceRates.blockwise_attention_extra`);
-9. quantized head (QLoRA): model.quantize_head = true -- the LM head (or tied embedding) in NF4;
-10. optimizer-state dtype: adamw -> adamw_8bit -- 2 bytes of state per parameter instead of 8;
-11. base on host (LoRA/QLoRA): memory.base = "host" -- same result, but the whole frozen layer
+10. quantized head (QLoRA): model.quantize_head = true -- the LM head (or tied embedding) in NF4;
+11. optimizer-state dtype: adamw -> adamw_8bit -- 2 bytes of state per parameter instead of 8;
+12. base on host (LoRA/QLoRA): memory.base = "host" -- same result, but the whole frozen layer
    stack crosses the host link twice a step (forward, and the backward's recompute), the
    costliest transfer of all: it is tried after every other setting that keeps the batch;
-12. micro-batch: halve batch_size (down to 1) -- the streamed step updates per micro-batch, so
-   this changes the effective batch; it comes last. (More micro-batches of the same batch,
-   `memory.accumulation_steps`, are not searched: the plan of a split batch fell 19% below
-   XLA's GPU compile of the smallest 8B QLoRA settings; the room of a budget does merge the
-   micro-batches a config sets, `_spend_on_speed`.)
+13. micro-batch: halve batch_size (down to 1) -- the streamed step updates per micro-batch, so
+   this changes the effective batch; it comes last, where the batch cannot split into more
+   micro-batches (5.: a preference objective, or micro-batches of one row). The plan of a split
+   batch is within 10% of XLA's GPU compile at the smallest Llama-3.1-8B QLoRA settings (two
+   micro-batches of one row: +4.3%, deviceless H100), since the plan counts the layer's
+   dequantized weights at the backward's peak (`working_set.dequantized_layer_bytes`); before,
+   it fell 19% below and the search did not split batches. A budget's room merges them again
+   (`_spend_on_speed`).
 
 When the last plan still does not fit, `BudgetError` names the largest component, the shortfall in
 GiB, and the changes that would fit (shorter sequence, another method, a smaller LoRA rank).
@@ -223,6 +229,15 @@ def _kept_activations(config: TrainConfig) -> Iterator[TrainConfig]:
             yield _replace(config, "memory", save=tuple(n for n in SAVEABLE if n in kept))
 
 
+def _more_accumulation(config: TrainConfig) -> Iterator[TrainConfig]:
+    """`config` with twice the micro-batches (`memory.accumulation_steps`), each half as large,
+    where the batch splits so: the same batch and update, one smaller micro-batch's
+    activations, the weights read once more per micro-batch."""
+    steps = 2 * config.memory.accumulation_steps
+    if config.batch_size % steps == 0:
+        yield _replace(config, "memory", accumulation_steps=steps)
+
+
 def _fewer_accumulation(config: TrainConfig) -> Iterator[TrainConfig]:
     """`config` with half the micro-batches, each twice as large (the same batch and update):
     what a budget's room buys where the configured accumulation only saved memory."""
@@ -251,6 +266,7 @@ PREFERENCE: tuple[tuple[str, Callable[[TrainConfig, ModelConfig], Iterator[Train
     ("loss chunk", lambda c, m: _loss_chunks(c)),
     ("saved intermediates", lambda c, m: _no_saved(c)),
     ("MLP chunk", lambda c, m: _mlp_chunks(c)),
+    ("accumulation", lambda c, m: _more_accumulation(c)),
     ("residual offload", lambda c, m: _offload(c)),
     ("embedding on host", lambda c, m: _embedding_on_host(c, m.tie_word_embeddings)),
     ("quantized head", lambda c, m: _quantized_head(c)),

@@ -90,6 +90,7 @@ FIXED = {
         "embedding_gradient",
         "attention_blockwise",
         "dequantized_layer",
+        "saved_layer_from_host",
     ),
     "loss": (
         "embedding_gradient",

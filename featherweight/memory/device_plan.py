@@ -19,7 +19,7 @@ bytes of the layer-streamed step (featherweight/step/streamed.py) per component:
   the working set of the step's peak phase (featherweight/memory/working_set.py)
     backward: layer_weights, layer_gradient, optimizer_update, layer_activations,
               attention (scores, or the blockwise/cuDNN buffers), dequantized_layer (XLA:GPU,
-              QLoRA), embedding_gradient, base_layers_in_flight
+              QLoRA), saved_layer_from_host (XLA:GPU), embedding_gradient, base_layers_in_flight
     loss: logits_chunk, embedding_gradient, head_gradient, dequantized_head, ...
     head_update (an untied head in full fine-tuning): embedding_gradient, head_update
     embedding (full fine-tuning): embedding_gradient, embedding_update
@@ -72,6 +72,7 @@ from featherweight.memory.working_set import (
     attention_of,
     calibration_key,
     phase_working_sets,
+    saved_width,
     working_set_floor,
 )
 from featherweight.models.config import ModelConfig
@@ -216,12 +217,7 @@ def _rebuilt_on_host(config: TrainConfig, model_config: ModelConfig) -> list[Pla
 def _stored(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
     shapes, save = StepShapes(config, model_config), config.memory.save
     placement = config.memory.residuals
-    widths = {
-        "qkv": (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim,
-        "attention": shapes.heads * shapes.head_dim + shapes.hidden,  # its output, its residual
-        "mlp_hidden": 2 * shapes.intermediate,
-    }
-    width = sum(widths.get(name, 0) for name in save)
+    width = saved_width(config, shapes)
     stored = [
         PlanComponent(
             "residual_stream",

@@ -97,10 +97,14 @@ def test_loss_chunk_is_tried_first_when_the_logits_are_the_peak():
     assert all(change.startswith("memory.save: [] -> ") for change in changes[1:])
 
 
-def test_micro_batch_comes_last_and_every_kept_change_is_needed():
-    config, model = config_of(**LLAMA_QLORA), builtin_config("Llama-3.1-8B")
+@pytest.mark.parametrize("objective", ["sft", "dpo"])
+def test_micro_batch_comes_last_and_every_kept_change_is_needed(objective):
+    # below what every other setting reaches: SFT splits the batch into micro-batches (the same
+    # training); DPO, whose pairs are averaged over one batch, cannot, and halves the batch
+    values = {**LLAMA_QLORA, "objective": objective}
+    config, model = config_of(**values), builtin_config("Llama-3.1-8B")
     everything_else = config_of(
-        **{**LLAMA_QLORA, "model": {"quantize_head": True}},
+        **{**values, "model": {"quantize_head": True}},
         memory={
             "residuals": "host",
             "loss_chunk": 64,
@@ -115,7 +119,11 @@ def test_micro_batch_comes_last_and_every_kept_change_is_needed():
     floor = plan_for_config(everything_else, model).device_bytes
     budget = floor - 2**20  # below what the other settings reach
     fitted, plan = fit_budget(config, model, budget, reserve=0.0)
-    assert describe_changes(config, fitted)[-1].startswith("batch_size: 4 -> ")
+    last = describe_changes(config, fitted)[-1]
+    if objective == "sft":
+        assert fitted.batch_size == 4 and fitted.memory.accumulation_steps > 1
+    else:
+        assert last.startswith("batch_size: 4 -> ")
     assert plan.device_bytes <= budget
     start = resolve(config, model)
     changed = [f for f in SEARCHED_FIELDS if _value(start, *f) != _value(fitted, *f)]
@@ -371,18 +379,20 @@ def test_a_gpu_budget_keeps_qloras_dequantized_weights_only_where_that_saves_tim
 
 def test_a_tight_budget_on_a_gpu_trades_cudnn_for_blockwise_attention(monkeypatch):
     """cuDNN's backward workspace (packed rows) is one of the things a 5 GiB budget drops for the
-    8B at b2 x 2048; a budget with room keeps cuDNN, the faster kernel. (Blockwise saves less
-    than the workspace: its smaller tiles leave the layer's dequantized weights the backward's
-    peak, `dequantized_layer`; 5.5 GiB fits without the trade.)"""
+    8B at one row of 4096 tokens (a batch that cannot split into micro-batches, the cheaper
+    change at two rows); a budget with room keeps cuDNN, the faster kernel."""
     model = builtin_config("Llama-3.1-8B")
+    one_row = _qlora_8b_bf16().model_copy(
+        update={"batch_size": 1, "data": _qlora_8b_bf16().data.model_copy(update={"seq_len": 4096})}
+    )
     with _on_hopper_with_cudnn(monkeypatch), calibration_for("xla-gpu"):
-        tight, plan = fit_budget(_qlora_8b_bf16(), model, parse_budget("5GiB"), platform="gpu")
+        tight, plan = fit_budget(one_row, model, parse_budget("5GiB"), platform="gpu")
         assert tight.memory.attention == "blockwise"
         assert plan.device_bytes <= parse_budget("5GiB")
-        start = resolve(_qlora_8b_bf16(), model)
+        start = resolve(one_row, model)
         lines = describe_changes(start, tight, model, "gpu")
         assert any(line.startswith("memory.attention: auto -> blockwise (est.") for line in lines)
-        roomy, _ = fit_budget(_qlora_8b_bf16(), model, parse_budget("40GiB"), platform="gpu")
+        roomy, _ = fit_budget(one_row, model, parse_budget("40GiB"), platform="gpu")
         assert roomy.memory.attention == "auto"
         costs = change_costs(start, tight, model, "gpu")
         assert costs["memory.attention"] > 0.05  # blockwise is measured slower on a GPU
@@ -412,6 +422,19 @@ def test_room_buys_larger_micro_batches_for_the_same_batch():
         line = next(line for line in lines if line.startswith("memory.accumulation_steps: 4 ->"))
         assert re.search(r"est\. step time -\d", line)
         assert plan.device_bytes > plan_for_config(start, model).device_bytes
+
+
+def test_a_tight_budget_splits_the_batch_into_micro_batches_before_shrinking_it():
+    """Activations too large for the budget: more micro-batches of the same batch (the same
+    training), not a smaller batch (another training), come first."""
+    model = builtin_config("Llama-3.1-8B")
+    with calibration_for("xla-gpu"):
+        start = resolve(_accumulating(1), model)
+        whole = plan_for_config(start, model).device_bytes
+        fitted, plan = fit_budget(_accumulating(1), model, int(0.8 * whole), platform="gpu")
+    assert fitted.batch_size == 8
+    assert fitted.memory.accumulation_steps > 1
+    assert plan.device_bytes < whole
 
 
 def test_the_search_never_proposes_accumulation_a_preference_objective_refuses():

@@ -80,9 +80,11 @@ def test_a_plan_that_forgets_the_offload_misses_the_compile(h100_report):
 @pytest.mark.slow
 def test_the_answer_to_a_budget_compiles_within_it():
     """Llama-3.1-8B QLoRA b2 x 2048 at a 5.5 GiB budget: the settings the budget search picks
-    compile for the H100 (host placements as they run) within 5.5 GiB of device memory. The
-    negative control: the search without the plan's error in reserve picks settings whose plan
-    fits but whose compile does not."""
+    compile for the H100 (host placements as they run) within 5.5 GiB of device memory, and so
+    do those the search picks without the plan's error in reserve: planned within 10% of their
+    compile (since the plan counts the layer's dequantized weights and the kept activations
+    brought from the host, 5.88 GB compiled of the 5.91 budget; before, this answer compiled
+    over the budget)."""
     model = builtin_config("Llama-3.1-8B")
     settings = {"method": "qlora", "batch_size": 2, "model": {"dtype": "bfloat16"},
                 "data": {"seq_len": 2048}}  # fmt: skip
@@ -91,7 +93,9 @@ def test_the_answer_to_a_budget_compiles_within_it():
         fitted, _ = fit_budget(parse_config(settings), model, budget)
         bare, bare_plan = fit_budget(parse_config(settings), model, budget, reserve=0.0)
     assert measure_for_target(fitted, model, "h100").device_bytes <= budget
-    assert bare_plan.device_bytes <= budget < measure_for_target(bare, model, "h100").device_bytes
+    compiled_bare = measure_for_target(bare, model, "h100").device_bytes
+    assert bare_plan.device_bytes <= budget
+    assert abs(percent_difference(bare_plan.device_bytes, compiled_bare)) <= 10.0
 
 
 def test_kept_activations_are_planned_as_the_h100_compiles_them():
@@ -169,5 +173,36 @@ def test_one_row_micro_batches_of_the_8b_are_planned_as_the_h100_compiles_them(s
         plan = plan_for_config(config, model)
     compiled = measure_for_target(config, model, "h100")
     assert compiled.compiled  # host placements compiled as they run
+    error = percent_difference(plan.device_bytes, compiled.device_bytes)
+    assert abs(error) <= 10.0, error
+
+
+@pytest.mark.slow
+def test_a_budget_only_a_split_batch_fits_compiles_within_it():
+    """Llama-3.1-8B QLoRA b4 x 2048 at its smallest settings: 1.55 GiB holds the batch as two
+    micro-batches of two rows (planned 1.42 GiB, with the search's reserve 1.51) but not whole
+    (1.73 GiB): the budget search splits the batch rather than shrink it, and the split step
+    compiles for the H100 within the budget."""
+    model = builtin_config("Llama-3.1-8B")
+    budget = parse_budget("1.55GiB")
+    with calibration_for("xla-gpu"):
+        fitted, plan = fit_budget(parse_config({**SMALLEST_8B, "batch_size": 4}), model, budget)
+    assert fitted.batch_size == 4 and fitted.memory.accumulation_steps == 2
+    assert plan.device_bytes <= budget
+    assert measure_for_target(fitted, model, "h100").device_bytes <= budget
+
+
+@pytest.mark.slow
+def test_kept_activations_in_host_memory_are_planned_as_the_h100_compiles_them():
+    """The same batch split in two with every activation class kept in host memory: the
+    backward brings one layer's kept activations to the device (`saved_layer_from_host`, 336
+    MiB); planned without them, 20% below the compile."""
+    model = builtin_config("Llama-3.1-8B")
+    memory = {**SMALLEST_8B["memory"], "accumulation_steps": 2,
+              "save": ["qkv", "attention", "mlp_hidden"]}  # fmt: skip
+    config = parse_config({**SMALLEST_8B, "batch_size": 4, "memory": memory})
+    with calibration_for("xla-gpu"):
+        plan = plan_for_config(config, model)
+    compiled = measure_for_target(config, model, "h100")
     error = percent_difference(plan.device_bytes, compiled.device_bytes)
     assert abs(error) <= 10.0, error

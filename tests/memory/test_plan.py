@@ -341,3 +341,22 @@ def test_a_fused_step_with_its_state_on_the_host_plans_one_base_layer_in_flight_
     assert in_flight() == 1  # fused: the next layer comes over after the peak
     assert in_flight(accumulation_steps=2) == 2  # the kept gradient: computing and coming over
     assert in_flight(optimizer_state="device") == 2
+
+
+def test_kept_activations_in_host_memory_plan_one_layer_on_the_device_on_a_gpu():
+    model = tiny_config()
+    save = ["qkv", "mlp_hidden"]
+    width = (
+        model.num_heads + 2 * model.num_kv_heads
+    ) * model.head_dim + 2 * model.intermediate_size
+
+    def on_device(residuals, compiler="xla-gpu"):
+        config = train_config(
+            method="qlora", batch_size=2, model={"dtype": "bfloat16"},
+            memory={"save": save, "residuals": residuals},
+        )  # fmt: skip
+        with calibration_for(compiler):
+            return plan_for_config(config, model).bytes_of("saved_layer_from_host")
+
+    assert on_device("host") == 2 * 64 * width * 2  # B x S x width x bf16, one layer
+    assert on_device("device") == 0 and on_device("host", "xla-cpu") == 0
