@@ -16,19 +16,10 @@ out=$(realpath -m "${OUT:-/tmp/gpu_check}")  # before the cd: a relative OUT is 
 cd "$(dirname "$0")/.."
 total=${GPU_CHECK_SECONDS:-540}
 python=${PYTHON:-python3}
-wheels=${GPU_CHECK_WHEELS:-.whl}
 mkdir -p "$out"
-if compgen -G "$wheels/*.whl" >/dev/null; then
-  site=$(mktemp -d)
-  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
-    "$wheels"/*.whl
-  if [ -d .whl-extra/site ]; then cp -r .whl-extra/site/* "$site"/; fi
-  export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  echo "[gpu_check.sh] installed $(ls "$wheels"/*.whl | wc -l) wheels into $site"
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  echo "[gpu_check.sh] no wheels in $wheels: using the installed packages"
-fi
+# shellcheck source=benchmarks/gpu_wheels.sh
+source benchmarks/gpu_wheels.sh
+gpu_wheels gpu_check.sh
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the check sets it for each case; never the 75% grab
 left=$((total - (SECONDS - started)))
 # the check stops starting cases at its deadline and writes the table; timeout is the backstop

@@ -92,15 +92,13 @@ def schedule(names: list[str], rounds: int) -> list[tuple[int, str]]:
 def child_main(args: argparse.Namespace) -> dict[str, Any]:
     """The child process: set up, compile, warm up and time the step under this XLA_FLAGS."""
     import jax
-    from gpu_profile import case_setup
+    from gpu_check_cases import settings_text
+    from gpu_profile import compiled_case
 
-    scale, case, model, config = case_setup(args.case, args.settings, args.tiny)
-    from gpu_check_cases import set_up, settings_text
-
-    step, (trainable, opt_state, frozen, batch, key) = set_up(config, model, scale)
-    start = time.perf_counter()
-    compiled = step.lower(trainable, opt_state, frozen, batch, key).compile()
-    compile_s = time.perf_counter() - start
+    scale, case, config, compiled, arguments, compile_s = compiled_case(
+        args.case, args.settings, args.tiny
+    )
+    trainable, opt_state, frozen, batch, key = arguments
     keys = [jax.random.fold_in(key, index) for index in range(WARMUP + args.steps)]
     step_s, losses = [], []
     for index, step_key in enumerate(keys):

@@ -72,13 +72,22 @@ def case_setup(case_name: str, settings: str, tiny: bool):
     return scale, case, model, config
 
 
+def compiled_case(case_name: str, settings: str, tiny: bool):
+    """(scale, case, config, the compiled step, its arguments, seconds to compile): the case set
+    up as the trainer sets it up (`gpu_check_cases.set_up`) and compiled ahead of its steps."""
+    scale, case, model, config = case_setup(case_name, settings, tiny)
+    step, arguments = set_up(config, model, scale)
+    start = time.perf_counter()
+    compiled = step.lower(*arguments).compile()
+    return scale, case, config, compiled, arguments, time.perf_counter() - start
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Set up, compile, warm up and trace the step; write trace/, step_hlo.txt and run.json."""
-    scale, case, model, config = case_setup(args.case, args.settings, args.tiny)
-    step, (trainable, opt_state, frozen, batch, key) = set_up(config, model, scale)
-    start = time.perf_counter()
-    compiled = step.lower(trainable, opt_state, frozen, batch, key).compile()
-    compile_s = time.perf_counter() - start
+    scale, case, config, compiled, arguments, compile_s = compiled_case(
+        args.case, args.settings, args.tiny
+    )
+    trainable, opt_state, frozen, batch, key = arguments
     (args.out / "step_hlo.txt").write_text(compiled.as_text())
     keys = [jax.random.fold_in(key, index) for index in range(args.warmup + args.steps)]
     jax.block_until_ready(keys)

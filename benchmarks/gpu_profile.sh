@@ -19,20 +19,11 @@ out=$(realpath -m "${OUT:-/tmp/gpu_profile}")  # before the cd: a relative OUT i
 cd "$(dirname "$0")/.."
 total=${GPU_PROFILE_SECONDS:-540}
 python=${PYTHON:-python3}
-wheels=${GPU_CHECK_WHEELS:-.whl}
 work=$(mktemp -d)
 mkdir -p "$out" "$work/profile" "$work/flags"
-if compgen -G "$wheels/*.whl" >/dev/null; then
-  site=$(mktemp -d)
-  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
-    "$wheels"/*.whl
-  if [ -d .whl-extra/site ]; then cp -r .whl-extra/site/* "$site"/; fi
-  export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  echo "[gpu_profile.sh] installed $(ls "$wheels"/*.whl | wc -l) wheels into $site"
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  echo "[gpu_profile.sh] no wheels in $wheels: using the installed packages"
-fi
+# shellcheck source=benchmarks/gpu_wheels.sh
+source benchmarks/gpu_wheels.sh
+gpu_wheels gpu_profile.sh
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 timeout -k 10 "${PROFILE_SECONDS:-200}" "$python" benchmarks/gpu_profile.py \
   --out "$work/profile" "$@" 2>&1 | tee "$work/profile/profile.log"
