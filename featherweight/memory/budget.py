@@ -28,8 +28,9 @@ first), so a setting that saves nothing is never kept. The settings, each with w
 8. optimizer state on host: memory.optimizer_state = "host" -- same result, the state crosses the
    link in and out, one layer at a time (one device only, like 7);
 9. blockwise attention: memory.attention = "blockwise" where cuDNN's fused kernel would run --
-   same result (exact masks both), without cuDNN's backward workspace (4 GiB for Llama-3.1-8B
-   at b2 x 2048 in the packed layout), at blockwise's measured extra time on a GPU
+   same result (exact masks both), without cuDNN's backward workspace (Llama-3.1-8B at
+   b2 x 2048 in the packed layout: 0.5 GiB at the default 4 document slots a row, 4 GiB at 32),
+   at blockwise's measured extra time on a GPU
    (`step_cost.DeviceRates.blockwise_attention_extra`);
 10. quantized head (QLoRA): model.quantize_head = true -- the LM head (or tied embedding) in NF4;
 11. optimizer-state dtype: adamw -> adamw_8bit -- 2 bytes of state per parameter instead of 8;
@@ -554,8 +555,9 @@ def attention_that_fits(
     room: capacity.Capacity | None = None,
 ) -> tuple[TrainConfig, MemoryPlan]:
     """`memory.attention: auto` chose a fused kernel whose plan does not fit `room` (default:
-    this process's device, `capacity.of_device`): blockwise instead -- the same result, without cuDNN's backward workspace (4 GiB for Llama-3.1-8B at
-    b2 x 2048 in the packed layout), slower -- so that a step which fits without it is not
+    this process's device, `capacity.of_device`): blockwise instead -- the same result, without
+    cuDNN's backward workspace (Llama-3.1-8B at b2 x 2048 in the packed layout: 0.5 GiB at 4
+    document slots a row, 4 GiB at 32), slower -- so that a step which fits without it is not
     refused; its "auto" chunks chosen again for blockwise (`resolve`: the loss phase may become
     the peak). `config` as requested (settings still "auto"), `plan` its resolved plan; the
     resolved config and plan come back, unchanged where the plan fits, where no room is known,

@@ -229,9 +229,9 @@ def cudnn_workspace_bytes(sequences: int, heads: int, seq: int, head_dim: int) -
     `sequences` sequences of `seq` positions: 4 x sequences x H x S x (2h + 1) bytes, two float32
     accumulators of the query's shape and a float32 row term per sequence. In the packed layout
     every row is M sequences of up to S positions (`recipe.build.packed_slots`), so it is M
-    times the padded layout's. Read off the step compiled on an H200 (jax 0.11.2): u8[4311761664] for 2 x 32
-    sequences, 32 heads, 2048 positions, head dim 128, which is this plus the forward's 17152
-    bytes (benchmarks/results/gpu_h200_2026-11-27.md). The padded layout's (one sequence a row)
+    times the padded layout's. Read off the step compiled on an H200 (jax 0.11.2):
+    u8[4311761664] for 2 x 32 sequences, 32 heads, 2048 positions, head dim 128, which is this
+    plus the forward's 17152 bytes (benchmarks/results/gpu_h200_2026-11-27.md). The padded layout's (one sequence a row)
     is the same formula at M = 1, not yet read off a GPU."""
     return 4 * sequences * heads * seq * (2 * head_dim + 1)
 

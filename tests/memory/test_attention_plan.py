@@ -250,7 +250,7 @@ def test_cudnn_slots_are_the_packers_limit_and_default_to_a_lean_four(monkeypatc
     """cuDNN's packed attention holds `data.max_documents_per_row` documents a row, else 4: its
     statistics and backward workspace grow with the slots. At the default the 8B QLoRA step's
     peak, estimated as the H200's measured peak at 32 slots less what the plan saves, is under
-    the defaults' peak the H200 measured before cuDNN (blockwise): 7.36 against 7.66 GiB (an
+    the defaults' peak the H200 measured before cuDNN (blockwise): 7.35 against 7.66 GiB (an
     estimate from a measurement and a plan; not run on a GPU at 4 slots)."""
     default = _8b_qlora_plan(monkeypatch, {})
     slots = {m: _8b_qlora_plan(monkeypatch, {"max_documents_per_row": m}) for m in (4, 32)}
