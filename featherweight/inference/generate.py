@@ -1,33 +1,36 @@
 """Inference: logits of token ids, and text generation with a KV cache.
 
-Generation prefills the prompt in one pass, then decodes one token per step; both run the same
-cached block, jitted once per shape. The cache is [L, B, T, K, h] per keys and values. The prefill's
-attention is blockwise (`models/attention.py`): a long prompt never builds its P x P scores; each
-decoded token attends to the cache with a mask over its T positions (one row of scores).
+Generation prefills the prompt in one pass, then decodes one token per step; both run the layer's
+own stages (`models/llama.py`: nothing of the layer is written again here), jitted once per
+shape. The cache (`KVCache`) is [L, B, T, K, h] per keys and values for layers of full attention
+and a ring of the window's length for sliding-window layers. The prefill's attention is the
+training path's (blockwise by default: a long prompt never builds its P x P scores); each decoded
+token attends to its layer's cache with a mask over the slots' positions (one row of scores).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from featherweight.errors import ConfigError, TokenIdError
-from featherweight.models.attention import blockwise_attention
+from featherweight.models.attention import ScoreForm, materialized_attention
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import (
     Params,
-    apply_rotary,
+    attention_core,
+    attention_in,
     attention_inputs,
+    attention_out,
     embed,
     forward,
     head,
-    linear,
-    mlp,
-    rms_norm,
+    mlp_residual,
 )
 from featherweight.models.model import Model
 
@@ -73,53 +76,162 @@ def logits(model: Model, token_ids) -> jax.Array:
     return _forward_jit(model.params, jnp.asarray(ids), model.config, model.lora)
 
 
-def _cached_block(
-    layer, x, cos, sin, cache_k, cache_v, start, config: ModelConfig, lora=None, prefill=False
-):
-    """One layer over new tokens x [B, T, D] at positions start.., reading/writing the cache.
+class KVCache(NamedTuple):
+    """Keys and values of the tokens so far, one stack per kind of layer: `full` [Lf, B, T, K, h]
+    for the layers that attend to every earlier position (T: the prompt and the reply), `local`
+    [Ls, B, C, K, h] for the sliding-window layers, a ring of C = min(window, T) slots (position
+    p in slot p mod C): a windowed layer's cache holds the window, not the sequence. A stack of
+    no layers is None."""
 
-    `prefill`: the new tokens are the whole prompt (start = 0), so they attend only to each other,
-    blockwise; otherwise they attend to the cache, masked beyond their positions."""
-    batch, new, _ = x.shape
-    normed = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-    q = linear(layer, "q", normed, lora).reshape(batch, new, config.num_heads, -1)
-    k = linear(layer, "k", normed, lora).reshape(batch, new, config.num_kv_heads, -1)
-    v = linear(layer, "v", normed, lora).reshape(batch, new, config.num_kv_heads, -1)
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, start, 0, 0))
-    cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, start, 0, 0))
+    full: tuple[jax.Array, jax.Array] | None
+    local: tuple[jax.Array, jax.Array] | None
+
+
+def _cache_slots(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(whether each layer slides [L] bool, each layer's index in its kind's stack [L] int)."""
+    sliding = np.asarray(config.sliding_layers or (False,) * config.num_layers, bool)
+    if config.windows == "none":
+        sliding = np.zeros(config.num_layers, bool)
+    slots = np.where(sliding, np.cumsum(sliding) - 1, np.cumsum(~sliding) - 1)
+    return sliding, slots.astype(np.int32)
+
+
+def empty_cache(config: ModelConfig, batch: int, total: int, dtype) -> KVCache:
+    """A zeroed cache for `total` positions (`KVCache`)."""
+    sliding, _ = _cache_slots(config)
+    window = min(config.sliding_window or total, total)
+
+    def stack(layers: int, length: int):
+        if not layers:
+            return None
+        shape = (layers, batch, length, config.num_kv_heads, config.head_dim)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+    return KVCache(stack(int((~sliding).sum()), total), stack(int(sliding.sum()), window))
+
+
+def _write(cache_k, cache_v, k, v, start, prefill: bool):
+    """The ring [B, C, K, h] with the new keys/values [B, T, K, h] at positions start.. written in
+    slots position mod C (a prefill writes only its last C positions: each slot once)."""
+    size, new = cache_k.shape[1], k.shape[1]
     if prefill:
-        attended = blockwise_attention(q, k, v)
+        kept = min(new, size)
+        slots = (new - kept + jnp.arange(kept)) % size
+        return (
+            cache_k.at[:, slots].set(k[:, new - kept :].astype(cache_k.dtype)),
+            cache_v.at[:, slots].set(v[:, new - kept :].astype(cache_v.dtype)),
+        )
+    slot = start % size
+    return (
+        jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, slot, 0, 0)),
+        jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, slot, 0, 0)),
+    )
+
+
+def _ring_mask(size: int, start, new: int, window: int | None) -> jax.Array:
+    """[1, 1, T, C]: which slots each new token (positions start..) may read. Slot s holds the
+    last position written there, end - ((end - s) mod C); a slot never written holds a negative
+    one."""
+    end = start + new - 1
+    slot = jnp.arange(size)
+    key_pos = end - jnp.mod(end - slot, size)
+    query_pos = start + jnp.arange(new)
+    visible = (key_pos[None, :] >= 0) & (key_pos[None, :] <= query_pos[:, None])
+    if window is not None:
+        visible = visible & (query_pos[:, None] - key_pos[None, :] < window)
+    return visible[None, None]
+
+
+def _cached_layer(
+    layer, x, inputs, cache, start, config: ModelConfig, lora, prefill: bool, window: int | None
+):
+    """One layer over new tokens x [B, T, D] at positions start.. (`models/llama.py`'s stages),
+    reading and writing its cache [B, C, K, h] x 2 -> (x, cache); `window`: the layer's.
+
+    A prefill (the whole prompt, start 0) attends among its own tokens as training does
+    (blockwise, with the layer's window); a decode step attends to the cache, masked by
+    position (and window)."""
+    q, k, v = attention_in(layer, x, inputs, config, lora)
+    cache_k, cache_v = _write(*cache, k, v, start, prefill)
+    if prefill:
+        attended = attention_core(q, k, v, inputs, config)
     else:
-        query_pos = start + jnp.arange(new)
-        key_pos = jnp.arange(cache_k.shape[1])
-        mask = (key_pos[None, :] <= query_pos[:, None])[None, None]  # [1, 1, T, T_max]
-        attended = jax.nn.dot_product_attention(q, cache_k, cache_v, mask=mask)
-    x = x + linear(layer, "o", attended.reshape(batch, new, -1), lora)
-    x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps), lora)
-    return x, cache_k, cache_v
+        mask = _ring_mask(cache_k.shape[1], start, x.shape[1], window)
+        form = ScoreForm(config.attention_scale, config.attn_softcap, window)
+        attended = materialized_attention(q, cache_k, cache_v, mask, form)
+        attended = attended.reshape(*x.shape[:2], -1)
+    a = attention_out(layer, x, attended, config, lora)
+    return mlp_residual(layer, a, config, lora), (cache_k, cache_v)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "lora", "prefill"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("config", "lora", "prefill", "total"), donate_argnames=("cache",)
 )
 def _cached_step(
-    params: Params, token_ids, cache, start, config: ModelConfig, lora=None, prefill=False
+    params: Params,
+    token_ids,
+    cache: KVCache,
+    start,
+    config: ModelConfig,
+    total: int,
+    lora=None,
+    prefill=False,
 ):
-    """Run new tokens [B, T] at `start` through the model; returns last logits and the cache
-    (`prefill`: the tokens are the prompt, at start 0)."""
+    """Run new tokens [B, T] at `start` through the model (of a sequence of `total` positions);
+    returns last logits and the cache (`prefill`: the tokens are the prompt, at start 0)."""
     batch, new = token_ids.shape
     positions = jnp.broadcast_to(start + jnp.arange(new), (batch, new))
-    inputs = attention_inputs(config, positions)
+    inputs = attention_inputs(config, positions, seq_len=total)
+    sliding, slots = _cache_slots(config)
 
-    def layer_step(x, per_layer):
-        layer, cache_k, cache_v = per_layer
-        x, cache_k, cache_v = _cached_block(
-            layer, x, inputs.cos, inputs.sin, cache_k, cache_v, start, config, lora, prefill
-        )
-        return x, (cache_k, cache_v)
+    def kind_step(kind: str, per_layer):
+        """The layer run against its slot of one kind's stack."""
 
-    x, cache = jax.lax.scan(layer_step, embed(params, token_ids), (params["layers"], *cache))
+        def run(x, caches):
+            layer, index, slot = per_layer
+            stack = getattr(caches, kind)
+            own = (stack[0][slot], stack[1][slot])
+            x, (cache_k, cache_v) = _cached_layer(
+                layer,
+                x,
+                inputs.at_layer(index),
+                own,
+                start,
+                config,
+                lora,
+                prefill,
+                config.sliding_window if kind == "local" else None,
+            )
+            updated = (stack[0].at[slot].set(cache_k), stack[1].at[slot].set(cache_v))
+            return x, caches._replace(**{kind: updated})
+
+        return run
+
+    def layer_step(carry, per_layer):
+        x, caches = carry
+        layer_sliding = per_layer[1] if config.windows == "some" else None
+        per_layer = (per_layer[0], per_layer[2], per_layer[3])
+        if config.windows == "some":
+            x, caches = jax.lax.cond(
+                layer_sliding,
+                kind_step("local", per_layer),
+                kind_step("full", per_layer),
+                x,
+                caches,
+            )
+        else:
+            x, caches = kind_step("local" if config.windows == "all" else "full", per_layer)(
+                x, caches
+            )
+        return (x, caches), None
+
+    xs = (
+        params["layers"],
+        jnp.asarray(sliding),
+        jnp.arange(config.num_layers, dtype=jnp.int32),
+        jnp.asarray(slots),
+    )
+    (x, cache), _ = jax.lax.scan(layer_step, (embed(params, token_ids, config), cache), xs)
     return head(params, x[:, -1:], config)[:, 0], cache
 
 
@@ -134,13 +246,16 @@ def _choose(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "greedy", "lora", "prefill"), donate_argnames=("cache",)
+    jax.jit,
+    static_argnames=("config", "greedy", "lora", "prefill", "total"),
+    donate_argnames=("cache",),
 )
 def _cached_token(
-    params, token_ids, cache, start, key, temperature, config, greedy, lora=None, prefill=False
-):
+    params, token_ids, cache, start, key, temperature, config, greedy, total, lora=None,
+    prefill=False,
+):  # fmt: skip
     """A cached step and the choice of the next token in one dispatch (no eager op per token)."""
-    next_logits, cache = _cached_step(params, token_ids, cache, start, config, lora, prefill)
+    next_logits, cache = _cached_step(params, token_ids, cache, start, config, total, lora, prefill)
     token, key = _choose(next_logits, key, temperature, greedy)
     return token, key, cache
 
@@ -202,8 +317,8 @@ def generate_ids(
     stop_ids = stop_ids or set()
     new_ids: list[int] = []
     if use_cache:
-        cache_shape = (config.num_layers, 1, total, config.num_kv_heads, config.head_dim)
-        cache = (jnp.zeros(cache_shape, model.dtype), jnp.zeros(cache_shape, model.dtype))
+        cache = empty_cache(config, 1, total, model.dtype)
+        choice["total"] = total
         token, key, cache = _cached_token(params, prompt, cache, 0, key, **choice, prefill=True)
         position = prompt.shape[1]
         while True:

@@ -9,10 +9,10 @@ from pathlib import Path
 from featherweight.errors import ConfigError
 from featherweight.io.atomic import atomic_directory, check_output_dir, refuse_foreign_output
 from featherweight.io.gguf_writer import check_quant
-from featherweight.io.hf_writer import DEFAULT_SHARD_BYTES, save_hf_checkpoint
+from featherweight.io.hf_writer import DEFAULT_SHARD_BYTES, hf_named, save_hf_checkpoint
 from featherweight.io.hub import model_location
 from featherweight.io.loader import open_checkpoint
-from featherweight.io.names import expected_shapes, hf_name
+from featherweight.io.names import expected_shapes
 from featherweight.io.ollama import write_gguf_directory
 from featherweight.io.output_paths import refuse_overlap
 
@@ -54,7 +54,8 @@ def convert(
             with atomic_directory(Path(out), overwrite=overwrite) as staging:
                 write_gguf_directory(staging, source.config, tensors, source.tokenizer(), quant)
             return Path(out).expanduser().resolve()
-        tensors = ((hf_name(key), source.read(key)) for key in expected_shapes(source.config))
+        keyed = ((key, source.read(key)) for key in expected_shapes(source.config))
+        tensors = hf_named(source.config, keyed)
         return save_hf_checkpoint(
             out,
             source.config,

@@ -22,8 +22,8 @@ import numpy as np
 
 from featherweight.io.atomic import atomic_directory, check_output_dir
 from featherweight.io.gguf_writer import check_quant, gguf_architecture, to_gguf_layout
-from featherweight.io.hf_writer import iter_hf_tensors
-from featherweight.io.names import gguf_name, parse_hf_name
+from featherweight.io.hf_writer import iter_tensors
+from featherweight.io.names import gguf_name
 from featherweight.io.ollama import ADAPTER_FILE, MODELFILE, modelfile_text, write_gguf_directory
 from featherweight.io.peft_export import adapter_stacks
 from featherweight.io.tokenizer import Tokenizer
@@ -57,10 +57,7 @@ def export_merged_gguf(
             return merge_lora_weight(tensor, pair["a"][layer], pair["b"][layer], scale)
 
     check_output_dir(Path(out), overwrite)
-    tensors = (
-        (parse_hf_name(name), tensor)
-        for name, tensor in iter_hf_tensors(params, model_config, transform)
-    )
+    tensors = iter_tensors(params, model_config, transform)
     with atomic_directory(Path(out), overwrite=overwrite) as staging:
         write_gguf_directory(staging, model_config, tensors, tokenizer, quant)
     return Path(out).expanduser().resolve()
@@ -78,7 +75,7 @@ def write_adapter_gguf(
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(scale * rank))
     for layer in range(model_config.num_layers):
         for target, pair in stacks.items():
-            name = gguf_name((target, layer))
+            name = gguf_name((target, layer), model_config)
             b = to_gguf_layout(model_config, (target, layer), np.asarray(pair["b"][layer]))
             writer.add_tensor(f"{name}.lora_a", np.asarray(pair["a"][layer], dtype=np.float32))
             writer.add_tensor(f"{name}.lora_b", np.ascontiguousarray(b, dtype=np.float32))

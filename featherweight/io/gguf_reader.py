@@ -126,7 +126,7 @@ class GGUFSource:
         for name, tensor in self.tensors.items():
             if name in _IGNORED:
                 continue
-            key = parse_gguf_name(name)
+            key = parse_gguf_name(name, self.config)
             if key is None:
                 unknown.append(name)
                 continue

@@ -160,7 +160,11 @@ def write_model_gguf(
     kinds = {key: tensor_type(shape, wanted) for key, shape in shapes.items()}
     for key, shape in shapes.items():
         writer.add_tensor_info(
-            gguf_name(key), shape, np.dtype(np.float32), _nbytes(shape, kinds[key]), kinds[key]
+            gguf_name(key, config),
+            shape,
+            np.dtype(np.float32),
+            _nbytes(shape, kinds[key]),
+            kinds[key],
         )
     factors = rope_factors(config)
     if factors is not None:

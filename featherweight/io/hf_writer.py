@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from featherweight.io.atomic import atomic_directory
 from featherweight.io.interrupts import raise_if_interrupted
-from featherweight.io.names import hf_name
+from featherweight.io.names import TensorKey, fused_hf_names, hf_name
 from featherweight.io.output_paths import resolved
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
@@ -40,22 +40,47 @@ def _dense(value, layer: int | None) -> np.ndarray:
     return np.asarray(value if layer is None else value[layer])
 
 
-def iter_hf_tensors(
+def iter_tensors(
     params: Params, config: ModelConfig, transform: TensorTransform | None = None
-) -> Iterator[tuple[str, np.ndarray]]:
-    """(Hugging Face name, tensor) for every tensor of the model, one at a time (a signal that a
-    callback swallowed stops the writing at the next one: `io/interrupts.py`)."""
+) -> Iterator[tuple[TensorKey, np.ndarray]]:
+    """(key, dense tensor) for every tensor of the model, one at a time, through `transform` (a
+    signal that a callback swallowed stops the writing at the next one: `io/interrupts.py`)."""
     for name in top_level_shapes(config):
         raise_if_interrupted()
         tensor = _dense(params[name], None)
-        yield hf_name((name, None)), tensor if transform is None else transform(name, None, tensor)
+        yield (name, None), tensor if transform is None else transform(name, None, tensor)
     for layer in range(config.num_layers):
         for name in layer_shapes(config):
             raise_if_interrupted()
             tensor = _dense(params["layers"][name], layer)
-            if transform is not None:
-                tensor = transform(name, layer, tensor)
-            yield hf_name((name, layer)), tensor
+            yield (name, layer), tensor if transform is None else transform(name, layer, tensor)
+
+
+def hf_named(
+    config: ModelConfig, tensors: Iterable[tuple[TensorKey, np.ndarray]]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """The keyed tensors under their Hugging Face names, the ones the family stores fused
+    (Phi-3's `qkv_proj`) concatenated along their rows once all their parts have come."""
+    fused = fused_hf_names(config)
+    group_of = {part: spelled for spelled, parts in fused.items() for part in parts}
+    pending: dict[TensorKey, np.ndarray] = {}
+    for (name, layer), tensor in tensors:
+        if layer is None or name not in group_of:
+            yield hf_name((name, layer), config), tensor
+            continue
+        pending[(name, layer)] = tensor
+        parts = [(part, layer) for part in fused[group_of[name]]]
+        if all(part in pending for part in parts):
+            stacked = np.concatenate([pending.pop(part) for part in parts], axis=0)
+            yield f"model.layers.{layer}.{group_of[name]}", stacked
+
+
+def iter_hf_tensors(
+    params: Params, config: ModelConfig, transform: TensorTransform | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(Hugging Face name, tensor) for every tensor of the model, one at a time (`iter_tensors`
+    under `hf_named`)."""
+    return hf_named(config, iter_tensors(params, config, transform))
 
 
 def _cast(tensor: np.ndarray, dtype: np.dtype | None) -> np.ndarray:

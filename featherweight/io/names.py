@@ -1,5 +1,6 @@
-"""Tensor names: featherweight's keys and their Hugging Face and GGUF spellings, and the check
-that a checkpoint holds exactly the tensors its config implies (run on headers, before any read)."""
+"""Tensor names: featherweight's keys and their Hugging Face and GGUF spellings (Llama's below,
+a family's own from its `Family`), the parts of tensors a family stores fused, and the check that
+a checkpoint holds exactly the tensors its config implies (run on headers, before any read)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 
 from featherweight.errors import MissingTensorError, TensorShapeError, UnexpectedTensorError
 from featherweight.models.config import ModelConfig
+from featherweight.models.families import family_of
 from featherweight.models.shapes import layer_shapes, top_level_shapes
 
 # A tensor key: (name, layer index) for layer tensors, (name, None) for the others.
@@ -53,21 +55,36 @@ GGUF_LAYER = {
 
 # Buffers some checkpoints carry that hold nothing featherweight needs.
 HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# A multimodal checkpoint's other towers (Gemma 3's vision tower and projector).
+HF_OTHER_TOWERS = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+# Where a multimodal checkpoint keeps its language model (transformers 5, then 4).
+_HF_LANGUAGE_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."))
+_HF_LANGUAGE_HEAD = "language_model.lm_head.weight"
 
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def hf_name(key: TensorKey) -> str:
-    """The Hugging Face name of a tensor key."""
+def hf_layer_names(config: ModelConfig) -> dict[str, str]:
+    """The Hugging Face spelling of each layer tensor key of `config`'s family."""
+    return {**HF_LAYER, **family_of(config.model_type).hf_layer_names}
+
+
+def gguf_layer_names(config: ModelConfig) -> dict[str, str]:
+    """The GGUF spelling of each layer tensor key of `config`'s family."""
+    return {**GGUF_LAYER, **family_of(config.model_type).gguf_layer_names}
+
+
+def hf_name(key: TensorKey, config: ModelConfig) -> str:
+    """The Hugging Face name of a tensor key (a fused tensor's part is named by its own key)."""
     name, layer = key
-    return HF_TOP[name] if layer is None else f"model.layers.{layer}.{HF_LAYER[name]}"
+    return HF_TOP[name] if layer is None else f"model.layers.{layer}.{hf_layer_names(config)[name]}"
 
 
-def gguf_name(key: TensorKey) -> str:
+def gguf_name(key: TensorKey, config: ModelConfig) -> str:
     """The GGUF name of a tensor key."""
     name, layer = key
-    return GGUF_TOP[name] if layer is None else f"blk.{layer}.{GGUF_LAYER[name]}"
+    return GGUF_TOP[name] if layer is None else f"blk.{layer}.{gguf_layer_names(config)[name]}"
 
 
 def _parse(
@@ -84,14 +101,54 @@ def _parse(
     return None
 
 
-def parse_hf_name(name: str) -> TensorKey | None:
+def language_model_name(name: str) -> str:
+    """A multimodal checkpoint's language-model tensor name as a causal LM spells it."""
+    for prefix, plain in _HF_LANGUAGE_PREFIXES:
+        if name.startswith(prefix):
+            return plain + name[len(prefix) :]
+    return "lm_head.weight" if name == _HF_LANGUAGE_HEAD else name
+
+
+def parse_hf_name(name: str, config: ModelConfig) -> TensorKey | None:
     """The key of a Hugging Face tensor name, or None if featherweight has no such tensor."""
-    return _parse(name, HF_TOP, HF_LAYER, _HF_LAYER_RE)
+    return _parse(language_model_name(name), HF_TOP, hf_layer_names(config), _HF_LAYER_RE)
 
 
-def parse_gguf_name(name: str) -> TensorKey | None:
+def parse_gguf_name(name: str, config: ModelConfig) -> TensorKey | None:
     """The key of a GGUF tensor name, or None if featherweight has no such tensor."""
-    return _parse(name, GGUF_TOP, GGUF_LAYER, _GGUF_LAYER_RE)
+    return _parse(name, GGUF_TOP, gguf_layer_names(config), _GGUF_LAYER_RE)
+
+
+FusedParts = list[tuple[TensorKey, int, int]]
+
+
+def _fused_parts(name: str, fused: dict, pattern, config: ModelConfig) -> FusedParts | None:
+    """[(key, first row, end row)] of a tensor its family stores fused (Phi-3's `qkv_proj`),
+    or None for any other name."""
+    match = pattern.match(name)
+    if not match or match.group(2) not in fused:
+        return None
+    shapes, layer, parts, row = layer_shapes(config), int(match.group(1)), [], 0
+    for part in fused[match.group(2)]:
+        parts.append(((part, layer), row, row + shapes[part][0]))
+        row += shapes[part][0]
+    return parts
+
+
+def hf_fused_parts(name: str, config: ModelConfig) -> FusedParts | None:
+    """The parts of a fused Hugging Face tensor (`_fused_parts`)."""
+    fused = family_of(config.model_type).hf_fused
+    return _fused_parts(language_model_name(name), fused, _HF_LAYER_RE, config)
+
+
+def gguf_fused_parts(name: str, config: ModelConfig) -> FusedParts | None:
+    """The parts of a fused GGUF tensor (`_fused_parts`)."""
+    return _fused_parts(name, family_of(config.model_type).gguf_fused, _GGUF_LAYER_RE, config)
+
+
+def fused_hf_names(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """The family's fused Hugging Face layer tensors (name within a layer -> our keys)."""
+    return dict(family_of(config.model_type).hf_fused)
 
 
 def expected_shapes(config: ModelConfig) -> dict[TensorKey, tuple[int, ...]]:
@@ -123,19 +180,19 @@ def validate_tensors(
     extra = [key for key in found if key not in expected]
     if extra:
         raise UnexpectedTensorError(
-            f"{source} holds tensor {spell(extra[0])!r} that this config does not expect "
-            f"({len(extra)} such tensor(s)); check num_hidden_layers / attention_bias / "
+            f"{source} holds tensor {spell(extra[0], config)!r} that this config does not expect "
+            f"({len(extra)} such tensor(s)); check num_hidden_layers / attention_bias / model_type / "
             "tie_word_embeddings in the config"
         )
     missing = [key for key in expected if key not in found]
     if missing:
         raise MissingTensorError(
-            f"{source} lacks tensor {spell(missing[0])!r} ({len(missing)} missing in all); "
+            f"{source} lacks tensor {spell(missing[0], config)!r} ({len(missing)} missing in all); "
             "the checkpoint is incomplete or belongs to another config"
         )
     for key, shape in expected.items():
         if tuple(found[key]) != shape:
             raise TensorShapeError(
-                f"{source}: tensor {spell(key)!r} has shape {tuple(found[key])}, expected {shape} "
+                f"{source}: tensor {spell(key, config)!r} has shape {tuple(found[key])}, expected {shape} "
                 "from the config; the checkpoint and config.json do not match"
             )

@@ -17,10 +17,19 @@ import numpy as np
 from featherweight.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    TensorShapeError,
     UnsafeCheckpointError,
     UnsupportedModelError,
 )
-from featherweight.io.names import HF_IGNORED, TensorKey, hf_name, parse_hf_name, validate_tensors
+from featherweight.io.names import (
+    HF_IGNORED,
+    HF_OTHER_TOWERS,
+    TensorKey,
+    hf_fused_parts,
+    hf_name,
+    parse_hf_name,
+    validate_tensors,
+)
 from featherweight.io.tokenizer import Tokenizer, load_hf_tokenizer
 from featherweight.models.config import read_hf_config
 
@@ -156,19 +165,44 @@ class SafetensorsSource:
         unknown: list[str] = []
         for path in safetensors_files(self.path):
             for name, entry in read_safetensors_header(path).items():
-                key = parse_hf_name(name)
-                if key is None:
-                    if HF_IGNORED.match(name):
+                for key, part in self._parts(name, entry):
+                    if key is None:
+                        if not (HF_IGNORED.match(name) or HF_OTHER_TOWERS.match(name)):
+                            unknown.append(name)
                         continue
-                    unknown.append(name)
-                    continue
-                if key == ("lm_head", None) and self.config.tie_word_embeddings:
-                    continue  # a tied model may also save the (shared) head; the embedding rules
-                _check_float(path, name, entry)
-                self._where[key] = (path, entry)
-                shapes[key] = entry.shape
+                    if key == ("lm_head", None) and self.config.tie_word_embeddings:
+                        continue  # a tied model may also save the (shared) head: the embedding
+                    _check_float(path, name, entry)
+                    self._where[key] = (path, part)
+                    shapes[key] = part.shape
         validate_tensors(self.config, shapes, unknown, str(self.path), spell=hf_name)
         self.shapes = shapes
+
+    def _parts(self, name: str, entry: TensorEntry) -> list[tuple[TensorKey | None, TensorEntry]]:
+        """The keys a stored tensor holds: itself, or the row ranges of a fused one (Phi-3's
+        `qkv_proj`: rows are contiguous, so each part is a byte range of the tensor)."""
+        parts = hf_fused_parts(name, self.config)
+        if parts is None:
+            return [(parse_hf_name(name, self.config), entry)]
+        rows = parts[-1][2]
+        if len(entry.shape) != 2 or entry.shape[0] != rows:
+            raise TensorShapeError(
+                f"{self.path}: tensor {name!r} has shape {entry.shape}, expected ({rows}, ...) "
+                "from the config; the checkpoint and config.json do not match"
+            )
+        row_bytes = entry.shape[1] * entry.dtype.itemsize
+        return [
+            (
+                key,
+                TensorEntry(
+                    entry.dtype,
+                    (stop - first, entry.shape[1]),
+                    entry.start + first * row_bytes,
+                    entry.start + stop * row_bytes,
+                ),
+            )
+            for key, first, stop in parts
+        ]
 
     def keys(self) -> list[TensorKey]:
         return list(self._where)
@@ -192,11 +226,11 @@ class SafetensorsSource:
                 count = handle.readinto(target.reshape(-1).view(np.uint8))
         except OSError as error:
             raise CorruptCheckpointError(
-                f"{path}: tensor {hf_name(key)!r} cannot be read ({error}); download it again"
+                f"{path}: tensor {hf_name(key, self.config)!r} cannot be read ({error}); download it again"
             ) from None
         if count != entry.stop - entry.start:
             raise CorruptCheckpointError(
-                f"{path}: tensor {hf_name(key)!r} is cut short ({count} of "
+                f"{path}: tensor {hf_name(key, self.config)!r} is cut short ({count} of "
                 f"{entry.stop - entry.start} bytes); the file was truncated -- download it again"
             )
         if not direct:

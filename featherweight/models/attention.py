@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,22 @@ BLOCK = 512
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
 
 
+class ScoreForm(NamedTuple):
+    """How a family forms its attention scores (static): the scale on q.k (None: head_dim^-1/2),
+    a tanh softcap (Gemma 2), and the sliding window (a query sees itself and the window - 1
+    positions before it; None: every earlier position)."""
+
+    scale: float | None = None
+    softcap: float | None = None
+    window: int | None = None
+
+    def scale_for(self, head_dim: int) -> float:
+        return 1.0 / math.sqrt(head_dim) if self.scale is None else self.scale
+
+
+PLAIN = ScoreForm()
+
+
 def block_size(seq_len: int, block: int = BLOCK) -> int:
     """The tile edge used for `seq_len` positions: `block`, or the whole sequence when shorter."""
     return max(1, min(block, seq_len))
@@ -85,11 +102,14 @@ def blockwise_attention(
     v: jax.Array,
     segment_ids: jax.Array | None = None,
     block: int = BLOCK,
+    form: ScoreForm = PLAIN,
 ) -> jax.Array:
     """Causal (and segment-masked) grouped-query attention, tile by tile: -> [B, S, H, h].
 
     Equal to `jax.nn.dot_product_attention(q, k, v, is_causal=True)` (with the segment mask when
-    `segment_ids` are given), with float32 softmax statistics for 16-bit inputs.
+    `segment_ids` are given), with float32 softmax statistics for 16-bit inputs; scores formed as
+    `form` says. With a window, each query block visits only the key blocks the window reaches:
+    O(S x window) work, not O(S^2).
     """
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -97,12 +117,12 @@ def blockwise_attention(
     padded = math.ceil(seq / tile) * tile
     q5 = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # [B, S, K, G, h]
     if tile == seq:  # a lone tile: no loop, its products head-major
-        return _lone_tile(q5, k, v, segment_ids).reshape(batch, seq, heads, head_dim)
+        return _lone_tile(q5, k, v, segment_ids, form).reshape(batch, seq, heads, head_dim)
     if padded != seq:
         q5, k, v = (_pad_positions(x, padded) for x in (q5, k, v))
         if segment_ids is not None:
             segment_ids = _pad_positions(segment_ids, padded)
-    out = _attention(q5, k, v, segment_ids, tile)
+    out = _attention(q5, k, v, segment_ids, tile, form)
     return out[:, :seq].reshape(batch, seq, heads, head_dim)
 
 
@@ -117,11 +137,16 @@ def _slice(x: jax.Array, index, tile: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, index * tile, tile, axis=1)
 
 
-def _tile_mask(q_index, k_index, tile: int, segments: jax.Array | None) -> jax.Array:
+def _tile_mask(
+    q_index, k_index, tile: int, segments: jax.Array | None, window: int | None = None
+) -> jax.Array:
     """Which (query, key) pairs of a tile are visible: [B or 1, 1, 1, tile, tile] bool."""
     q_pos = q_index * tile + jnp.arange(tile)
     k_pos = k_index * tile + jnp.arange(tile)
-    visible = (q_pos[:, None] >= k_pos[None, :])[None]  # [1, tq, tk]
+    visible = q_pos[:, None] >= k_pos[None, :]
+    if window is not None:
+        visible = visible & (q_pos[:, None] - k_pos[None, :] < window)
+    visible = visible[None]  # [1, tq, tk]
     if segments is not None:
         same = (
             _slice(segments, q_index, tile)[:, :, None] == _slice(segments, k_index, tile)[:, None]
@@ -130,20 +155,40 @@ def _tile_mask(q_index, k_index, tile: int, segments: jax.Array | None) -> jax.A
     return visible[:, None, None]
 
 
-def _scores(q_tile: jax.Array, k_tile: jax.Array, scale: float) -> jax.Array:
-    """float32 scores [B, K, G, tq, tk] of q [B, tq, K, G, h] against k [B, tk, K, h]."""
+def _capped(s: jax.Array, form: ScoreForm) -> jax.Array:
+    """Scaled scores, softcapped (cap x tanh(s / cap)) when the form caps them."""
+    return s if form.softcap is None else form.softcap * jnp.tanh(s / form.softcap)
+
+
+def _slope(capped: jax.Array, form: ScoreForm) -> jax.Array | float:
+    """d capped / d scaled score: 1 - tanh^2 under a softcap, else 1."""
+    return 1.0 if form.softcap is None else 1.0 - jnp.square(capped / form.softcap)
+
+
+def _scores(q_tile: jax.Array, k_tile: jax.Array, form: ScoreForm) -> jax.Array:
+    """float32 scores [B, K, G, tq, tk] of q [B, tq, K, G, h] against k [B, tk, K, h], scaled
+    and capped as `form` says."""
     s = jnp.einsum("bqkgd,bskd->bkgqs", q_tile, k_tile, preferred_element_type=jnp.float32)
-    return s * scale
+    return _capped(s * form.scale_for(q_tile.shape[-1]), form)
 
 
-def _causal_sweep(i, visit, carry):
-    """`visit(j, carry)` over the key blocks 0..i of query block `i` (causal attention never
-    visits the blocks above the diagonal). One loop body, every tile masked: a diagonal tile
-    visited apart from an unmasked loop below it compiled to two bodies whose buffers XLA:CPU
-    does not share (1.5x the tiles' bytes)."""
+def _first_key_block(i, tile: int, window: int | None):
+    """The first key block a query block `i` can see: 0, or the block holding the first key the
+    window reaches from the block's first query."""
+    if window is None:
+        return 0
+    return jnp.maximum(0, (i * tile - window + 1) // tile)
+
+
+def _causal_sweep(i, visit, carry, tile: int, window: int | None = None):
+    """`visit(j, carry)` over the key blocks of query block `i` that it can see: at most i
+    (causal attention never visits the blocks above the diagonal), from the first the window
+    reaches. One loop body, every tile masked: a diagonal tile visited apart from an unmasked
+    loop below it compiled to two bodies whose buffers XLA:CPU does not share (1.5x the tiles'
+    bytes)."""
     if isinstance(i, int) and i == 0:  # a lone tile (S <= block): no loop at all
         return visit(0, carry)
-    return jax.lax.fori_loop(0, i + 1, visit, carry)
+    return jax.lax.fori_loop(_first_key_block(i, tile, window), i + 1, visit, carry)
 
 
 def _over_blocks(count: int, body, init):
@@ -151,10 +196,9 @@ def _over_blocks(count: int, body, init):
     return body(0, init) if count == 1 else jax.lax.fori_loop(0, count, body, init)
 
 
-def _forward(q, k, v, segments, tile):
+def _forward(q, k, v, segments, tile, form):
     """(out [B, Sp, K, G, h] in q's dtype, log-sum-exp [B, K, G, Sp] float32)."""
     batch, padded, kv_heads, groups, head_dim = q.shape
-    scale = 1.0 / math.sqrt(head_dim)
     stats_shape = (batch, kv_heads, groups, tile)
 
     def query_block(i):
@@ -162,8 +206,8 @@ def _forward(q, k, v, segments, tile):
 
         def key_block(j, carry):
             row_max, row_sum, acc = carry
-            visible = _tile_mask(i, j, tile, segments)
-            s = jnp.where(visible, _scores(q_tile, _slice(k, j, tile), scale), _MASKED)
+            visible = _tile_mask(i, j, tile, segments, form.window)
+            s = jnp.where(visible, _scores(q_tile, _slice(k, j, tile), form), _MASKED)
             new_max = jnp.maximum(row_max, s.max(axis=-1))
             correction = jnp.exp(row_max - new_max)
             # a masked score's probability is exp(_MASKED - a real max) = 0 exactly. A row with
@@ -185,7 +229,7 @@ def _forward(q, k, v, segments, tile):
             jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros((*stats_shape, head_dim), jnp.float32),
         )
-        row_max, row_sum, acc = _causal_sweep(i, key_block, init)
+        row_max, row_sum, acc = _causal_sweep(i, key_block, init, tile, form.window)
         out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
         return jnp.moveaxis(out, 3, 1).astype(q.dtype), row_max + jnp.log(row_sum)
 
@@ -202,24 +246,24 @@ def _forward(q, k, v, segments, tile):
     return _over_blocks(padded // tile, write, empty)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, segments, tile):
-    return _forward(q, k, v, segments, tile)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, segments, tile, form):
+    return _forward(q, k, v, segments, tile, form)[0]
 
 
-def _attention_fwd(q, k, v, segments, tile):
-    out, lse = _forward(q, k, v, segments, tile)
+def _attention_fwd(q, k, v, segments, tile, form):
+    out, lse = _forward(q, k, v, segments, tile, form)
     return out, (q, k, v, segments, out, lse)
 
 
-def _attention_bwd(tile, residuals, d_out):
+def _attention_bwd(tile, form, residuals, d_out):
     """One pass over the tiles at or below the diagonal, query block by query block: each tile's
     probabilities are recomputed once and give its share of dQ (summed in the block's float32
     carry, written once) and of dK and dV (summed in place into float32 buffers the size of k
     and v: in float32 they are the outputs themselves)."""
     q, k, v, segments, out, lse = residuals
     batch, padded, head_dim = q.shape[0], q.shape[1], q.shape[-1]
-    scale = 1.0 / math.sqrt(head_dim)
+    scale = form.scale_for(head_dim)
     # D_i = rowsum(dO_i * O_i): the softmax backward's per-row term, [B, K, G, Sp]
     delta = jnp.einsum("bqkgd,bqkgd->bkgq", d_out, out, preferred_element_type=jnp.float32)
 
@@ -232,14 +276,14 @@ def _attention_bwd(tile, residuals, d_out):
         def key_block(j, carry):
             d_q, d_k_all, d_v_all = carry
             k_tile, v_tile = _slice(k, j, tile), _slice(v, j, tile)
-            visible = _tile_mask(i, j, tile, segments)
+            visible = _tile_mask(i, j, tile, segments, form.window)
             # a masked score is _MASKED: its probability exp(_MASKED - lse) is exactly 0
-            s = jnp.where(visible, _scores(q_tile, k_tile, scale), _MASKED)
-            p = jnp.exp(s - lse_tile)
+            capped = _scores(q_tile, k_tile, form)
+            p = jnp.exp(jnp.where(visible, capped, _MASKED) - lse_tile)
             d_p = jnp.einsum(
                 "bqkgd,bskd->bkgqs", do_tile, v_tile, preferred_element_type=jnp.float32
             )
-            d_s = (p * (d_p - delta_tile) * scale).astype(q.dtype)
+            d_s = (p * (d_p - delta_tile) * _slope(capped, form) * scale).astype(q.dtype)
             d_q = d_q + jnp.einsum(
                 "bkgqs,bskd->bqkgd", d_s, k_tile, preferred_element_type=jnp.float32
             )
@@ -250,7 +294,9 @@ def _attention_bwd(tile, residuals, d_out):
             return d_q, _add_block(d_k_all, d_k, j, tile), _add_block(d_v_all, d_v, j, tile)
 
         zeros = jnp.zeros((batch, tile, *q.shape[2:]), jnp.float32)
-        d_q, d_k_all, d_v_all = _causal_sweep(i, key_block, (zeros, d_k_all, d_v_all))
+        d_q, d_k_all, d_v_all = _causal_sweep(
+            i, key_block, (zeros, d_k_all, d_v_all), tile, form.window
+        )
         d_q_all = jax.lax.dynamic_update_slice_in_dim(
             d_q_all, d_q.astype(q.dtype), i * tile, axis=1
         )
@@ -276,18 +322,20 @@ def _head_major(q, k, v):
     return q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
-def _head_major_scores(q, k, segments) -> jax.Array:
-    """Masked float32 scores [B, K, G, S, S] of head-major q [B, K, G, S, h], k [B, K, S, h]."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
+def _head_major_scores(q, k, segments, form: ScoreForm) -> tuple[jax.Array, jax.Array]:
+    """(masked float32 scores [B, K, G, S, S], the same unmasked) of head-major
+    q [B, K, G, S, h], k [B, K, S, h], scaled and capped as `form` says."""
+    scale = form.scale_for(q.shape[-1])
     s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
-    return jnp.where(_tile_mask(0, 0, q.shape[3], segments), s, _MASKED)
+    capped = _capped(s, form)
+    return jnp.where(_tile_mask(0, 0, q.shape[3], segments, form.window), capped, _MASKED), capped
 
 
-def _lone_tile_forward(q, k, v, segments):
+def _lone_tile_forward(q, k, v, segments, form):
     """(out [B, S, K, G, h] in q's dtype, the rows' log-sum-exp [B, K, G, S, 1] float32) of a
     sequence that is one tile."""
     q, k, v = _head_major(q, k, v)
-    s = _head_major_scores(q, k, segments)
+    s, _ = _head_major_scores(q, k, segments, form)
     row_max = s.max(axis=-1, keepdims=True)
     p = jnp.exp(s - row_max)  # unnormalized: the output is divided instead, [S, h] not [S, S]
     row_sum = p.sum(axis=-1, keepdims=True)
@@ -296,30 +344,31 @@ def _lone_tile_forward(q, k, v, segments):
     return out, row_max + jnp.log(row_sum)
 
 
-@jax.custom_vjp
-def _lone_tile(q, k, v, segments):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _lone_tile(q, k, v, segments, form):
     """Attention over a sequence that is one tile: the products taken head-major (batched over
     B and K), so that none transposes the S x S tile; the arrays in and out, and those kept for
     the backward pass, in the loops' layout (the copies are transient)."""
-    return _lone_tile_forward(q, k, v, segments)[0]
+    return _lone_tile_forward(q, k, v, segments, form)[0]
 
 
-def _lone_tile_fwd(q, k, v, segments):
-    out, lse = _lone_tile_forward(q, k, v, segments)
+def _lone_tile_fwd(q, k, v, segments, form):
+    out, lse = _lone_tile_forward(q, k, v, segments, form)
     return out, (q, k, v, segments, out, lse)
 
 
-def _lone_tile_bwd(residuals, d_out):
+def _lone_tile_bwd(form, residuals, d_out):
     """The tile's backward: its probabilities made once again from the kept log-sum-exp."""
     q_in, k_in, v_in, segments, out, lse = residuals
     q, k, v = _head_major(q_in, k_in, v_in)
     d_out, out = (x.transpose(0, 2, 3, 1, 4) for x in (d_out, out))
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = form.scale_for(q.shape[-1])
     f32 = jnp.float32
-    p = jnp.exp(_head_major_scores(q, k, segments) - lse)
+    masked, capped = _head_major_scores(q, k, segments, form)
+    p = jnp.exp(masked - lse)
     delta = jnp.einsum("bkgqd,bkgqd->bkgq", d_out, out, preferred_element_type=f32)[..., None]
     d_p = jnp.einsum("bkgqd,bksd->bkgqs", d_out, v, preferred_element_type=f32)
-    d_s = (p * (d_p - delta) * scale).astype(q.dtype)
+    d_s = (p * (d_p - delta) * _slope(capped, form) * scale).astype(q.dtype)
     d_q = jnp.einsum("bkgqs,bksd->bkgqd", d_s, k, preferred_element_type=f32)
     d_k = jnp.einsum("bkgqs,bkgqd->bksd", d_s, q, preferred_element_type=f32)
     d_v = jnp.einsum("bkgqs,bkgqd->bksd", p.astype(v.dtype), d_out, preferred_element_type=f32)
@@ -337,13 +386,37 @@ _lone_tile.defvjp(_lone_tile_fwd, _lone_tile_bwd)
 # --- the implementations behind one call -----------------------------------------------------
 
 
-def attention_mask(segment_ids: jax.Array | None, query_len: int, key_len: int) -> jax.Array:
-    """Boolean [B or 1, 1, T, S]: causal, and within one segment when segments are given."""
-    causal = jnp.tril(jnp.ones((query_len, key_len), dtype=bool), key_len - query_len)
+def attention_mask(
+    segment_ids: jax.Array | None, query_len: int, key_len: int, window: int | None = None
+) -> jax.Array:
+    """Boolean [B or 1, 1, T, S]: causal (within the window when given), and within one segment
+    when segments are given."""
+    q_pos = jnp.arange(query_len)[:, None] + (key_len - query_len)
+    k_pos = jnp.arange(key_len)[None, :]
+    causal = k_pos <= q_pos
+    if window is not None:
+        causal = causal & (q_pos - k_pos < window)
     if segment_ids is None:
         return causal[None, None]
     same_segment = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
     return causal[None, None] & same_segment
+
+
+def materialized_attention(q, k, v, mask: jax.Array, form: ScoreForm = PLAIN) -> jax.Array:
+    """XLA's path: the float32 B x H x T x S scores, scaled, capped and masked by `mask`
+    [B or 1, 1, T, S] -> [B, T, H, h] (the reference the tiled and fused paths are tested
+    against; also a cached decode step's attention over its cache)."""
+    if form.softcap is None:
+        scale = form.scale_for(q.shape[-1])
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
+    groups = q.shape[2] // k.shape[2]
+    q5 = q.reshape(*q.shape[:2], k.shape[2], groups, q.shape[-1])  # [B, T, K, G, h]
+    scores = jnp.einsum("btkgd,bskd->bkgts", q5, k, preferred_element_type=jnp.float32)
+    scores = _capped(scores * form.scale_for(q.shape[-1]), form)
+    scores = jnp.where(mask[:, :, None], scores, _MASKED)  # [B, K, G, T, S]
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype).reshape(q.shape)
 
 
 def attend(
@@ -353,30 +426,38 @@ def attend(
     segment_ids: jax.Array | None,
     implementation: str,
     packed_slots: int = DEFAULT_PACKED_SLOTS,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """Causal (and segment-masked) grouped-query self-attention: q [B, S, H, h], k, v [B, S, K, h]
     -> [B, S, H, h], by `implementation` (one of `IMPLEMENTATIONS`; "cudnn" gives cuDNN packed
     rows of at most `packed_slots` documents, "cudnn_padded" rows of one document each:
-    `models/fused_attention.py`)."""
+    `models/fused_attention.py`), the scores scaled by `scale` (None: head_dim^-1/2), capped by
+    `softcap` and kept within `window` positions when given. cuDNN and Pallas take no softcap
+    and Pallas no window: `attention_choice` never picks them for such a model."""
+    form = ScoreForm(scale, softcap, window)
     if implementation == "blockwise":
-        return blockwise_attention(q, k, v, segment_ids)
+        return blockwise_attention(q, k, v, segment_ids, form=form)
     if implementation == "materialized":
-        if segment_ids is None:
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-        mask = attention_mask(segment_ids, q.shape[1], k.shape[1])
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+        mask = attention_mask(segment_ids, q.shape[1], k.shape[1], window)
+        return materialized_attention(q, k, v, mask, form)
+    fused_form = dict(scale=form.scale_for(q.shape[-1]), window=window)
     if segment_ids is None and implementation in ("cudnn", "cudnn_padded"):
-        return cudnn_attention(q, k, v, None, "plain")
+        return cudnn_attention(q, k, v, None, "plain", **fused_form)
     if implementation == "cudnn_padded":
-        return cudnn_attention(q, k, v, segment_ids, "padded")
+        return cudnn_attention(q, k, v, segment_ids, "padded", **fused_form)
     if implementation == "cudnn":  # more documents in a row than cuDNN's slots: blockwise
 
         def packed(q, k, v, segment_ids):
-            return cudnn_attention(q, k, v, segment_ids, "packed", packed_slots)
+            return cudnn_attention(q, k, v, segment_ids, "packed", packed_slots, **fused_form)
 
-        return packed_or_fallback(q, k, v, segment_ids, packed, blockwise_attention, packed_slots)
+        def fallback(q, k, v, segment_ids):
+            return blockwise_attention(q, k, v, segment_ids, form=form)
+
+        return packed_or_fallback(q, k, v, segment_ids, packed, fallback, packed_slots)
     if implementation == "pallas":
-        return pallas_attention(q, k, v, segment_ids)
+        return pallas_attention(q, k, v, segment_ids, scale=fused_form["scale"])
     raise StepConfigError(
         f"attention implementation {implementation!r} is unknown; use one of {IMPLEMENTATIONS}"
     )

@@ -1,4 +1,5 @@
-"""The model config: the numbers that fix every shape of a Llama-family model.
+"""The model config: the numbers that fix every shape of a decoder-only model, and the few ways
+its family's layer differs from Llama's (`models/families/`).
 
 Built from a Hugging Face `config.json` (a dict), from GGUF metadata, or from the built-in table of
 popular models. Frozen and hashable, so it can be a static argument of `jax.jit`.
@@ -30,13 +31,9 @@ from featherweight.errors import (
     check_input_file,
     read_input_text,
 )
+from featherweight.models.families import family_of
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 _REQUIRED_HF_FIELDS = (
     "vocab_size",
@@ -116,19 +113,63 @@ def _check_field_types(hf: dict[str, Any], source: str) -> None:
         )
 
 
+ROPE_TYPES = ("llama3", "linear", "longrope")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3's `llama3` rope scaling (wavelength-dependent interpolation of the frequencies)."""
+    """A RoPE scaling of the frequencies: Llama 3's `llama3` (wavelength-dependent interpolation),
+    `linear` (every frequency divided by `factor`: Gemma 3's global layers) or `longrope`
+    (Phi-3.5: per-frequency divisors, `short_factor` up to the original context and
+    `long_factor` beyond it, and cos/sin scaled by `attention_factor`)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json `rope_scaling` that transformers reads back into this scaling."""
+        if self.rope_type == "linear":
+            return {"rope_type": "linear", "factor": self.factor}
+        if self.rope_type == "longrope":
+            return {
+                "rope_type": "longrope",
+                "short_factor": list(self.short_factor),
+                "long_factor": list(self.long_factor),
+                "original_max_position_embeddings": self.original_max_position_embeddings,
+                "attention_factor": self.attention_factor,
+            }
+        return {
+            "rope_type": "llama3",
+            "factor": self.factor,
+            "low_freq_factor": self.low_freq_factor,
+            "high_freq_factor": self.high_freq_factor,
+            "original_max_position_embeddings": self.original_max_position_embeddings,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and constants of a decoder-only Llama-family transformer."""
+    """Shapes and constants of a decoder-only transformer, and how its family's layer differs
+    from Llama's (the defaults are Llama's):
+
+    norm_offset: RMSNorm weights applied as (offset + w), in float32 (Gemma: 1).
+    qk_norm: an RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3).
+    sandwich_norms: norms after attention and after the MLP too, before each residual add (Gemma).
+    query_scale: the attention scores' scale (None: head_dim^-1/2).
+    attn_softcap, final_softcap: cap * tanh(x / cap) on the attention scores, on the logits.
+    sliding_window, sliding_layers: the window (a query sees itself and the window - 1 positions
+      before it) and which layers use it; no window when `sliding_window` is None.
+    local_rope_theta: the RoPE base of the sliding layers, unscaled (Gemma 3); None: as the rest.
+    partial_rotary_factor: the fraction of each head RoPE rotates (Phi-4-mini: 0.75).
+    embed_scale: embeddings multiplied by sqrt(hidden_size) (Gemma).
+    activation: the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU).
+    """
 
     model_type: str
     vocab_size: int
@@ -146,6 +187,18 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    norm_offset: float = 0.0
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    query_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
+    local_rope_theta: float | None = None
+    partial_rotary_factor: float = 1.0
+    embed_scale: bool = False
+    activation: str = "silu"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -160,6 +213,21 @@ class ModelConfig:
             )
         if self.head_dim <= 0 or self.head_dim % 2:
             raise ModelConfigError(f"head_dim={self.head_dim} must be positive and even for RoPE")
+        if self.rotary_dim <= 0 or self.rotary_dim % 2:
+            raise ModelConfigError(
+                f"partial_rotary_factor={self.partial_rotary_factor} leaves {self.rotary_dim} of "
+                f"head_dim={self.head_dim} rotated; RoPE needs a positive even number"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"hidden activation {self.activation!r} is not supported; supported: "
+                f"{', '.join(ACTIVATIONS)}"
+            )
+        if self.sliding_window is not None and len(self.sliding_layers) != self.num_layers:
+            raise ModelConfigError(
+                f"sliding_layers lists {len(self.sliding_layers)} layers, the model has "
+                f"{self.num_layers}"
+            )
 
     @property
     def q_size(self) -> int:
@@ -171,11 +239,34 @@ class ModelConfig:
         """Output width of each of the key and value projections."""
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each head that RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def windows(self) -> str:
+        """Which layers attend within the window: "none", "all" or "some" (a pattern)."""
+        if self.sliding_window is None or not any(self.sliding_layers):
+            return "none"
+        return "all" if all(self.sliding_layers) else "some"
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on the attention scores: `query_scale`, or head_dim^-1/2."""
+        return self.head_dim**-0.5 if self.query_scale is None else self.query_scale
+
+    def layer_types(self) -> list[str]:
+        """transformers' `layer_types`: each layer's attention, sliding or full."""
+        sliding = self.sliding_layers or (False,) * self.num_layers
+        return ["sliding_attention" if slide else "full_attention" for slide in sliding]
+
     def to_hf_dict(self) -> dict[str, Any]:
         """The `config.json` that transformers reads back into an equal model."""
+        family = family_of(self.model_type)
         config: dict[str, Any] = {
-            "architectures": [ARCHITECTURES[self.model_type]],
-            "model_type": self.model_type,
+            "architectures": [family.architecture],
+            "model_type": family.model_types[0],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -183,7 +274,7 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.activation,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings,
@@ -191,83 +282,100 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
         }
-        if self.model_type == "llama":
-            config["attention_bias"] = self.attention_bias
-            config["mlp_bias"] = False
-        if self.model_type == "mistral":
-            config["sliding_window"] = None
-        if self.model_type == "qwen2":
-            config["use_sliding_window"] = False
         if self.rope_scaling is not None:
-            config["rope_scaling"] = {
-                "rope_type": "llama3",
-                "factor": self.rope_scaling.factor,
-                "low_freq_factor": self.rope_scaling.low_freq_factor,
-                "high_freq_factor": self.rope_scaling.high_freq_factor,
-                "original_max_position_embeddings": self.rope_scaling.original_max_position_embeddings,
-            }
-        return config
+            config["rope_scaling"] = self.rope_scaling.to_hf_dict()
+        return {**config, **family.hf_extras(self)}
 
 
-def _rope_settings(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
-    """`rope_theta` and llama3 scaling from either transformers 4 or 5 config spellings."""
+def _rope_fields(hf: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the global layers' rope parameters, the sliding layers') from either transformers 4
+    (`rope_theta` + `rope_scaling`) or 5 (`rope_parameters`, per layer type for Gemma 3)."""
     parameters = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or parameters or None
-    theta = hf.get("rope_theta", parameters.get("rope_theta", 10000.0))
-    if not scaling:
-        return float(theta), None
-    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if "full_attention" in parameters or "sliding_attention" in parameters:
+        full = dict(parameters.get("full_attention") or {})
+        local = dict(parameters.get("sliding_attention") or {})
+        return full, local
+    merged = {**parameters, **(hf.get("rope_scaling") or {})}
+    if "rope_theta" in hf:
+        merged.setdefault("rope_theta", hf["rope_theta"])
+    return merged, {}
+
+
+def _rope_settings(
+    hf: dict[str, Any], source: str
+) -> tuple[float, RopeScaling | None, float | None]:
+    """(`rope_theta`, its scaling, the sliding layers' own base or None) from config.json."""
+    rope, local = _rope_fields(hf)
+    theta = float(rope.get("rope_theta", 10000.0))
+    local_theta = local.get("rope_theta", hf.get("rope_local_base_freq"))
+    local_theta = None if local_theta is None else float(local_theta)
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type == "default":
-        return float(theta), None
-    if rope_type != "llama3":
+        return theta, None, local_theta
+    if rope_type not in ROPE_TYPES:
         raise UnsupportedModelError(
             f"{source}: rope scaling type {rope_type!r} is not supported; "
-            "supported: 'llama3' or none"
+            f"supported: {', '.join(ROPE_TYPES)} or none"
         )
     try:
-        return float(theta), RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        )
+        if rope_type == "linear":
+            scaling = RopeScaling(factor=float(rope["factor"]), rope_type="linear")
+        elif rope_type == "longrope":
+            scaling = _longrope(hf, rope)
+        else:
+            scaling = RopeScaling(
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            )
     except KeyError as missing:
         raise ModelConfigError(
-            f"{source}: llama3 rope scaling lacks the field {missing}; copy it from the "
+            f"{source}: {rope_type} rope scaling lacks the field {missing}; copy it from the "
             "original config.json"
         ) from None
+    return theta, scaling, local_theta
 
 
-def _refuse_sliding_window(hf: dict[str, Any], model_type: str, source: str) -> None:
-    """Sliding-window attention is not implemented: refuse configs whose attention needs it."""
-    window = hf.get("sliding_window")
-    if model_type == "qwen2":
-        needs = bool(hf.get("use_sliding_window", False)) and window is not None
-    else:
-        needs = window is not None and window < hf.get("max_position_embeddings", math.inf)
-    if needs:
-        raise UnsupportedModelError(
-            f"{source}: this {model_type} config uses sliding-window attention "
-            f"(sliding_window={window}), "
-            "which featherweight does not implement; use a checkpoint without it "
-            "(e.g. Mistral-7B-v0.3, whose sliding_window is null)"
-        )
+def _longrope(hf: dict[str, Any], rope: dict[str, Any]) -> RopeScaling:
+    """Phi-3.5's LongRoPE, with transformers' defaults for the factor and the attention factor."""
+    original = int(
+        rope.get("original_max_position_embeddings") or hf["original_max_position_embeddings"]
+    )
+    factor = float(rope.get("factor") or hf.get("max_position_embeddings", original) / original)
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(
+        factor=factor,
+        original_max_position_embeddings=original,
+        rope_type="longrope",
+        short_factor=tuple(float(x) for x in rope["short_factor"]),
+        long_factor=tuple(float(x) for x in rope["long_factor"]),
+        attention_factor=float(attention),
+    )
+
+
+def _text_part(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's language model config (Gemma 3's `text_config`), else `hf`."""
+    text = hf.get("text_config")
+    if hf.get("model_type") == "gemma3" and isinstance(text, dict):
+        return {"model_type": "gemma3_text", **text}
+    return hf
 
 
 def config_from_hf_dict(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """Validate a Hugging Face config dict and turn it into a `ModelConfig`."""
     model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"{source}: model_type {model_type!r} is not supported; "
-            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    architectures = hf.get("architectures") or [ARCHITECTURES[model_type]]
-    if not set(architectures) & set(ARCHITECTURES.values()):
+    family = family_of(model_type, source)
+    architectures = hf.get("architectures") or [family.architecture]
+    known = {family.architecture, "Gemma3ForConditionalGeneration"}
+    if not set(architectures) & known:
         raise UnsupportedModelError(
             f"{source}: architectures {architectures} are not supported (featherweight runs "
-            f"causal language models); supported: {', '.join(ARCHITECTURES.values())}"
+            f"causal language models); supported for {model_type}: {family.architecture}"
         )
+    hf = {**family.defaults, **_text_part(hf)}
     missing = [field for field in _REQUIRED_HF_FIELDS if field not in hf]
     if missing:
         raise ModelConfigError(
@@ -275,20 +383,19 @@ def config_from_hf_dict(hf: dict[str, Any], source: str = "config.json") -> Mode
             "copy the model's original config.json"
         )
     _check_field_types(hf, source)
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
     if hf.get("mlp_bias"):
         raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported")
-    _refuse_sliding_window(hf, model_type, source)
-    theta, scaling = _rope_settings(hf, source)
+    theta, scaling, local_theta = _rope_settings(hf, source)
     num_heads = int(hf["num_attention_heads"])
     head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // num_heads
     eos = hf.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
+    options = {"activation": hf.get("hidden_act", "silu"), **family.layer_options(hf, source)}
+    if local_theta is not None and "local_rope_theta" in options:
+        options["local_rope_theta"] = local_theta
     return ModelConfig(
-        model_type=model_type,
+        model_type=family.model_types[0],
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]),
@@ -301,9 +408,9 @@ def config_from_hf_dict(hf: dict[str, Any], source: str = "config.json") -> Mode
         rope_scaling=scaling,
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=eos,
+        **options,
     )
 
 

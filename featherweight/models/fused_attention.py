@@ -140,13 +140,21 @@ def cudnn_attention(
     segment_ids: jax.Array | None,
     rows: Rows,
     slots: int = DEFAULT_PACKED_SLOTS,
+    scale: float | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention by cuDNN's fused kernel, masked exactly as `segment_ids`
     say for `rows`: "plain" (no segment ids), "padded" (one document per row, then padding) or
     "packed" (several documents per row, at most `slots`: `packed_or_fallback`; Hopper and
-    later, jax's private API) -> [B, S, H, h]."""
+    later, jax's private API) -> [B, S, H, h]. `scale`: the scores' factor (None:
+    head_dim^-1/2); `window`: a sliding window (cuDNN's `local_window_size`; not in the packed
+    layout, which `attention_choice` never picks for a windowed model)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    local = None if window is None else (window - 1, 0)
     if rows == "plain" or segment_ids is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, local_window_size=local, implementation="cudnn"
+        )
     real = segment_ids != 0
     q, k, v = (_zero_padding(x, real) for x in (q, k, v))
     if rows == "padded":
@@ -158,6 +166,8 @@ def cudnn_attention(
             is_causal=True,
             query_seq_lengths=lengths,
             key_value_seq_lengths=lengths,
+            scale=scale,
+            local_window_size=local,
             implementation="cudnn",
         )
         return _zero_padding(out, real)
@@ -174,7 +184,7 @@ def cudnn_attention(
         kv_seqlen=layout.seqlen,
         q_offsets=layout.offsets,
         kv_offsets=layout.offsets,
-        scale=1.0 / math.sqrt(q.shape[-1]),
+        scale=scale,
         mask_type=module.MaskType.PADDING_CAUSAL,
     )
     return _zero_padding(out, real)
@@ -208,6 +218,7 @@ def pallas_attention(
     v: jax.Array,
     segment_ids: jax.Array | None,
     interpret: bool = False,
+    scale: float | None = None,
 ) -> jax.Array:
     """Causal (and segment-masked) grouped-query attention by jax's Pallas Triton flash kernel:
     K/V heads repeated to the query heads, positions padded to a multiple of the tile (a padded
@@ -240,7 +251,7 @@ def pallas_attention(
         k,
         v,
         None if segment_ids is None else segment_ids.astype(jnp.int32),
-        sm_scale=1.0 / math.sqrt(head_dim),
+        sm_scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
         causal=True,
         block_sizes=blocks,
         interpret=interpret,

@@ -1,4 +1,7 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) as pure functions over parameter pytrees.
+"""The decoder of every family (Llama 2/3, Mistral, Qwen2/3, Gemma 2/3, Phi-3/4, SmolLM2) as pure
+functions over parameter pytrees, written once: the forward pass, the streamed step's staged
+backward (`step/layer_grad.py`) and cached generation (`inference/generate.py`) all call the
+stages below, which read the family's differences from the `ModelConfig`.
 
 Parameters (shapes for L layers, hidden D, vocab V, heads H, kv heads K, head dim h, MLP width F):
 
@@ -6,14 +9,20 @@ Parameters (shapes for L layers, hidden D, vocab V, heads H, kv heads K, head di
      "layers": {"attn_norm": [L, D], "q": [L, H*h, D], "k": [L, K*h, D], "v": [L, K*h, D],
                 "o": [L, D, H*h], "mlp_norm": [L, D], "gate": [L, F, D], "up": [L, F, D],
                 "down": [L, D, F],
-                # Qwen2 only:       "q_bias": [L, H*h], "k_bias": [L, K*h], "v_bias": [L, K*h]
+                # attention_bias (Qwen2): "q_bias": [L, H*h], "k_bias": [L, K*h], "v_bias": [L, K*h]
+                # qk_norm (Qwen3, Gemma 3): "q_norm": [L, h], "k_norm": [L, h]
+                # sandwich_norms (Gemma):   "post_attn_norm": [L, D], "post_mlp_norm": [L, D]
                 # LoRA (trainable): "lora": {target: {"a": [L, r, in], "b": [L, out, r]}}},
      "final_norm": [D],
      "lm_head": [V, D]}            # absent when the embeddings are tied
 
-Linear weights keep Hugging Face's `[out, in]` layout (so loading, NF4 blocks and export need no
-transposes). A linear weight may be an `NF4Tensor`; it is dequantized inside the block, one layer at
-a time. The layers are stacked on a leading axis so that `lax.scan` runs one compiled block.
+The layer is four stages: `attention_in` (norm, q/k/v, QK-norm, RoPE) -> the attention core ->
+`attention_out` (o, post-norm, residual) -> `mlp_in` (norm, gate/up) -> `mlp_out` (activation,
+down, post-norm, residual). Linear weights keep Hugging Face's `[out, in]` layout (so loading,
+NF4 blocks and export need no transposes). A linear weight may be an `NF4Tensor`; it is
+dequantized inside the stage, one layer at a time. The layers are stacked on a leading axis so
+that `lax.scan` runs one compiled block; a family whose layers differ (sliding and global
+attention, Gemma's two RoPE bases) reads the layer's index from `AttentionInputs.layer`.
 """
 
 from __future__ import annotations
@@ -47,15 +56,19 @@ class LoraSpec(NamedTuple):
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=("cos", "sin", "segment_ids"),
+    data_fields=("cos", "sin", "segment_ids", "local_cos", "local_sin", "layer"),
     meta_fields=("implementation", "packed_slots"),
 )
 @dataclasses.dataclass(frozen=True)
 class AttentionInputs:
     """Per-batch attention context, computed once and shared by every layer.
 
-    cos, sin: [B, S, h] rotary tables in float32. segment_ids: [B, S] int or None; tokens attend
-    only to earlier tokens of the same segment (packed examples never see each other).
+    cos, sin: [B, S, r] rotary tables in float32 (r: the rotated dims of a head).
+    segment_ids: [B, S] int or None; tokens attend only to earlier tokens of the same segment
+    (packed examples never see each other).
+    local_cos, local_sin: the sliding layers' own tables when their RoPE base differs (Gemma 3).
+    layer: the index of the layer being run (a scalar the layer scan sets: `at_layer`), for
+    families whose layers differ; None outside a scan.
     implementation: which attention runs (`featherweight.models.attention.IMPLEMENTATIONS`); a
     static field of the pytree, so it reaches every layer through scans and VJPs unchanged.
     packed_slots: the documents a row cuDNN's packed layout holds ("cudnn"; static likewise).
@@ -66,18 +79,36 @@ class AttentionInputs:
     segment_ids: jax.Array | None
     implementation: str = "blockwise"
     packed_slots: int = DEFAULT_PACKED_SLOTS
+    local_cos: jax.Array | None = None
+    local_sin: jax.Array | None = None
+    layer: jax.Array | None = None
+
+    def at_layer(self, index: jax.Array) -> AttentionInputs:
+        """The same context for the layer `index` (a scan's counter)."""
+        return dataclasses.replace(self, layer=index)
 
 
 # --- rotary position embeddings ----------------------------------------------------------------
 
 
-def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [h/2] with `rope_theta`, and Llama 3's scaling when configured."""
-    exponents = np.arange(0, config.head_dim, 2, dtype=np.int64).astype(np.float32)
-    inv_freq = 1.0 / (config.rope_theta ** (exponents / config.head_dim))
+def rope_inverse_frequencies(config: ModelConfig, seq_len: int = 0, local: bool = False):
+    """(inverse frequencies [r/2], the cos/sin factor) with `rope_theta` and its scaling, or the
+    sliding layers' own base unscaled (`local`, Gemma 3). LongRoPE takes its long factors past
+    the original context (`seq_len`: the positions the call covers)."""
+    rotary = config.rotary_dim
+    exponents = np.arange(0, rotary, 2, dtype=np.int64).astype(np.float32)
+    if local:
+        return (1.0 / (config.local_rope_theta ** (exponents / rotary))).astype(np.float32), 1.0
+    inv_freq = 1.0 / (config.rope_theta ** (exponents / rotary))
     scaling = config.rope_scaling
     if scaling is None:
-        return inv_freq.astype(np.float32)
+        return inv_freq.astype(np.float32), 1.0
+    if scaling.rope_type == "linear":
+        return (inv_freq / scaling.factor).astype(np.float32), 1.0
+    if scaling.rope_type == "longrope":
+        long = seq_len > scaling.original_max_position_embeddings
+        factors = np.asarray(scaling.long_factor if long else scaling.short_factor, np.float32)
+        return (inv_freq / factors).astype(np.float32), scaling.attention_factor
     low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * np.pi / inv_freq
@@ -87,7 +118,18 @@ def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
     )
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32), 1.0
+
+
+def rotary_tables(
+    config: ModelConfig, positions: jax.Array, local: bool = False, seq_len: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, S, r] float32 of integer `positions` [B, S] (as transformers computes them)."""
+    seq_len = positions.shape[1] if seq_len is None else seq_len
+    inv_freq, factor = rope_inverse_frequencies(config, seq_len, local)
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, S, r/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [B, S, r]
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
 def attention_inputs(
@@ -96,40 +138,79 @@ def attention_inputs(
     segment_ids: jax.Array | None = None,
     implementation: str = "blockwise",
     packed_slots: int = DEFAULT_PACKED_SLOTS,
+    seq_len: int | None = None,
 ) -> AttentionInputs:
     """Rotary tables for integer `positions` [B, S] (float32, as transformers computes them), the
-    segment ids, and the attention implementation every layer calls (with cuDNN's packed slots)."""
+    segment ids, and the attention implementation every layer calls (with cuDNN's packed slots).
+    `seq_len`: the sequence the positions belong to (generation: the whole cache)."""
     if implementation not in IMPLEMENTATIONS:
         raise StepConfigError(
             f"attention implementation {implementation!r} is unknown; use one of {IMPLEMENTATIONS}"
         )
-    inv_freq = jnp.asarray(rope_inverse_frequencies(config))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, h/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)  # [B, S, h]
+    cos, sin = rotary_tables(config, positions, seq_len=seq_len)
+    local_cos = local_sin = None
+    if config.local_rope_theta is not None and config.windows != "none":
+        local_cos, local_sin = rotary_tables(config, positions, local=True)
     return AttentionInputs(
-        jnp.cos(angles), jnp.sin(angles), segment_ids, implementation, packed_slots
+        cos, sin, segment_ids, implementation, packed_slots, local_cos, local_sin
     )
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate [B, S, N, h] by the tables [B, S, h] (the `rotate_half` convention of HF)."""
+    """Rotate the first r dims of [B, S, N, h] by the tables [B, S, r] (HF's `rotate_half`); the
+    rest of each head passes unrotated (partial rotary)."""
     with jax.named_scope("rotary"):
-        half = x.shape[-1] // 2
-        rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+        rotary = cos.shape[-1]
+        x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+        half = rotary // 2
+        rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
         cos = cos[:, :, None, :].astype(x.dtype)
         sin = sin[:, :, None, :].astype(x.dtype)
-        return x * cos + rotated * sin
+        out = x_rot * cos + rotated * sin
+        return out if x_pass.shape[-1] == 0 else jnp.concatenate([out, x_pass], axis=-1)
+
+
+def is_sliding(config: ModelConfig, inputs: AttentionInputs) -> bool | jax.Array:
+    """Whether the layer being run attends within the window: static when every layer is alike,
+    else the layer's entry in the family's pattern (a traced bool)."""
+    if config.windows != "some":
+        return config.windows == "all"
+    if inputs.layer is None:
+        raise StepConfigError(
+            "this model's layers differ (sliding and global attention): run them through a layer "
+            "scan that sets AttentionInputs.layer"
+        )
+    return jnp.asarray(config.sliding_layers)[inputs.layer]
+
+
+def layer_rotary(config: ModelConfig, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
+    """The rotary tables of the layer being run (Gemma 3's sliding layers have their own)."""
+    if inputs.local_cos is None:
+        return inputs.cos, inputs.sin
+    sliding = is_sliding(config, inputs)
+    return (
+        jnp.where(sliding, inputs.local_cos, inputs.cos),
+        jnp.where(sliding, inputs.local_sin, inputs.sin),
+    )
 
 
 # --- building blocks -----------------------------------------------------------------------------
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in float32, cast back to the input dtype before the weight (as transformers)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm as transformers computes it: Llama's casts the normalized input back to its dtype
+    before the weight; with `offset` (Gemma) the weight is applied as (offset + w) in float32."""
     with jax.named_scope("rms_norm"):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        if offset:
+            return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
         return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def norm(config: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """The family's RMSNorm of `x` with `weight` (its epsilon and weight form)."""
+    return rms_norm(x, weight, config.rms_norm_eps, config.norm_offset)
 
 
 def linear(
@@ -173,96 +254,135 @@ def _lora_update(
     return lora.scale * jnp.einsum("...r,or->...o", down, adapter["b"].astype(x.dtype))
 
 
-def attention_qkv(
+def attention_in(
     layer: Params,
-    normed: jax.Array,
+    x: jax.Array,
     inputs: AttentionInputs,
     config: ModelConfig,
     lora: LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Rotated queries [B, S, H, h] and keys, values [B, S, K, h] of the normed input."""
-    batch, seq, _ = normed.shape
+    """The attention's inputs from the residual stream x [B, S, D]: rotated queries [B, S, H, h]
+    and keys, values [B, S, K, h] (normed first; each query and key head normed again with
+    QK-norm)."""
+    batch, seq, _ = x.shape
+    normed = norm(config, x, layer["attn_norm"])
     q = linear(layer, "q", normed, lora, dropout_key).reshape(batch, seq, config.num_heads, -1)
     k = linear(layer, "k", normed, lora, dropout_key).reshape(batch, seq, config.num_kv_heads, -1)
     v = linear(layer, "v", normed, lora, dropout_key).reshape(batch, seq, config.num_kv_heads, -1)
-    return apply_rotary(q, inputs.cos, inputs.sin), apply_rotary(k, inputs.cos, inputs.sin), v
+    if config.qk_norm:
+        q, k = norm(config, q, layer["q_norm"]), norm(config, k, layer["k_norm"])
+    cos, sin = layer_rotary(config, inputs)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
-def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, inputs: AttentionInputs) -> jax.Array:
-    """Causal (and segment-masked) grouped-query attention by `inputs.implementation`: -> [B, S, H*h].
+def attention_core(
+    q: jax.Array, k: jax.Array, v: jax.Array, inputs: AttentionInputs, config: ModelConfig
+) -> jax.Array:
+    """Causal (and segment-masked) grouped-query attention by `inputs.implementation`, with the
+    family's score scale and softcap, within the window on a sliding layer: -> [B, S, H*h].
 
-    The default, blockwise, never builds an S x S array (`featherweight.models.attention`).
+    Where layers differ, both variants are compiled and a `lax.cond` on the layer runs one. The
+    default, blockwise, never builds an S x S array (`featherweight.models.attention`).
     """
     batch, seq = q.shape[:2]
+
+    def run(window: int | None) -> jax.Array:
+        return attend(
+            q, k, v, inputs.segment_ids, inputs.implementation, inputs.packed_slots,
+            scale=config.attention_scale, softcap=config.attn_softcap, window=window,
+        )  # fmt: skip
+
     with jax.named_scope("attention"):
-        out = attend(q, k, v, inputs.segment_ids, inputs.implementation, inputs.packed_slots)
+        sliding = is_sliding(config, inputs)
+        if isinstance(sliding, bool):
+            out = run(config.sliding_window if sliding else None)
+        else:
+            out = jax.lax.cond(sliding, lambda: run(config.sliding_window), lambda: run(None))
     return out.reshape(batch, seq, -1)
 
 
-def self_attention(
+def attention_out(
     layer: Params,
-    normed: jax.Array,
-    inputs: AttentionInputs,
+    x: jax.Array,
+    attended: jax.Array,
     config: ModelConfig,
     lora: LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
 ) -> jax.Array:
-    """Grouped-query causal self-attention over the whole sequence: [B, S, D] -> [B, S, D]."""
-    q, k, v = attention_qkv(layer, normed, inputs, config, lora, dropout_key)
-    return linear(layer, "o", attention_core(q, k, v, inputs), lora, dropout_key)
+    """The residual stream after attention: x + o(attended) (normed first with sandwich norms)."""
+    out = linear(layer, "o", attended, lora, dropout_key)
+    if config.sandwich_norms:
+        out = norm(config, out, layer["post_attn_norm"])
+    return x + out
 
 
-def mlp_gate_up(
+def mlp_in(
     layer: Params,
-    normed: jax.Array,
+    a: jax.Array,
+    config: ModelConfig,
     lora: LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The two input projections of the MLP: gate and up, [B, S, F] each."""
+    """The MLP's two input projections of the normed residual a [B, S, D]: gate and up [B, S, F]."""
+    normed = norm(config, a, layer["mlp_norm"])
     with jax.named_scope("mlp"):
         gate = linear(layer, "gate", normed, lora, dropout_key)
         return gate, linear(layer, "up", normed, lora, dropout_key)
 
 
-def mlp_down(
+def activation(config: ModelConfig, gate: jax.Array) -> jax.Array:
+    """The gate's activation: SiLU (SwiGLU) or GELU with the tanh approximation (Gemma's GeGLU)."""
+    if config.activation == "gelu_pytorch_tanh":
+        return jax.nn.gelu(gate, approximate=True)
+    return jax.nn.silu(gate)
+
+
+def mlp_out(
     layer: Params,
+    a: jax.Array,
     gate: jax.Array,
     up: jax.Array,
+    config: ModelConfig,
     lora: LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
 ) -> jax.Array:
-    """SwiGLU output: down(silu(gate) * up)."""
+    """The residual stream after the MLP: a + down(act(gate) * up) (normed first with sandwich
+    norms)."""
     with jax.named_scope("mlp"):
-        return linear(layer, "down", jax.nn.silu(gate) * up, lora, dropout_key)
+        out = linear(layer, "down", activation(config, gate) * up, lora, dropout_key)
+    if config.sandwich_norms:
+        out = norm(config, out, layer["post_mlp_norm"])
+    return a + out
 
 
-def mlp(
+def mlp_residual(
     layer: Params,
-    normed: jax.Array,
+    a: jax.Array,
+    config: ModelConfig,
     lora: LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
     seq_chunk: int | None = None,
 ) -> jax.Array:
-    """SwiGLU: down(silu(gate(x)) * up(x)).
+    """The MLP's residual block, `mlp_out(mlp_in(a))`: [B, S, D] -> [B, S, D].
 
     With `seq_chunk`, the sequence is cut into chunks run one after another, each rematerialized:
-    the [B, S, F] hidden activations never exist, only [B, seq_chunk, F] (long context). With LoRA
-    dropout each chunk draws its own mask.
+    the [B, S, F] hidden activations never exist, only [B, seq_chunk, F] (long context; every
+    operation of the block is per position). With LoRA dropout each chunk draws its own mask.
     """
-    batch, seq, width = normed.shape
+    batch, seq, width = a.shape
     if seq_chunk is None or seq_chunk >= seq:
-        gate, up = mlp_gate_up(layer, normed, lora, dropout_key)
-        return mlp_down(layer, gate, up, lora, dropout_key)
+        gate, up = mlp_in(layer, a, config, lora, dropout_key)
+        return mlp_out(layer, a, gate, up, config, lora, dropout_key)
     if seq % seq_chunk:
         raise ValueError(f"mlp seq_chunk {seq_chunk} must divide the sequence length {seq}")
     count = seq // seq_chunk
-    chunks = jnp.moveaxis(normed.reshape(batch, count, seq_chunk, width), 1, 0)
+    chunks = jnp.moveaxis(a.reshape(batch, count, seq_chunk, width), 1, 0)
 
     def one_chunk(args):
         index, chunk = args
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
-        return mlp(layer, chunk, lora, key)
+        return mlp_residual(layer, chunk, config, lora, key)
 
     outputs = jax.lax.map(jax.checkpoint(one_chunk), (jnp.arange(count), chunks))
     return jnp.moveaxis(outputs, 0, 1).reshape(batch, seq, -1)
@@ -285,17 +405,21 @@ def block(
     dropout_key: jax.Array | None = None,
     mlp_chunk: int | None = None,
 ) -> jax.Array:
-    """One transformer layer (pre-norm attention and MLP, each with a residual): [B,S,D]->[B,S,D]."""
+    """One transformer layer, its four stages in order: [B, S, D] -> [B, S, D]."""
     attn_key, mlp_key = split_dropout_key(dropout_key)
-    x = x + self_attention(
-        layer, rms_norm(x, layer["attn_norm"], config.rms_norm_eps), inputs, config, lora, attn_key
-    )
-    normed = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-    return x + mlp(layer, normed, lora, mlp_key, mlp_chunk)
+    q, k, v = attention_in(layer, x, inputs, config, lora, attn_key)
+    a = attention_out(layer, x, attention_core(q, k, v, inputs, config), config, lora, attn_key)
+    return mlp_residual(layer, a, config, lora, mlp_key, mlp_chunk)
 
 
-def embed(params: Params, token_ids: jax.Array) -> jax.Array:
-    """Token embeddings [B, S, D] in the compute dtype (the final norm's dtype).
+def embedding_scale(config: ModelConfig, dtype) -> jax.Array | None:
+    """The factor on the embeddings (sqrt(D) in the compute dtype, Gemma), or None."""
+    return jnp.asarray(config.hidden_size**0.5, dtype) if config.embed_scale else None
+
+
+def embed(params: Params, token_ids: jax.Array, config: ModelConfig) -> jax.Array:
+    """Token embeddings [B, S, D] in the compute dtype (the final norm's dtype), scaled when the
+    family scales them.
 
     An NF4 table (a quantized, tied head) is dequantized only for the looked-up rows; a table in
     host memory streams over in row chunks, each giving the rows whose ids fall in it (XLA cannot
@@ -303,10 +427,20 @@ def embed(params: Params, token_ids: jax.Array) -> jax.Array:
     """
     table = params["embed"]
     if isinstance(table, NF4Tensor):
-        return take_rows_nf4(table, token_ids, params["final_norm"].dtype)
-    if on_host(table):
-        return host_table_rows(table, token_ids)
-    return jnp.take(table, token_ids, axis=0)
+        rows = take_rows_nf4(table, token_ids, params["final_norm"].dtype)
+    elif on_host(table):
+        rows = host_table_rows(table, token_ids)
+    else:
+        rows = jnp.take(table, token_ids, axis=0)
+    scale = embedding_scale(config, rows.dtype)
+    return rows if scale is None else rows * scale
+
+
+def embedding_rows_cotangent(config: ModelConfig, cotangent: jax.Array) -> jax.Array:
+    """The cotangent of the looked-up table rows from that of `embed`'s output [B, S, D] (the
+    embedding scale applied again): what the embedding's gradient scatters."""
+    scale = embedding_scale(config, cotangent.dtype)
+    return cotangent if scale is None else cotangent * scale
 
 
 def lm_head_weight(params: Params) -> jax.Array:
@@ -319,11 +453,17 @@ def lm_head_weight(params: Params) -> jax.Array:
     return weight
 
 
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's logit softcap), or x when there is no cap."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
 def head(params: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
-    """Final norm and LM head: hidden [B, S, D] -> float32 logits [B, S, V]."""
-    normed = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    """Final norm and LM head: hidden [B, S, D] -> float32 logits [B, S, V] (softcapped)."""
+    normed = norm(config, x, params["final_norm"])
     weight = lm_head_weight(params)
-    return jnp.einsum("...d,vd->...v", normed, weight.astype(normed.dtype)).astype(jnp.float32)
+    logits = jnp.einsum("...d,vd->...v", normed, weight.astype(normed.dtype))
+    return softcap(logits.astype(jnp.float32), config.final_softcap)
 
 
 def run_layers(
@@ -341,10 +481,12 @@ def run_layers(
     layer_fn = jax.checkpoint(block, static_argnums=(3, 4, 6)) if remat else block
 
     def step(hidden, per_layer):
-        layer, key = per_layer
-        return layer_fn(layer, hidden, inputs, config, lora, key, mlp_chunk), None
+        layer, (key, index) = per_layer
+        out = layer_fn(layer, hidden, inputs.at_layer(index), config, lora, key, mlp_chunk)
+        return out, None
 
-    x, _ = scan_layers(step, x, layers, dropout_keys, config.num_layers)
+    indices = jnp.arange(config.num_layers, dtype=jnp.int32)
+    x, _ = scan_layers(step, x, layers, (dropout_keys, indices), config.num_layers)
     return x
 
 
@@ -362,7 +504,7 @@ def forward(
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1]), token_ids.shape)
     inputs = attention_inputs(config, positions, segment_ids, attention)
-    x = run_layers(params["layers"], embed(params, token_ids), inputs, config, lora)
+    x = run_layers(params["layers"], embed(params, token_ids, config), inputs, config, lora)
     return head(params, x, config)
 
 

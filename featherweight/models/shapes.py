@@ -25,6 +25,10 @@ def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if config.attention_bias:
         shapes.update(q_bias=(config.q_size,), k_bias=(config.kv_size,), v_bias=(config.kv_size,))
+    if config.qk_norm:
+        shapes.update(q_norm=(config.head_dim,), k_norm=(config.head_dim,))
+    if config.sandwich_norms:
+        shapes.update(post_attn_norm=(d,), post_mlp_norm=(d,))
     return shapes
 
 

@@ -32,13 +32,12 @@ from featherweight.models.llama import (
     LoraSpec,
     Params,
     attention_core,
-    attention_qkv,
+    attention_in,
+    attention_out,
     block,
-    linear,
-    mlp,
-    mlp_down,
-    mlp_gate_up,
-    rms_norm,
+    mlp_in,
+    mlp_out,
+    mlp_residual,
     split_dropout_key,
 )
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4
@@ -51,7 +50,9 @@ def merge_layer(frozen_layer: Params, trainable_layer: Params) -> Params:
 
 
 class _Stages:
-    """The layer as four stages: qkv -> attention residual -> gate/up -> MLP residual."""
+    """The layer's stages (`models/llama.py`: `block` runs the same ones in order) as functions
+    of the trainable slice, the frozen slice closed over: qkv -> attention residual -> gate/up
+    -> MLP residual."""
 
     def __init__(self, frozen_layer, inputs, config, lora, dropout_key, mlp_chunk=None):
         self.frozen_layer = frozen_layer
@@ -61,35 +62,36 @@ class _Stages:
         self.mlp_chunk = mlp_chunk
         self.attn_key, self.mlp_key = split_dropout_key(dropout_key)
 
+    def layer(self, trainable):
+        return merge_layer(self.frozen_layer, trainable)
+
     def qkv(self, trainable, x):
-        layer = merge_layer(self.frozen_layer, trainable)
-        normed = rms_norm(x, layer["attn_norm"], self.config.rms_norm_eps)
-        return attention_qkv(layer, normed, self.inputs, self.config, self.lora, self.attn_key)
+        return attention_in(
+            self.layer(trainable), x, self.inputs, self.config, self.lora, self.attn_key
+        )
 
     def attention_residual(self, trainable, x, qkv):
         return self.attention_output(trainable, x, self.attention(qkv))
 
     def attention(self, qkv):
-        return attention_core(*qkv, self.inputs)
+        return attention_core(*qkv, self.inputs, self.config)
 
     def attention_output(self, trainable, x, attended):
-        layer = merge_layer(self.frozen_layer, trainable)
-        return x + linear(layer, "o", attended, self.lora, self.attn_key)
+        return attention_out(
+            self.layer(trainable), x, attended, self.config, self.lora, self.attn_key
+        )
 
     def gate_up(self, trainable, a):
-        layer = merge_layer(self.frozen_layer, trainable)
-        normed = rms_norm(a, layer["mlp_norm"], self.config.rms_norm_eps)
-        return mlp_gate_up(layer, normed, self.lora, self.mlp_key)
+        return mlp_in(self.layer(trainable), a, self.config, self.lora, self.mlp_key)
 
     def mlp_residual(self, trainable, a, gate_up):
-        layer = merge_layer(self.frozen_layer, trainable)
-        return a + mlp_down(layer, *gate_up, self.lora, self.mlp_key)
+        return mlp_out(self.layer(trainable), a, *gate_up, self.config, self.lora, self.mlp_key)
 
     def mlp_block(self, trainable, a):
         """The whole MLP residual from its input (sequence-chunked when `mlp_chunk` is set)."""
-        layer = merge_layer(self.frozen_layer, trainable)
-        normed = rms_norm(a, layer["mlp_norm"], self.config.rms_norm_eps)
-        return a + mlp(layer, normed, self.lora, self.mlp_key, self.mlp_chunk)
+        return mlp_residual(
+            self.layer(trainable), a, self.config, self.lora, self.mlp_key, self.mlp_chunk
+        )
 
 
 def dequantized_weights(frozen_layer: Params, dtype: Any) -> Params:

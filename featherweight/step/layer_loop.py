@@ -81,17 +81,19 @@ def forward_layers(
     policy = context.policy
 
     def forward_layer(x, per_layer):
-        (frozen_l, trainable_l), key_l = per_layer
+        (frozen_l, trainable_l), (key_l, index) = per_layer
         x = context.constrain(x)
         y, saved = layer_forward(
-            frozen_l, trainable_l, x, context.inputs, context.config, context.lora, key_l,
-            policy.save, policy.mlp_chunk,
+            frozen_l, trainable_l, x, context.inputs.at_layer(index), context.config,
+            context.lora, key_l, policy.save, policy.mlp_chunk,
         )  # fmt: skip
         with jax.named_scope("layer_store"):
             return y, jax.tree.map(put, (x, saved))
 
     layers = (frozen_layers, trainable_layers)
-    return scan_layers(forward_layer, x, layers, context.keys, context.config.num_layers)
+    num_layers = context.config.num_layers
+    indices = jnp.arange(num_layers, dtype=jnp.int32)
+    return scan_layers(forward_layer, x, layers, (context.keys, indices), num_layers)
 
 
 class LayerSink(NamedTuple):
@@ -222,7 +224,8 @@ def backward_layers(
             with jax.named_scope("layer_fetch"):
                 frozen_l = _slice(frozen_layers, index)
         grads, cotangent = layer_vjp(
-            frozen_l, sink.params(target, index), x, saved, cotangent, context.inputs, context.config,
+            frozen_l, sink.params(target, index), x, saved, cotangent,
+            context.inputs.at_layer(index), context.config,
             context.lora, None if context.keys is None else context.keys[index],
             context.policy.mlp_chunk,
         )  # fmt: skip

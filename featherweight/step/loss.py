@@ -41,7 +41,7 @@ import numpy as np
 from featherweight.errors import StepConfigError
 from featherweight.models.batch import Batch
 from featherweight.models.config import ModelConfig
-from featherweight.models.llama import Params, rms_norm
+from featherweight.models.llama import Params, rms_norm, softcap
 from featherweight.parallel.memory_kinds import host_row_slice, on_host, to_device, to_host
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, take_rows_nf4
 
@@ -59,10 +59,27 @@ def resolve_chunk_size(seq_len: int, chunk_size: int | None) -> int:
     return chunk_size
 
 
-class _Chunks(NamedTuple):
-    """The static layout of a chunked loss: norm epsilon, sequence chunk, vocabulary chunk."""
+class HeadForm(NamedTuple):
+    """How the family's head turns the last hidden state into logits: the final RMSNorm's
+    epsilon and weight offset (Gemma: 1 + w), and the logits' tanh softcap (Gemma 2)."""
 
     eps: float
+    offset: float = 0.0
+    softcap: float | None = None
+
+    def norm(self, hidden: jax.Array, weight: jax.Array) -> jax.Array:
+        return rms_norm(hidden, weight, self.eps, self.offset)
+
+
+def head_form(config: ModelConfig) -> HeadForm:
+    """The `HeadForm` of a model."""
+    return HeadForm(config.rms_norm_eps, config.norm_offset, config.final_softcap)
+
+
+class _Chunks(NamedTuple):
+    """The static layout of a chunked loss: the head's form, sequence chunk, vocabulary chunk."""
+
+    form: HeadForm
     seq: int
     vocab: int
 
@@ -81,9 +98,16 @@ def _head_rows(head: jax.Array | NF4Tensor, start, size: int, dtype) -> jax.Arra
     return jax.lax.dynamic_slice_in_dim(head, start, size).astype(dtype)
 
 
-def _logits(normed: jax.Array, rows: jax.Array) -> jax.Array:
-    """[B, c, D] x [Vc, D] -> float32 logits [B, c, Vc] (accumulated in float32)."""
-    return jnp.einsum("bcd,vd->bcv", normed, rows, preferred_element_type=jnp.float32)
+def _logits(normed: jax.Array, rows: jax.Array, cap: float | None) -> jax.Array:
+    """[B, c, D] x [Vc, D] -> float32 logits [B, c, Vc] (accumulated in float32), softcapped
+    (cap x tanh(logits / cap)) when the family caps them."""
+    logits = jnp.einsum("bcd,vd->bcv", normed, rows, preferred_element_type=jnp.float32)
+    return softcap(logits, cap)
+
+
+def _slope(capped: jax.Array, cap: float | None) -> jax.Array | float:
+    """d capped / d logits of softcapped logits: 1 - tanh^2 = 1 - (capped / cap)^2 (1 uncapped)."""
+    return 1.0 if cap is None else 1.0 - jnp.square(capped / cap)
 
 
 def _vocab_sweep(head, chunk: int, normed, body, carry):
@@ -118,12 +142,12 @@ def _vocab_sweep(head, chunk: int, normed, body, carry):
     return jax.lax.scan(step, carry, jnp.arange(count))[0]
 
 
-def _chunk_logsumexp(normed, head, targets, vocab_chunk: int):
+def _chunk_logsumexp(normed, head, targets, vocab_chunk: int, cap: float | None):
     """(log-sum-exp over the vocabulary, target logit), both [B, c] float32, one sweep."""
 
     def body(carry, rows, row_ids, fresh):
         running_max, running_sum, target_logit = carry
-        logits = jnp.where(fresh, _logits(normed, rows), -jnp.inf)
+        logits = jnp.where(fresh, _logits(normed, rows, cap), -jnp.inf)
         new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
         running_sum = running_sum * jnp.exp(running_max - new_max) + jnp.sum(
             jnp.exp(logits - new_max[..., None]), axis=-1
@@ -141,14 +165,15 @@ def _chunk_logsumexp(normed, head, targets, vocab_chunk: int):
     return running_max + jnp.log(running_sum), target_logit
 
 
-def _softmax_grads(logits, rows, row_ids, fresh, logsumexp, targets, weight, normed, d_head):
+def _softmax_grads(logits, rows, row_ids, fresh, logsumexp, targets, weight, normed, d_head, cap):
     """A logits chunk's contribution to d_normed [B, c, D] (float32) and to d_head's rows.
 
-    d_logits = (softmax - onehot) x weight, contracted at once with the head rows and `normed`.
+    d_logits = (softmax - onehot) x weight (x the softcap's slope), contracted at once with the
+    head rows and `normed`.
     """
     probs = jnp.where(fresh, jnp.exp(logits - logsumexp[..., None]), 0.0)
     hit = (row_ids == targets[..., None]) & fresh
-    d_logits = ((probs - hit) * weight[..., None]).astype(rows.dtype)  # [B, c, Vc]
+    d_logits = ((probs - hit) * weight[..., None] * _slope(logits, cap)).astype(rows.dtype)
     d_normed = jnp.einsum("bcv,vd->bcd", d_logits, rows, preferred_element_type=jnp.float32)
     if d_head is not None:
         d_head = _add_head_grad(d_head, normed, d_logits, row_ids[0])
@@ -171,7 +196,7 @@ def _add_head_grad(d_head, normed, d_logits, start):
     return jax.lax.dynamic_update_slice_in_dim(d_head, old + d_rows.astype(d_head.dtype), start, 0)
 
 
-def _chunk_value_and_grads(normed, head, targets, weight, vocab_chunk: int, d_head):
+def _chunk_value_and_grads(normed, head, targets, weight, vocab_chunk: int, d_head, cap):
     """One sequence chunk's cross-entropy [B, c] and, for the loss sum x `weight`, d_normed
     [B, c, D] float32 and d_head (+= its rows'; None when the head is frozen).
 
@@ -181,22 +206,22 @@ def _chunk_value_and_grads(normed, head, targets, weight, vocab_chunk: int, d_he
     vocab = head.shape[0]
     if vocab_chunk == vocab:
         rows = _head_rows(head, 0, vocab, normed.dtype)
-        logits = _logits(normed, rows)
+        logits = _logits(normed, rows, cap)
         logsumexp = jax.nn.logsumexp(logits, axis=-1)
         target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
         row_ids, fresh = jnp.arange(vocab), jnp.ones((vocab,), bool)
         d_normed, d_head = _softmax_grads(
-            logits, rows, row_ids, fresh, logsumexp, targets, weight, normed, d_head
+            logits, rows, row_ids, fresh, logsumexp, targets, weight, normed, d_head, cap
         )
         return logsumexp - target_logit, d_normed, d_head
 
-    logsumexp, target_logit = _chunk_logsumexp(normed, head, targets, vocab_chunk)
+    logsumexp, target_logit = _chunk_logsumexp(normed, head, targets, vocab_chunk, cap)
 
     def body(carry, rows, row_ids, fresh):
         d_normed, d_head = carry
-        logits = _logits(normed, rows)
+        logits = _logits(normed, rows, cap)
         part, d_head = _softmax_grads(
-            logits, rows, row_ids, fresh, logsumexp, targets, weight, normed, d_head
+            logits, rows, row_ids, fresh, logsumexp, targets, weight, normed, d_head, cap
         )
         return d_normed + part, d_head
 
@@ -205,11 +230,12 @@ def _chunk_value_and_grads(normed, head, targets, weight, vocab_chunk: int, d_he
     return logsumexp - target_logit, d_normed, d_head
 
 
-def _frozen_head_value_and_grads(normed, head, targets, weight, vocab_chunk: int):
+def _frozen_head_value_and_grads(normed, head, targets, weight, vocab_chunk: int, cap):
     """A frozen head's sequence chunk in one vocabulary sweep: cross-entropy [B, c] and, for the
     loss sum x `weight`, d_normed [B, c, D] float32.
 
-    d_normed = sum_v softmax_v x row_v - row_target: the sweep keeps the running max, the running
+    d_normed = sum_v softmax_v x slope_v x row_v - slope_target x row_target (slope: the
+    softcap's derivative, 1 without one): the sweep keeps the running max, the running
     sum of exp(logit - max) and the rows weighted by exp(logit - max), rescaling both when the
     max moves, so no logits chunk is made twice (the trained head's d_head rows would need the
     final log-sum-exp before the sweep: `_chunk_value_and_grads`). A head in host memory cannot
@@ -219,13 +245,14 @@ def _frozen_head_value_and_grads(normed, head, targets, weight, vocab_chunk: int
 
     def body(carry, rows, row_ids, fresh):
         running_max, running_sum, target_logit, weighted_rows, target_rows = carry
-        logits = jnp.where(fresh, _logits(normed, rows), -jnp.inf)
+        logits = jnp.where(fresh, _logits(normed, rows, cap), -jnp.inf)
         new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
         decay = jnp.exp(running_max - new_max)
         probs = jnp.exp(logits - new_max[..., None])  # unnormalized; 0 where not fresh
         running_sum = running_sum * decay + jnp.sum(probs, axis=-1)
+        sloped = probs * _slope(jnp.where(fresh, logits, 0.0), cap)
         weighted_rows = weighted_rows * decay[..., None] + jnp.einsum(
-            "bcv,vd->bcd", probs.astype(rows.dtype), rows, preferred_element_type=jnp.float32
+            "bcv,vd->bcd", sloped.astype(rows.dtype), rows, preferred_element_type=jnp.float32
         )
         hit = (row_ids == targets[..., None]) & fresh
         target_logit = target_logit + jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
@@ -247,6 +274,7 @@ def _frozen_head_value_and_grads(normed, head, targets, weight, vocab_chunk: int
     expected_row = weighted_rows / running_sum[..., None]
     if not host_head:
         target_rows = _target_rows(head, targets)
+    target_rows = target_rows * _slope(target_logit, cap)[..., None] if cap else target_rows
     d_normed = (expected_row - target_rows) * weight[..., None]
     return running_max + jnp.log(running_sum) - target_logit, d_normed
 
@@ -295,8 +323,10 @@ def _chunked_loss_sum(layout: _Chunks, hidden, final_norm, head, targets, mask):
     @jax.named_scope("loss_chunk")
     def body(total, chunk_inputs):
         h, chunk_targets, chunk_mask = chunk_inputs
-        normed = rms_norm(h, final_norm, layout.eps)
-        logsumexp, target_logit = _chunk_logsumexp(normed, head, chunk_targets, layout.vocab)
+        normed = layout.form.norm(h, final_norm)
+        logsumexp, target_logit = _chunk_logsumexp(
+            normed, head, chunk_targets, layout.vocab, layout.form.softcap
+        )
         return total + jnp.sum((logsumexp - target_logit) * chunk_mask), None
 
     xs = (_to_chunks(hidden, layout.seq), _to_chunks(targets, layout.seq))
@@ -318,14 +348,15 @@ def _chunked_loss_fwd(layout: _Chunks, hidden, final_norm, head, targets, mask):
     def body(carry, chunk_inputs):
         d_head, d_norm = carry
         h, chunk_targets, chunk_weight = chunk_inputs
-        normed, norm_vjp = jax.vjp(lambda x, w: rms_norm(x, w, layout.eps), h, final_norm)
+        normed, norm_vjp = jax.vjp(layout.form.norm, h, final_norm)
+        cap = layout.form.softcap
         if one_sweep:
             nll, d_normed = _frozen_head_value_and_grads(
-                normed, head, chunk_targets, chunk_weight, layout.vocab
+                normed, head, chunk_targets, chunk_weight, layout.vocab, cap
             )
         else:
             nll, d_normed, d_head = _chunk_value_and_grads(
-                normed, head, chunk_targets, chunk_weight, layout.vocab, d_head
+                normed, head, chunk_targets, chunk_weight, layout.vocab, d_head, cap
             )
         d_h, d_w = norm_vjp(d_normed.astype(normed.dtype))
         return (d_head, d_norm + d_w.astype(jnp.float32)), (nll, d_h)
@@ -385,11 +416,11 @@ def token_losses_sum(
     head: jax.Array | NF4Tensor,
     target_ids: jax.Array,
     loss_mask: jax.Array,
-    eps: float,
+    form: HeadForm,
     chunk_size: int | None = None,
     vocab_chunk: int | None = None,
 ) -> jax.Array:
-    """Sum over tokens of mask x cross-entropy.
+    """Sum over tokens of mask x cross-entropy, the logits made as `form` says.
 
     hidden [B, S, D]; head [V, D] (array, or NF4; a host-resident table only with `vocab_chunk`);
     targets and mask [B, S]. With a sequence chunk shorter than S or a vocabulary chunk smaller
@@ -400,11 +431,11 @@ def token_losses_sum(
     chunk = resolve_chunk_size(seq, chunk_size)
     rows = vocab if vocab_chunk is None else min(vocab_chunk, vocab)
     if chunk < seq or rows < vocab:
-        layout = _Chunks(eps, chunk, rows)
+        layout = _Chunks(form, chunk, rows)
         return _chunked_loss_sum(layout, hidden, final_norm, head, target_ids, loss_mask)
     with jax.named_scope("loss_chunk"):  # the whole sequence as one chunk
-        normed = rms_norm(hidden, final_norm, eps)
-        logits = _logits(normed, _head_rows(head, 0, vocab, normed.dtype))
+        normed = form.norm(hidden, final_norm)
+        logits = _logits(normed, _head_rows(head, 0, vocab, normed.dtype), form.softcap)
         target_logit = jnp.take_along_axis(logits, target_ids[..., None], axis=-1)[..., 0]
         nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
         return jnp.sum(nll * loss_mask.astype(jnp.float32))
@@ -425,7 +456,7 @@ def token_nll(
     head = head_params["embed"] if head is None else head
     seq, vocab = hidden.shape[1], head.shape[0]
     layout = _Chunks(
-        config.rms_norm_eps,
+        head_form(config),
         resolve_chunk_size(seq, chunk_size),
         vocab if vocab_chunk is None else min(vocab_chunk, vocab),
     )
@@ -433,8 +464,10 @@ def token_nll(
     @jax.named_scope("loss_chunk")
     def body(_, chunk_inputs):
         h, chunk_targets = chunk_inputs
-        normed = rms_norm(h, head_params["final_norm"], layout.eps)
-        logsumexp, target_logit = _chunk_logsumexp(normed, head, chunk_targets, layout.vocab)
+        normed = layout.form.norm(h, head_params["final_norm"])
+        logsumexp, target_logit = _chunk_logsumexp(
+            normed, head, chunk_targets, layout.vocab, layout.form.softcap
+        )
         return None, logsumexp - target_logit
 
     xs = (_to_chunks(hidden, layout.seq), _to_chunks(target_ids, layout.seq))
@@ -460,7 +493,7 @@ def head_loss(
         head_params["embed"] if head is None else head,
         batch.target_ids,
         batch.loss_mask,
-        config.rms_norm_eps,
+        head_form(config),
         chunk_size,
         vocab_chunk,
     )

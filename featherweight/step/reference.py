@@ -65,7 +65,7 @@ def model_loss(
     inputs = attention_inputs(config, batch.positions, batch.segment_ids, attention, packed_slots)
     hidden = run_layers(
         params["layers"],
-        embed(params, batch.input_ids),
+        embed(params, batch.input_ids, config),
         inputs,
         config,
         lora,
@@ -112,7 +112,7 @@ def preference_model_loss(
     inputs = attention_inputs(config, batch.positions, batch.segment_ids, attention, packed_slots)
     keys = layer_dropout_keys(key, lora, config.num_layers)
     hidden = run_layers(
-        params["layers"], embed(params, batch.input_ids), inputs, config, lora, True, keys
+        params["layers"], embed(params, batch.input_ids, config), inputs, config, lora, True, keys
     )
     policy_nll = _token_nll(params, hidden, batch.target_ids, config, chunks)
     policy = pair_logps(-policy_nll, batch.loss_mask, batch.sequence_ids)
@@ -120,7 +120,9 @@ def preference_model_loss(
     if objective.needs_reference and objective.reference == "precomputed":
         reference = pair_logps(batch.reference_logps, batch.loss_mask, batch.sequence_ids)
     elif objective.needs_reference:
-        base = run_layers(frozen["layers"], embed(params, batch.input_ids), inputs, config, None)
+        base = run_layers(
+            frozen["layers"], embed(params, batch.input_ids, config), inputs, config, None
+        )
         reference_nll = _token_nll(params, base, batch.target_ids, config, chunks)
         reference = pair_logps(-reference_nll, batch.loss_mask, batch.sequence_ids)
     return preference_loss(objective, policy, reference)

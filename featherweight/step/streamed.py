@@ -58,6 +58,7 @@ from featherweight.models.llama import (
     Params,
     attention_inputs,
     embed,
+    embedding_rows_cotangent,
     merge_params,
     run_layers,
 )
@@ -83,7 +84,7 @@ from featherweight.step.layer_loop import (
     update_layers,
     update_sink,
 )
-from featherweight.step.loss import head_loss, token_losses_sum, token_nll
+from featherweight.step.loss import head_form, head_loss, token_losses_sum, token_nll
 from featherweight.step.opt_state import StreamedOptState
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.preference import (
@@ -147,7 +148,10 @@ class _StepModel:
         top = merge_params(self.frozen, self.trainable)
         context = self.context(batch, key)
         hidden, stored = forward_layers(
-            self.frozen_layers, self.trainable_layers, embed(top, batch.input_ids), context
+            self.frozen_layers,
+            self.trainable_layers,
+            embed(top, batch.input_ids, self.config),
+            context,
         )
         head_names = [name for name in head_param_names(self.config) if name in top]
         head_trainable = {
@@ -173,7 +177,7 @@ class _StepModel:
             head = params.get("lm_head", params.get("embed"))
             return token_losses_sum(
                 h, params["final_norm"], head, batch.target_ids, mask,
-                self.config.rms_norm_eps, *chunks,
+                head_form(self.config), *chunks,
             )  # fmt: skip
 
         value, head_vjp = jax.vjp(head_fn, head_trainable, hidden)
@@ -192,7 +196,7 @@ class _StepModel:
         if objective.reference == "precomputed":
             return batch.reference_logps
         hidden = run_layers(
-            self.frozen_layers, embed(top, batch.input_ids), context.inputs, self.config,
+            self.frozen_layers, embed(top, batch.input_ids, self.config), context.inputs, self.config,
             None, mlp_chunk=self.policy.mlp_chunk,
         )  # fmt: skip
         chunks = (self.policy.loss_chunk, self.policy.vocab_chunk)
@@ -242,6 +246,7 @@ def _fused(model: _StepModel, optimizer, opt_state, batch, key, clip_norm, two_p
         cotangent_in, _, layers_sq = backward_layers(
             cotangent, stored, model.frozen_layers, context, norm_sink(model.trainable_layers), ()
         )
+        cotangent_in = embedding_rows_cotangent(model.config, cotangent_in)
         embed_sq = (
             embedding_squared_norm(batch.input_ids, cotangent_in, head_grads, trainable["embed"])
             if "embed" in trainable
@@ -257,6 +262,7 @@ def _fused(model: _StepModel, optimizer, opt_state, batch, key, clip_norm, two_p
     cotangent, (stacks, layer_states, layers_finite), layers_sq = backward_layers(
         cotangent, stored, model.frozen_layers, context, sink, target
     )
+    cotangent = embedding_rows_cotangent(model.config, cotangent)
     if model.trainable_layers:
         new_trainable["layers"] = jax.tree.unflatten(treedef, stacks)
     embed_sq, embed_finite = jnp.float32(0), jnp.bool_(True)
@@ -319,7 +325,10 @@ def _accumulate(model: _StepModel, batch, key, accumulation_steps):
                     "use memory.embed: device with clipping or accumulation"
                 )
             embed_grad = embedding_gradient(
-                micro.input_ids, cotangent, head_grads, trainable["embed"]
+                micro.input_ids,
+                embedding_rows_cotangent(model.config, cotangent),
+                head_grads,
+                trainable["embed"],
             )
             buffer["embed"] = buffer["embed"] + embed_grad.astype(jnp.float32)
         return (buffer, loss_sum + loss * weight, ok & jnp.isfinite(loss)), extra

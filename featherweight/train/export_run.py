@@ -55,7 +55,7 @@ def check_base_model(base_model: str, model_config: ModelConfig) -> None:
         shape = lambda shapes: "absent" if key not in shapes else f"of shape {shapes[key]}"
         raise ExportError(
             f"--base-model {base_model} is not the model this run was trained on (its "
-            f"{hf_name(key)} is {shape(theirs)}, the run's {shape(ours)}); name the run's base "
+            f"{hf_name(key, model_config)} is {shape(theirs)}, the run's {shape(ours)}); name the run's base "
             "model, or leave --base-model out to record the run's own"
         )
 

@@ -39,7 +39,7 @@ def reference_fn(config: TrainConfig, model_config: ModelConfig) -> Callable:
             model_config, batch.positions, batch.segment_ids, attention, slots
         )
         hidden = run_layers(
-            params["layers"], embed(params, batch.input_ids), inputs, model_config, None,
+            params["layers"], embed(params, batch.input_ids, model_config), inputs, model_config, None,
             mlp_chunk=memory.mlp_chunk,
         )  # fmt: skip
         head = {name: params[name] for name in head_param_names(model_config) if name in params}

@@ -12,6 +12,7 @@ import torch
 from featherweight.errors import ConfigError
 from featherweight.inference.generate import (
     _cached_step,
+    empty_cache,
     generate,
     generate_ids,
     logits,
@@ -77,22 +78,22 @@ def test_cached_step_logits_equal_the_full_forward(tiny):
     sequence = np.asarray([[*PROMPT, 7, 11]], dtype=np.int32)
     full = np.asarray(logits(model, sequence))[0]
     total = len(PROMPT) + NEW_TOKENS
-    shape = (config.num_layers, 1, total, config.num_kv_heads, config.head_dim)
-    cache = (np.zeros(shape, np.float32), np.zeros(shape, np.float32))
-    prefill, cache = _cached_step(model.params, sequence[:, :-2], cache, 0, config, prefill=True)
+    cache = empty_cache(config, 1, total, jax.numpy.float32)
+    prefill, cache = _cached_step(
+        model.params, sequence[:, :-2], cache, 0, config, total, prefill=True
+    )
     np.testing.assert_allclose(np.asarray(prefill)[0], full[-3], atol=1e-5)
-    step, cache = _cached_step(model.params, sequence[:, -2:-1], cache, len(PROMPT), config)
+    step, cache = _cached_step(model.params, sequence[:, -2:-1], cache, len(PROMPT), config, total)
     np.testing.assert_allclose(np.asarray(step)[0], full[-2], atol=1e-5)
-    two, _ = _cached_step(model.params, sequence[:, -1:], cache, len(PROMPT) + 1, config)
+    two, _ = _cached_step(model.params, sequence[:, -1:], cache, len(PROMPT) + 1, config, total)
     np.testing.assert_allclose(np.asarray(two)[0], full[-1], atol=1e-5)
 
 
 def _prefill_temp_bytes(config, prompt_len, prefill):
     params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config, jax.numpy.float32))
     ids = jax.ShapeDtypeStruct((1, prompt_len), jax.numpy.int32)
-    shape = (config.num_layers, 1, prompt_len, config.num_kv_heads, config.head_dim)
-    cache = (jax.ShapeDtypeStruct(shape, jax.numpy.float32),) * 2
-    lowered = _cached_step.lower(params, ids, cache, 0, config, prefill=prefill)
+    cache = jax.eval_shape(lambda: empty_cache(config, 1, prompt_len, jax.numpy.float32))
+    lowered = _cached_step.lower(params, ids, cache, 0, config, prompt_len, prefill=prefill)
     return lowered.compile().memory_analysis().temp_size_in_bytes
 
 

@@ -18,7 +18,7 @@ from featherweight.parallel.memory_kinds import (
     to_host,
 )
 from featherweight.parallel.offload_rules import check_host_offload
-from featherweight.step.loss import token_losses_sum
+from featherweight.step.loss import HeadForm, token_losses_sum
 
 HOST_SHARDING = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
 
@@ -61,7 +61,7 @@ def test_the_loss_reads_a_host_table_one_vocabulary_chunk_at_a_time():
     norm = jnp.ones(64)
 
     def loss(h, head):
-        return token_losses_sum(h, norm, head, targets, mask, 1e-5, None, 128)
+        return token_losses_sum(h, norm, head, targets, mask, HeadForm(1e-5), None, 128)
 
     on_device = jax.value_and_grad(loss)(hidden, table)
     host_table = jax.device_put(table, HOST_SHARDING)

@@ -8,7 +8,7 @@ import pytest
 
 from featherweight.errors import StepConfigError
 from featherweight.quant.nf4 import dequantize_nf4, quantize_nf4
-from featherweight.step.loss import resolve_chunk_size, token_losses_sum
+from featherweight.step.loss import HeadForm, resolve_chunk_size, token_losses_sum
 
 BATCH, SEQ, WIDTH, VOCAB = 2, 16, 32, 200
 
@@ -43,7 +43,9 @@ def test_chunked_loss_and_gradients_equal_the_plain_ones(chunk, vocab_chunk, tra
     expected = _float64_reference(hidden, norm, head, targets, mask)
 
     def loss(hidden, norm, head, chunk, vocab_chunk):
-        return token_losses_sum(hidden, norm, head, targets, mask, 1e-5, chunk, vocab_chunk)
+        return token_losses_sum(
+            hidden, norm, head, targets, mask, HeadForm(1e-5), chunk, vocab_chunk
+        )
 
     value = loss(hidden, norm, head, chunk, vocab_chunk)
     assert float(value) == pytest.approx(expected, rel=1e-5)
@@ -59,12 +61,14 @@ def test_nf4_head_is_dequantized_chunk_by_chunk():
     hidden, norm = jnp.concatenate([hidden, hidden], -1), jnp.concatenate([norm, norm])
     head = jnp.concatenate([head, head[::-1]], -1)  # rows of 64 values: whole NF4 blocks
     quantized = quantize_nf4(head)
-    expected = token_losses_sum(hidden, norm, dequantize_nf4(quantized), targets, mask, 1e-5)
-    chunked = token_losses_sum(hidden, norm, quantized, targets, mask, 1e-5, 8, 64)
-    assert float(chunked) == pytest.approx(float(expected), rel=1e-5)
-    grad = jax.grad(lambda h: token_losses_sum(h, norm, quantized, targets, mask, 1e-5, 8, 64))(
-        hidden
+    expected = token_losses_sum(
+        hidden, norm, dequantize_nf4(quantized), targets, mask, HeadForm(1e-5)
     )
+    chunked = token_losses_sum(hidden, norm, quantized, targets, mask, HeadForm(1e-5), 8, 64)
+    assert float(chunked) == pytest.approx(float(expected), rel=1e-5)
+    grad = jax.grad(
+        lambda h: token_losses_sum(h, norm, quantized, targets, mask, HeadForm(1e-5), 8, 64)
+    )(hidden)
     assert np.all(np.isfinite(grad)) and float(jnp.abs(grad).sum()) > 0
 
 
@@ -80,7 +84,9 @@ def test_vocab_chunks_bound_the_logits_in_memory():
 
     def temp(vocab_chunk):
         def value_and_grad(h, n, w, t, m):
-            return jax.value_and_grad(token_losses_sum)(h, n, w, t, m, 1e-5, 16, vocab_chunk)
+            return jax.value_and_grad(token_losses_sum)(
+                h, n, w, t, m, HeadForm(1e-5), 16, vocab_chunk
+            )
 
         return jax.jit(value_and_grad).lower(*args).compile().memory_analysis().temp_size_in_bytes
 

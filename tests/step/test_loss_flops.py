@@ -34,7 +34,7 @@ def _nested_remat_losses_sum(hidden, final_norm, head, targets, mask, eps, chunk
     count = -(-head.shape[0] // vocab_chunk)
 
     def chunk_loss(h, chunk_targets, chunk_mask):
-        normed = rms_norm(h, final_norm, eps)
+        normed = rms_norm(h, final_norm, eps.eps)
 
         def body(carry, start):
             running_max, running_sum, target_logit = carry

@@ -1,0 +1,129 @@
+"""Gemma 2 and Gemma 3 (text): RMSNorm weights applied as (1 + w) in float32, a norm after
+attention and after the MLP as well as before each ("sandwich"), embeddings scaled by sqrt(D),
+GELU (tanh) in the MLP, queries scaled by `query_pre_attn_scalar`^-1/2, and sliding-window
+layers in a pattern. Gemma 2 adds tanh softcaps on the attention scores and the final logits;
+Gemma 3 adds QK-norm, a RoPE base of its own for the sliding layers (`rope_local_base_freq`)
+and its `rope_scaling` on the global layers only.
+
+A `Gemma3ForConditionalGeneration` checkpoint (model_type "gemma3") carries the text model's
+config under `text_config` and its weights under `language_model`: the loader reads that part.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from featherweight.models.families.base import Family, HFConfig, layer_types, sliding_options
+
+_SANDWICH_HF = {
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+}
+_SANDWICH_GGUF = {
+    "mlp_norm": "ffn_norm.weight",
+    "post_attn_norm": "post_attention_norm.weight",
+    "post_mlp_norm": "post_ffw_norm.weight",
+}
+
+
+def _common(hf: HFConfig, pattern: int) -> dict[str, Any]:
+    sliding = layer_types(hf, hf["num_hidden_layers"], lambda index: bool((index + 1) % pattern))
+    return {
+        "norm_offset": 1.0,
+        "sandwich_norms": True,
+        "embed_scale": True,
+        "activation": hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+        "query_scale": float(hf["query_pre_attn_scalar"]) ** -0.5,
+        "attn_softcap": _cap(hf.get("attn_logit_softcapping")),
+        "final_softcap": _cap(hf.get("final_logit_softcapping")),
+        **sliding_options(hf.get("sliding_window"), sliding),
+    }
+
+
+def _cap(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _gemma2_options(hf: HFConfig, source: str) -> dict[str, Any]:
+    return _common(hf, pattern=2)
+
+
+def _gemma3_options(hf: HFConfig, source: str) -> dict[str, Any]:
+    return {
+        **_common(hf, pattern=int(hf.get("sliding_window_pattern", 6))),
+        "qk_norm": True,
+        "local_rope_theta": float(hf.get("rope_local_base_freq", 10000.0)),
+    }
+
+
+def _extras(config: Any) -> dict[str, Any]:
+    return {
+        "hidden_activation": config.activation,
+        "query_pre_attn_scalar": config.query_scale**-2,
+        "attn_logit_softcapping": config.attn_softcap,
+        "final_logit_softcapping": config.final_softcap,
+        "sliding_window": config.sliding_window,
+        "layer_types": config.layer_types(),
+        "attention_bias": False,
+    }
+
+
+def _gemma3_extras(config: Any) -> dict[str, Any]:
+    return {**_extras(config), "rope_local_base_freq": config.local_rope_theta}
+
+
+_GEMMA_DEFAULTS = {
+    "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
+
+GEMMA2 = Family(
+    name="gemma2",
+    model_types=("gemma2",),
+    architecture="Gemma2ForCausalLM",
+    gguf_architecture="gemma2",
+    defaults={
+        **_GEMMA_DEFAULTS,
+        "vocab_size": 256000,
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
+    layer_options=_gemma2_options,
+    hf_extras=_extras,
+    hf_layer_names=_SANDWICH_HF,
+    gguf_layer_names=_SANDWICH_GGUF,
+    gguf_norm_offset=1.0,
+)
+GEMMA3 = Family(
+    name="gemma3",
+    model_types=("gemma3_text", "gemma3"),
+    architecture="Gemma3ForCausalLM",
+    gguf_architecture="gemma3",
+    defaults={
+        **_GEMMA_DEFAULTS,
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
+        "rope_theta": 1000000.0,
+    },
+    layer_options=_gemma3_options,
+    hf_extras=_gemma3_extras,
+    hf_layer_names={
+        **_SANDWICH_HF,
+        "q_norm": "self_attn.q_norm.weight",
+        "k_norm": "self_attn.k_norm.weight",
+    },
+    gguf_layer_names={
+        **_SANDWICH_GGUF,
+        "q_norm": "attn_q_norm.weight",
+        "k_norm": "attn_k_norm.weight",
+    },
+    gguf_norm_offset=1.0,
+)

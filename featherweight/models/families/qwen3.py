@@ -1,0 +1,29 @@
+"""Qwen3 (dense): Qwen2's layer with an RMSNorm on each query and key head (QK-norm) before RoPE,
+no q/k/v biases by default, and head_dim given apart from hidden_size / heads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from featherweight.models.families.base import Family, HFConfig
+from featherweight.models.families.llama import _qwen_extras, qwen_sliding
+
+
+def _options(hf: HFConfig, source: str) -> dict[str, Any]:
+    return {
+        "qk_norm": True,
+        "attention_bias": bool(hf.get("attention_bias", False)),
+        **qwen_sliding(hf),
+    }
+
+
+QWEN3 = Family(
+    name="qwen3",
+    model_types=("qwen3",),
+    architecture="Qwen3ForCausalLM",
+    gguf_architecture="qwen3",
+    layer_options=_options,
+    hf_extras=lambda config: {**_qwen_extras(config), "attention_bias": config.attention_bias},
+    hf_layer_names={"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"},
+    gguf_layer_names={"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"},
+)
