@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from featherweight.models.attention import attend, blockwise_attention
+from featherweight.models.attention import ScoreForm, attend, blockwise_attention
 
 # batch, seq, heads, kv heads, head dim, block, packed
 CASES = [
@@ -203,3 +203,84 @@ def test_blockwise_memory_is_linear_in_the_sequence_with_no_score_matrix():
     assert _is_linear_without_scores(_blockwise(64))
     # negative control: the materialized path fails the same bound
     assert not _is_linear_without_scores(_materialized)
+
+
+# --- the families' score forms: windows, softcaps, scales ------------------------------------
+
+# seq, block, window, softcap, scale, packed
+FORMS = [
+    pytest.param(64, 16, 20, None, None, False, id="window-loops"),
+    pytest.param(37, 8, 5, None, None, True, id="window-packed-odd-length"),
+    pytest.param(40, 64, 7, None, None, False, id="window-lone-tile"),
+    pytest.param(48, 16, None, 1.5, 0.2, False, id="softcap-scale-loops"),
+    pytest.param(30, 64, None, 2.0, None, True, id="softcap-lone-tile-packed"),
+    pytest.param(64, 16, 24, 3.0, 0.3, True, id="window-softcap-scale-packed"),
+]
+
+
+@pytest.mark.parametrize("seq,block,window,softcap,scale,packed", FORMS)
+def test_windows_softcaps_and_scales_equal_the_materialized_attention(
+    seq, block, window, softcap, scale, packed
+):
+    """Gemma's and Mistral's score forms: blockwise (its loops and its lone tile), forward and
+    gradients, against the materialized path with the same window, cap and scale."""
+    q, k, v, segments, weights = _inputs(2, seq, 4, 2, 16, packed)
+    form = dict(scale=scale, softcap=softcap, window=window)
+
+    def blockwise(q, k, v, segments):
+        return blockwise_attention(q, k, v, segments, block, ScoreForm(scale, softcap, window))
+
+    def materialized(q, k, v, segments):
+        return attend(q, k, v, segments, "materialized", **form)
+
+    expected = _forward(materialized, q, k, v, segments)
+    np.testing.assert_allclose(_forward(blockwise, q, k, v, segments), expected, atol=2e-5)
+    for want, got in zip(
+        _grads(materialized, q, k, v, segments, weights),
+        _grads(blockwise, q, k, v, segments, weights),
+        strict=True,
+    ):
+        np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+    # the form changes the result: a window, cap or scale ignored could not pass
+    plain = _forward(lambda q, k, v, s: attend(q, k, v, s, "materialized"), q, k, v, segments)
+    assert np.abs(np.asarray(expected) - np.asarray(plain)).max() > 1e-2
+
+
+def test_tiles_outside_the_window_are_skipped_not_masked():
+    """With a window, a query block visits only the key blocks the window reaches: NaN keys and
+    values further back never reach it (a masked tile would multiply NaN by zero). So the work
+    is O(S x W): at fixed W, each query block reads at most ceil(W / block) + 1 key blocks."""
+    seq, block, window = 128, 16, 20
+    q, k, v, _, weights = _inputs(1, seq, 2, 1, 8, False)
+    behind = np.arange(seq)[None, :, None, None] < 32  # keys 0..31: out of reach from 64 on
+    k_poisoned, v_poisoned = (jnp.asarray(np.where(behind, np.nan, x)) for x in (k, v))
+
+    def windowed(q, k, v, segments):
+        return blockwise_attention(q, k, v, segments, block, ScoreForm(window=window))
+
+    out = _forward(windowed, q, k_poisoned, v_poisoned, None)
+    assert bool(jnp.isfinite(out[:, 64:]).all())
+    d_q = _grads(windowed, q, k_poisoned, v_poisoned, None, weights)[0]
+    assert bool(jnp.isfinite(d_q[:, 64:]).all())
+    # negative control: without the window every earlier block is visited
+    assert not bool(jnp.isfinite(_forward(_blockwise(block), q, k_poisoned, v, None)[:, 64:]).all())
+
+
+def test_mixed_layers_pick_their_window_in_the_scan():
+    """Gemma's pattern: in one scan, a sliding layer and a global layer (a `lax.cond` on the
+    layer index) each equal the attention of their own kind."""
+    from featherweight.models.config import ModelConfig
+    from featherweight.models.llama import AttentionInputs, attention_core
+
+    config = ModelConfig(
+        model_type="gemma2", vocab_size=16, hidden_size=32, intermediate_size=32, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=6, sliding_layers=(True, False),
+    )  # fmt: skip
+    q, k, v, _, _ = _inputs(1, 40, 4, 2, 16, False)
+    inputs = AttentionInputs(jnp.ones((1, 40, 16)), jnp.zeros((1, 40, 16)), None)
+    per_layer = jax.jit(
+        lambda index: attention_core(q, k, v, inputs.at_layer(index), config)
+    )  # one program, two layers
+    for index, window in ((0, 6), (1, None)):
+        expected = attend(q, k, v, None, "materialized", window=window).reshape(1, 40, -1)
+        np.testing.assert_allclose(per_layer(jnp.int32(index)), expected, atol=2e-5)

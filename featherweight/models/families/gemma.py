@@ -73,7 +73,12 @@ def _gemma3_extras(config: Any) -> dict[str, Any]:
     return {**_extras(config), "rope_local_base_freq": config.local_rope_theta}
 
 
-_GEMMA_DEFAULTS = {
+_GEMMA_DEFAULTS = {  # transformers' Gemma2Config / Gemma3TextConfig defaults (2B / 1B-ish shapes)
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
     "head_dim": 256,
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": True,
