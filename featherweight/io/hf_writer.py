@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from featherweight.io.atomic import atomic_directory
 from featherweight.io.interrupts import raise_if_interrupted
-from featherweight.io.names import TensorKey, fused_hf_names, hf_name
+from featherweight.io.names import TensorKey, fused_hf_names, hf_expert_names, hf_name
 from featherweight.io.output_paths import resolved
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
@@ -59,12 +59,18 @@ def iter_tensors(
 def hf_named(
     config: ModelConfig, tensors: Iterable[tuple[TensorKey, np.ndarray]]
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """The keyed tensors under their Hugging Face names, the ones the family stores fused
-    (Phi-3's `qkv_proj`) concatenated along their rows once all their parts have come."""
+    """The keyed tensors under their Hugging Face names: the ones the family stores fused
+    (Phi-3's `qkv_proj`) concatenated along their rows once all their parts have come, an MoE
+    layer's expert stacks one tensor per expert."""
     fused = fused_hf_names(config)
     group_of = {part: spelled for spelled, parts in fused.items() for part in parts}
+    per_expert = hf_expert_names(config)
     pending: dict[TensorKey, np.ndarray] = {}
     for (name, layer), tensor in tensors:
+        if layer is not None and name in per_expert:  # an MoE layer's stack: one per expert
+            for expert, part in enumerate(tensor):
+                yield f"model.layers.{layer}.{per_expert[name].format(e=expert)}", part
+            continue
         if layer is None or name not in group_of:
             yield hf_name((name, layer), config), tensor
             continue

@@ -29,7 +29,7 @@ from featherweight.io.hub import model_location
 from featherweight.io.interrupts import raise_if_interrupted
 from featherweight.io.safetensors_reader import PICKLE_SUFFIXES, SafetensorsSource, refuse_pickle
 from featherweight.models.config import ModelConfig
-from featherweight.models.llama import LINEAR_NAMES, Params
+from featherweight.models.linear import LINEAR_NAMES, Params
 from featherweight.models.model import Model
 from featherweight.models.shapes import layer_shapes, top_level_shapes
 from featherweight.parallel.memory_kinds import host_sharding
@@ -110,7 +110,8 @@ def _stack_layers(
             raise_if_interrupted()  # a signal a callback swallowed stops the read here
             values = source.read((name, layer)).astype(np.float32, copy=False)
             check_finite(values, f"layer {layer} {name}", source.path)
-            part = quantize_nf4(values, name=f"layer {layer} {name}")
+            # an MoE layer's experts are quantized one by one (an expert is dequantized alone)
+            part = quantize_nf4(values, stack_axes=values.ndim - 2, name=f"layer {layer} {name}")
             if not on_host:
                 parts.append(part)
                 continue

@@ -109,6 +109,29 @@ def language_model_name(name: str) -> str:
     return "lm_head.weight" if name == _HF_LANGUAGE_HEAD else name
 
 
+def hf_expert_part(name: str, config: ModelConfig) -> tuple[TensorKey, int] | None:
+    """(key, expert index) of one expert's tensor of an MoE layer (a family name with "{e}"),
+    or None for any other name."""
+    match = _HF_LAYER_RE.match(language_model_name(name))
+    if not match:
+        return None
+    for key, spelled in hf_layer_names(config).items():
+        if "{e}" not in spelled:
+            continue
+        head, tail = spelled.split("{e}")
+        within = match.group(2)
+        if within.startswith(head) and within.endswith(tail):
+            index = within[len(head) : len(within) - len(tail)]
+            if index.isdigit():
+                return (key, int(match.group(1))), int(index)
+    return None
+
+
+def hf_expert_names(config: ModelConfig) -> dict[str, str]:
+    """The layer keys stored one tensor per expert, with their name templates ("{e}")."""
+    return {key: spelled for key, spelled in hf_layer_names(config).items() if "{e}" in spelled}
+
+
 def parse_hf_name(name: str, config: ModelConfig) -> TensorKey | None:
     """The key of a Hugging Face tensor name, or None if featherweight has no such tensor."""
     return _parse(language_model_name(name), HF_TOP, hf_layer_names(config), _HF_LAYER_RE)

@@ -25,6 +25,7 @@ from featherweight.io.names import (
     HF_IGNORED,
     HF_OTHER_TOWERS,
     TensorKey,
+    hf_expert_part,
     hf_fused_parts,
     hf_name,
     parse_hf_name,
@@ -160,11 +161,17 @@ class SafetensorsSource:
     def __init__(self, directory: Path) -> None:
         self.path = Path(directory)
         self.config = read_hf_config(self.path)
-        self._where: dict[TensorKey, tuple[Path, TensorEntry]] = {}
+        self._where: dict[TensorKey, list[tuple[Path, TensorEntry]]] = {}
         shapes: dict[TensorKey, tuple[int, ...]] = {}
         unknown: list[str] = []
+        experts: dict[TensorKey, dict[int, tuple[Path, TensorEntry]]] = {}
         for path in safetensors_files(self.path):
             for name, entry in read_safetensors_header(path).items():
+                expert = hf_expert_part(name, self.config)
+                if expert is not None:
+                    _check_float(path, name, entry)
+                    experts.setdefault(expert[0], {})[expert[1]] = (path, entry)
+                    continue
                 for key, part in self._parts(name, entry):
                     if key is None:
                         if not (HF_IGNORED.match(name) or HF_OTHER_TOWERS.match(name)):
@@ -173,8 +180,10 @@ class SafetensorsSource:
                     if key == ("lm_head", None) and self.config.tie_word_embeddings:
                         continue  # a tied model may also save the (shared) head: the embedding
                     _check_float(path, name, entry)
-                    self._where[key] = (path, part)
+                    self._where[key] = [(path, part)]
                     shapes[key] = part.shape
+        for key, parts in experts.items():
+            shapes[key] = self._stack_experts(key, parts)
         validate_tensors(self.config, shapes, unknown, str(self.path), spell=hf_name)
         self.shapes = shapes
 
@@ -204,20 +213,41 @@ class SafetensorsSource:
             for key, first, stop in parts
         ]
 
+    def _stack_experts(self, key: TensorKey, parts: dict[int, tuple[Path, TensorEntry]]):
+        """Record an MoE layer's per-expert tensors as one [E, ...] key -> its shape."""
+        count = self.config.num_experts
+        shapes = {entry.shape for _, entry in parts.values()}
+        if sorted(parts) != list(range(count)) or len(shapes) != 1:
+            raise TensorShapeError(
+                f"{self.path}: {hf_name(key, self.config)!r} holds experts {sorted(parts)[:8]} "
+                f"of shapes {sorted(shapes)[:2]}, expected experts 0..{count - 1} of one shape; "
+                "the checkpoint is incomplete or belongs to another config"
+            )
+        self._where[key] = [parts[index] for index in range(count)]
+        return (count, *shapes.pop())
+
     def keys(self) -> list[TensorKey]:
         return list(self._where)
 
     def stored_dtype(self, key: TensorKey) -> np.dtype:
-        return self._where[key][1].dtype
+        return self._where[key][0][1].dtype
 
     def read(self, key: TensorKey) -> np.ndarray:
         """The tensor as a new array in its stored dtype."""
-        entry = self._where[key][1]
-        return self.read_into(key, np.empty(entry.shape, dtype=entry.dtype))
+        return self.read_into(key, np.empty(self.shapes[key], dtype=self.stored_dtype(key)))
 
     def read_into(self, key: TensorKey, out: np.ndarray) -> np.ndarray:
-        """Read the tensor into `out` (cast to its dtype); with the stored dtype, no other copy."""
-        path, entry = self._where[key]
+        """Read the tensor into `out` (cast to its dtype); with the stored dtype, no other copy.
+        An MoE layer's experts are read one after another into their slices of `out`."""
+        parts = self._where[key]
+        if len(parts) > 1:
+            for index, part in enumerate(parts):
+                self._read_part(key, part, out[index])
+            return out
+        return self._read_part(key, parts[0], out)
+
+    def _read_part(self, key: TensorKey, part: tuple[Path, TensorEntry], out: np.ndarray):
+        path, entry = part
         direct = out.dtype == entry.dtype and out.flags.c_contiguous
         target = out if direct else np.empty(entry.shape, dtype=entry.dtype)
         try:

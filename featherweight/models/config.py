@@ -169,6 +169,12 @@ class ModelConfig:
     partial_rotary_factor: the fraction of each head RoPE rotates (Phi-4-mini: 0.75).
     embed_scale: embeddings multiplied by sqrt(hidden_size) (Gemma).
     activation: the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU).
+    num_experts, experts_per_token: a mixture-of-experts MLP (`models/moe.py`): E experts of
+      width `intermediate_size`, each token routed to its top k; 0: a dense MLP.
+    norm_topk_prob: the top-k routing weights renormalized to sum to one (Mixtral, Qwen3-MoE's
+      config flag).
+    router_aux_loss_coef: the family's load-balancing loss weight (recorded; not trained, as
+      transformers' own default `output_router_logits: false` does not).
     """
 
     model_type: str
@@ -199,6 +205,10 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     embed_scale: bool = False
     activation: str = "silu"
+    num_experts: int = 0
+    experts_per_token: int = 0
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -222,6 +232,11 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"hidden activation {self.activation!r} is not supported; supported: "
                 f"{', '.join(ACTIVATIONS)}"
+            )
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ModelConfigError(
+                f"num_experts_per_tok={self.experts_per_token} must be between 1 and the "
+                f"{self.num_experts} experts"
             )
         if self.sliding_window is not None and len(self.sliding_layers) != self.num_layers:
             raise ModelConfigError(
@@ -391,10 +406,7 @@ def config_from_hf_dict(hf: dict[str, Any], source: str = "config.json") -> Mode
     eos = hf.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
-    options = {"activation": hf.get("hidden_act", "silu"), **family.layer_options(hf, source)}
-    if local_theta is not None and "local_rope_theta" in options:
-        options["local_rope_theta"] = local_theta
-    return ModelConfig(
+    fields: dict[str, Any] = dict(
         model_type=family.model_types[0],
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
@@ -410,8 +422,12 @@ def config_from_hf_dict(hf: dict[str, Any], source: str = "config.json") -> Mode
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=eos,
-        **options,
+        activation=hf.get("hidden_act", "silu"),
     )
+    fields.update(family.layer_options(hf, source))
+    if local_theta is not None and "local_rope_theta" in fields:
+        fields["local_rope_theta"] = local_theta
+    return ModelConfig(**fields)
 
 
 def read_hf_config(directory: Path) -> ModelConfig:

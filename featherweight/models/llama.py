@@ -29,29 +29,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from featherweight.errors import StepConfigError
+from featherweight.models import moe
 from featherweight.models.attention import IMPLEMENTATIONS, attend
 from featherweight.models.config import ModelConfig
 from featherweight.models.fused_attention import DEFAULT_PACKED_SLOTS
+from featherweight.models.linear import LoraSpec, Params, linear
 from featherweight.parallel.memory_kinds import host_table_rows, on_host, scan_layers
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, take_rows_nf4
-
-Params = dict[str, Any]
-
-LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
-
-
-class LoraSpec(NamedTuple):
-    """Static LoRA settings the block needs: the scale applied to `B @ A` and the dropout rate."""
-
-    scale: float
-    dropout: float = 0.0
 
 
 @functools.partial(
@@ -213,47 +203,6 @@ def norm(config: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
     return rms_norm(x, weight, config.rms_norm_eps, config.norm_offset)
 
 
-def linear(
-    layer: Params,
-    name: str,
-    x: jax.Array,
-    lora: LoraSpec | None = None,
-    dropout_key: jax.Array | None = None,
-) -> jax.Array:
-    """`x @ W.T (+ bias) (+ scale * B A dropout(x))` for the weight `layer[name]` in [out, in].
-
-    An NF4 weight is dequantized here, in the compute dtype, so only this layer's copy exists.
-    """
-    weight = layer[name]
-    if isinstance(weight, NF4Tensor):
-        weight = dequantize_nf4(weight, x.dtype)
-    y = jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype))
-    bias = layer.get(f"{name}_bias")
-    if bias is not None:
-        y = y + bias.astype(y.dtype)
-    adapter = layer.get("lora", {}).get(name)
-    if adapter is not None and lora is not None:
-        with jax.named_scope("lora"):
-            y = y + _lora_update(x, adapter, lora, name, dropout_key)
-    return y
-
-
-def _lora_update(
-    x: jax.Array, adapter: Params, lora: LoraSpec, name: str, dropout_key: jax.Array | None
-) -> jax.Array:
-    """`scale * B A dropout(x)` of the adapter on the linear `name`: [..., in] -> [..., out]."""
-    x_in = x
-    if lora.dropout > 0.0 and dropout_key is not None:
-        keep = jax.random.bernoulli(
-            jax.random.fold_in(dropout_key, LINEAR_NAMES.index(name)),
-            1.0 - lora.dropout,
-            x.shape,
-        )
-        x_in = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(x.dtype)
-    down = jnp.einsum("...i,ri->...r", x_in, adapter["a"].astype(x.dtype))
-    return lora.scale * jnp.einsum("...r,or->...o", down, adapter["b"].astype(x.dtype))
-
-
 def attention_in(
     layer: Params,
     x: jax.Array,
@@ -323,9 +272,12 @@ def mlp_in(
     config: ModelConfig,
     lora: LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """The MLP's two input projections of the normed residual a [B, S, D]: gate and up [B, S, F]."""
+) -> tuple:
+    """The MLP's hidden state from the normed residual a [B, S, D]: its two input projections
+    gate and up [B, S, F] -- of the routed rows, with their `moe.Routing`, in an MoE layer."""
     normed = norm(config, a, layer["mlp_norm"])
+    if config.num_experts:
+        return moe.experts_in(layer, normed, config, lora, dropout_key)
     with jax.named_scope("mlp"):
         gate = linear(layer, "gate", normed, lora, dropout_key)
         return gate, linear(layer, "up", normed, lora, dropout_key)
@@ -341,16 +293,21 @@ def activation(config: ModelConfig, gate: jax.Array) -> jax.Array:
 def mlp_out(
     layer: Params,
     a: jax.Array,
-    gate: jax.Array,
-    up: jax.Array,
+    hidden: tuple,
     config: ModelConfig,
     lora: LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
 ) -> jax.Array:
-    """The residual stream after the MLP: a + down(act(gate) * up) (normed first with sandwich
+    """The residual stream after the MLP: a + down(act(gate) * up) of `mlp_in`'s hidden state
+    (each token's experts summed by their weights in an MoE layer; normed first with sandwich
     norms)."""
-    with jax.named_scope("mlp"):
-        out = linear(layer, "down", activation(config, gate) * up, lora, dropout_key)
+    if config.num_experts:
+        out = moe.experts_out(layer, hidden, config, activation, lora, dropout_key)
+        out = out.reshape(a.shape)
+    else:
+        gate, up = hidden
+        with jax.named_scope("mlp"):
+            out = linear(layer, "down", activation(config, gate) * up, lora, dropout_key)
     if config.sandwich_norms:
         out = norm(config, out, layer["post_mlp_norm"])
     return a + out
@@ -372,8 +329,9 @@ def mlp_residual(
     """
     batch, seq, width = a.shape
     if seq_chunk is None or seq_chunk >= seq:
-        gate, up = mlp_in(layer, a, config, lora, dropout_key)
-        return mlp_out(layer, a, gate, up, config, lora, dropout_key)
+        return mlp_out(
+            layer, a, mlp_in(layer, a, config, lora, dropout_key), config, lora, dropout_key
+        )
     if seq % seq_chunk:
         raise ValueError(f"mlp seq_chunk {seq_chunk} must divide the sequence length {seq}")
     count = seq // seq_chunk

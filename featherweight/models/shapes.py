@@ -25,6 +25,11 @@ def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if config.attention_bias:
         shapes.update(q_bias=(config.q_size,), k_bias=(config.kv_size,), v_bias=(config.kv_size,))
+    if config.num_experts:  # the experts' weights stacked, and the router
+        experts = config.num_experts
+        shapes.update(
+            router=(experts, d), gate=(experts, f, d), up=(experts, f, d), down=(experts, d, f)
+        )
     if config.qk_norm:
         shapes.update(q_norm=(config.head_dim,), k_norm=(config.head_dim,))
     if config.sandwich_norms:

@@ -25,7 +25,7 @@ from pydantic import ConfigDict, Field, with_config
 
 from featherweight.errors import AdapterConfigError
 from featherweight.models.config import ModelConfig
-from featherweight.models.llama import LINEAR_NAMES, LoraSpec, Params
+from featherweight.models.linear import LINEAR_NAMES, LoraSpec, Params
 from featherweight.models.shapes import layer_shapes
 from featherweight.quant.nf4 import quantize_nf4
 
@@ -106,7 +106,7 @@ class LoraConfig:
         """Refuse a rank larger than the smaller dimension of any targeted weight."""
         shapes = layer_shapes(config)
         for target in self.targets:
-            out_features, in_features = shapes[target]
+            out_features, in_features = shapes[target][-2:]
             if self.rank > min(out_features, in_features):
                 raise AdapterConfigError(
                     f"LoRA rank={self.rank} exceeds the smaller dimension of target {target!r} "
@@ -123,14 +123,17 @@ class LoraConfig:
 def lora_shapes(
     model_config: ModelConfig, lora_config: LoraConfig
 ) -> dict[str, dict[str, tuple[int, ...]]]:
-    """{target: {"a": (L, r, in), "b": (L, out, r)}} after checking the rank against the model."""
+    """{target: {"a": (L, r, in), "b": (L, out, r)}} after checking the rank against the model;
+    an MoE layer's expert weights [E, out, in] get one adapter per expert, (L, E, r, in) and
+    (L, E, out, r)."""
     lora_config.check_model(model_config)
     layers, rank = model_config.num_layers, lora_config.rank
     shapes = layer_shapes(model_config)
     result = {}
     for target in lora_config.targets:
-        out_features, in_features = shapes[target]
-        result[target] = {"a": (layers, rank, in_features), "b": (layers, out_features, rank)}
+        *experts, out_features, in_features = shapes[target]
+        lead = (layers, *experts)
+        result[target] = {"a": (*lead, rank, in_features), "b": (*lead, out_features, rank)}
     return result
 
 
@@ -200,7 +203,8 @@ def quantize_frozen_base(params: Params) -> Params:
     """
     layers = dict(params["layers"])
     for name in LINEAR_NAMES:
-        layers[name] = quantize_nf4(layers[name], stack_axes=1, name=name)
+        stack_axes = layers[name].ndim - 2  # layers, and an MoE layer's experts
+        layers[name] = quantize_nf4(layers[name], stack_axes=stack_axes, name=name)
     return {**params, "layers": layers}
 
 

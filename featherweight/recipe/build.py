@@ -20,7 +20,7 @@ from featherweight.errors import ConfigError
 from featherweight.models.attention_choice import AttentionTarget, choose_attention, cudnn_refusal
 from featherweight.models.config import ModelConfig
 from featherweight.models.fused_attention import DEFAULT_PACKED_SLOTS
-from featherweight.models.llama import LINEAR_NAMES, LoraSpec, Params
+from featherweight.models.linear import LINEAR_NAMES, LoraSpec, Params
 from featherweight.models.shapes import layer_shapes, top_level_shapes
 from featherweight.parallel.sharding import mesh_from_settings, step_shardings
 from featherweight.peft.lora import (

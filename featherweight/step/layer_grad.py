@@ -85,7 +85,7 @@ class _Stages:
         return mlp_in(self.layer(trainable), a, self.config, self.lora, self.mlp_key)
 
     def mlp_residual(self, trainable, a, gate_up):
-        return mlp_out(self.layer(trainable), a, *gate_up, self.config, self.lora, self.mlp_key)
+        return mlp_out(self.layer(trainable), a, gate_up, self.config, self.lora, self.mlp_key)
 
     def mlp_block(self, trainable, a):
         """The whole MLP residual from its input (sequence-chunked when `mlp_chunk` is set)."""

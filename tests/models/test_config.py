@@ -93,7 +93,9 @@ def test_to_hf_dict_round_trips_through_transformers(family, tmp_path):
 
 
 def test_unsupported_model_type_lists_the_supported_ones():
-    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*llama, mistral, qwen2"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"'gpt2'.*llama, mistral.*qwen2, qwen3, gemma2.*phi3"
+    ):
         config_from_hf_dict({**hf_dict("llama2"), "model_type": "gpt2"})
 
 
@@ -105,27 +107,24 @@ def test_unsupported_architecture_lists_the_supported_ones():
         config_from_hf_dict(hf)
 
 
-def test_mistral_sliding_window_is_refused_when_it_limits_attention():
+def test_mistral_sliding_window_applies_to_every_layer():
     hf = hf_dict("mistral", sliding_window=4096, max_position_embeddings=32768)
-    with pytest.raises(UnsupportedModelError, match=r"sliding_window=4096.*Mistral-7B-v0.3"):
-        config_from_hf_dict(hf)
+    config = config_from_hf_dict(hf)
+    assert config.windows == "all" and config.sliding_window == 4096
 
 
-def test_mistral_window_covering_every_position_is_accepted():
-    hf = hf_dict("mistral", sliding_window=4096, max_position_embeddings=4096)
-    assert config_from_hf_dict(hf).model_type == "mistral"
-
-
-def test_qwen2_sliding_window_is_refused_when_enabled():
-    hf = hf_dict("qwen2", use_sliding_window=True, sliding_window=1024)
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        config_from_hf_dict(hf)
+def test_qwen2_sliding_window_slides_from_max_window_layers_on():
+    hf = hf_dict("qwen2", use_sliding_window=True, sliding_window=1024, max_window_layers=1)
+    config = config_from_hf_dict(hf)
+    assert config.sliding_window == 1024
+    assert config.sliding_layers == tuple(index >= 1 for index in range(config.num_layers))
+    assert config_from_hf_dict(hf_dict("qwen2", sliding_window=1024)).windows == "none"
 
 
 def test_unsupported_rope_type_is_named():
     hf = hf_dict("llama2")
     hf["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
-    with pytest.raises(UnsupportedModelError, match=r"'yarn'.*'llama3'"):
+    with pytest.raises(UnsupportedModelError, match=r"'yarn'.*llama3, linear, longrope"):
         config_from_hf_dict(hf)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from featherweight.errors import AdapterConfigError
 from featherweight.io.loader import load_model
-from featherweight.models.llama import LINEAR_NAMES
+from featherweight.models.linear import LINEAR_NAMES
 from featherweight.peft.lora import (
     PEFT_MODULES,
     LoraConfig,

@@ -23,7 +23,7 @@ import pytest
 
 from featherweight.models.batch import Batch
 from featherweight.models.config import ModelConfig
-from featherweight.models.llama import LINEAR_NAMES, Params
+from featherweight.models.linear import LINEAR_NAMES, Params
 from featherweight.models.shapes import abstract_params, layer_shapes
 from featherweight.peft.lora import LoraConfig, abstract_lora, quantize_frozen_base
 from featherweight.step.reference import build_reference_step, model_loss

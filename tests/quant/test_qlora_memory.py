@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from featherweight.models.batch import Batch
-from featherweight.models.llama import LINEAR_NAMES, LoraSpec, Params
+from featherweight.models.linear import LINEAR_NAMES, LoraSpec, Params
 from featherweight.models.shapes import abstract_params, layer_shapes
 from featherweight.quant.nf4 import dequantize_nf4, quantize_nf4
 from featherweight.step.reference import model_loss

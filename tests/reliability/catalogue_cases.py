@@ -677,7 +677,7 @@ def unexpected_tensor(env: Env) -> Action:
 @case(
     "unsupported model type",
     r"model_type 'gpt_neox'",
-    r"supported model types: llama, mistral, qwen2",
+    r"supported model types: llama, mistral, .*qwen3, gemma2",
 )
 def unsupported_type(env: Env) -> Action:
     return env.train_model(env.edited_config(model_type="gpt_neox"))

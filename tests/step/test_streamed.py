@@ -9,7 +9,7 @@ import pytest
 from featherweight.errors import StepConfigError
 from featherweight.models.batch import Batch, batch_from_tokens
 from featherweight.models.init import init_params
-from featherweight.models.llama import LINEAR_NAMES, LoraSpec
+from featherweight.models.linear import LINEAR_NAMES, LoraSpec
 from featherweight.models.shapes import abstract_params
 from featherweight.quant.nf4 import quantize_nf4
 from featherweight.step.opt_state import init_streamed_opt_state

@@ -40,7 +40,8 @@ class Family:
       from Llama's (norm form and placement, QK-norm, softcaps, windows, activation, ...).
     hf_extras: ModelConfig -> the family's own config.json fields an export writes back.
     hf_layer_names / gguf_layer_names: featherweight's layer tensor keys -> their names on disk,
-      overriding (or adding to) the Llama spellings in `io/names.py`.
+      overriding (or adding to) the Llama spellings in `io/names.py`; a name with "{e}" is one
+      tensor per expert of an MoE layer, stacked on load into the key's [E, ...] tensor.
     hf_fused: a tensor stored fused on disk -> the keys it is split into on load, in order along
       its rows (Phi-3's `qkv_proj` and `gate_up_proj`), fused again on export.
     gguf_fused: the same for GGUF names.
