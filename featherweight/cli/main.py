@@ -12,8 +12,9 @@ from typing import Annotated
 import typer
 
 from featherweight.cli.chat_commands import chat
-from featherweight.cli.model_commands import convert, generate, plan, setup
+from featherweight.cli.model_commands import convert, generate, setup
 from featherweight.cli.output import OneLineErrors, set_debug
+from featherweight.cli.plan_commands import plan
 from featherweight.cli.train_commands import demo, export, train
 
 app = typer.Typer(

@@ -388,21 +388,45 @@ def _iterator(dataset: Dataset, config: TrainConfig) -> DataIterator:
     )
 
 
-def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> Run:
-    """Check, resolve, plan, load and (when resuming) restore: a run ready for its first step.
+class PlannedRun(NamedTuple):
+    """A run checked and planned, nothing read beyond the checkpoint's header (steps 1-3 of the
+    module docstring): what `train --dry-run` shows, and where `prepare_run` goes on from."""
+
+    directory: RunDirectory
+    model_path: Path
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    mesh: Any
+    config: TrainConfig  # resolved (and fitted to its budget)
+    plan: Any
+    fit: Verdict | None
+
+
+def plan_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> PlannedRun:
+    """Check the output directory, the model's header and the method, then resolve and plan.
 
     The config is resolved once (`memory.defaults.resolve`; a resumed run keeps what it
-    recorded) and that config is planned, built and written to the run's config file.
-    `plan_fn(config, model_config) -> (config, plan)` plans memory (and may change settings to fit
-    a budget) before any weights are read.
+    recorded). `plan_fn(config, model_config) -> (config, plan)` plans memory (and may change
+    settings to fit a budget) before any weights are read.
     """
     directory, model_path = _check_inputs(config, overwrite)
-    output_dir, config = directory.path, directory.config
+    config = directory.config
     model_config, tokenizer = read_header(model_path)
     check_tokenizer_fits(tokenizer, model_config, model_path)
     check_method_settings(config, model_config)
     mesh = mesh_from_settings(config.mesh)
     config, plan, fit = _resolve_and_plan(config, model_config, mesh, plan_fn)
+    return PlannedRun(directory, model_path, model_config, tokenizer, mesh, config, plan, fit)
+
+
+def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> Run:
+    """Check, resolve, plan (`plan_run`), load and (when resuming) restore: a run ready for its
+    first step. The config `plan_run` resolved is the one built and written to the run's config
+    file."""
+    directory, model_path, model_config, tokenizer, mesh, config, plan, fit = plan_run(
+        config, overwrite, plan_fn
+    )
+    output_dir = directory.path
     dataset, data, config = _read_data(config, tokenizer, model_path)
     if directory.resuming:
         check_steps_ahead(config, output_dir)
