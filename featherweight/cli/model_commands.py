@@ -9,15 +9,30 @@ from typing import Annotated
 
 import typer
 
-from featherweight.cli.output import console, finite, friendly_errors, positive, stops_on_signal
+from featherweight.cli.output import (
+    console,
+    finite,
+    friendly_errors,
+    positive,
+    stops_on_signal,
+    utf8_text,
+)
 
 DEFAULT_PROMPT = "Write one sentence about why the sky is blue."
 
 
-def _model_path(model: str | None) -> Path:
+DEMO_NAME = "demo"
+
+
+def model_or_demo(model: str | None) -> str | Path:
+    """The model a command names: the embedded demo model for none or the name `demo` (as a
+    config's `model.path: demo` means it, unless a path of that name exists), else the path or
+    Hub name as given."""
     from featherweight.io.embedded_model import require_demo_model
 
-    return Path(model) if model else require_demo_model()
+    if model is None or (model == DEMO_NAME and not Path(model).exists()):
+        return require_demo_model()
+    return model
 
 
 @friendly_errors
@@ -34,11 +49,13 @@ def generate(
     model: Annotated[
         str | None,
         typer.Argument(
-            help="HF directory, .gguf, Hub name (org/name), or a training run's directory; "
-            "default: demo"
+            help="HF directory, .gguf, Hub name (org/name), a training run's directory, or demo "
+            "(the default)"
         ),
     ] = None,
-    prompt: Annotated[str, typer.Option(help="Text to continue or answer.")] = DEFAULT_PROMPT,
+    prompt: Annotated[
+        str, typer.Option(callback=utf8_text, help="Text to continue or answer (UTF-8).")
+    ] = DEFAULT_PROMPT,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
     temperature: Annotated[float, typer.Option(min=0.0, callback=finite, help="0 = greedy.")] = 0.0,
     seed: Annotated[int, typer.Option(min=0, max=2**32 - 1)] = 0,
@@ -60,7 +77,7 @@ def generate(
     if model is not None and is_run_dir(model):
         loaded, _ = load_run_model(model, dtype=dtype)
     else:
-        loaded = load_model(_model_path(model), dtype=dtype)
+        loaded = load_model(model_or_demo(model), dtype=dtype)
     console.print(
         f"[dim]model: {loaded.source} ({loaded.config.num_layers} layers, {loaded.dtype.name})[/]",
         highlight=False,
@@ -85,7 +102,9 @@ def shard_gib(value: float | None) -> float | None:
 
 @friendly_errors
 def convert(
-    source: Annotated[str, typer.Argument(help="GGUF file, HF directory or Hub name (org/name)")],
+    source: Annotated[
+        str, typer.Argument(help="GGUF file, HF directory, Hub name (org/name) or demo")
+    ],
     out: Annotated[Path, typer.Option(help="Output directory")],
     dtype: Annotated[str | None, typer.Option(help="cast tensors, e.g. bfloat16")] = None,
     overwrite: bool = False,
@@ -104,7 +123,7 @@ def convert(
 
     with stops_on_signal(out, "conversion"):
         written = convert_checkpoint(
-            source,
+            model_or_demo(source),
             out,
             dtype=dtype,
             overwrite=overwrite,

@@ -151,6 +151,29 @@ def positive(value: float | None) -> float | None:
     return value
 
 
+def not_utf8(text: str) -> str | None:
+    """What is wrong with `text` when it holds bytes that are not UTF-8 (the shell passes them
+    through, Python keeps them as lone surrogates and the tokenizer takes only text), else None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(text[error.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        return (
+            f"{what} at character {error.start + 1} is not UTF-8 text; give the text in UTF-8 "
+            "(a Latin-1 file converts with iconv -f latin1 -t utf-8)"
+        )
+    return None
+
+
+def utf8_text(value: str | None) -> str | None:
+    """A text option (a prompt) that must be UTF-8 (`not_utf8`)."""
+    problem = None if value is None else not_utf8(value)
+    if problem is not None:
+        raise typer.BadParameter(problem)
+    return value
+
+
 def path_text(value: str | None) -> str | None:
     """A path option given as text: not empty (an empty path would mean the current directory)."""
     if value is not None and not value.strip():
