@@ -374,7 +374,23 @@ def _read_data(
         raise DataError(f"{model_path} has no tokenizer; the trainer needs one to read the dataset")
     dataset = build_dataset(config, tokenizer, resolve_data_path(config))
     data = _iterator(dataset, config)
+    _refuse_batch_beyond_rows(config, len(dataset.train), dataset.train.group)
     return dataset, data, steps_from_epochs(config, data.steps_per_epoch)
+
+
+def _refuse_batch_beyond_rows(config: TrainConfig, rows: int, group: int) -> None:
+    """A batch larger than the training rows repeats rows in every step (the batch is filled up
+    from the same rows): the work of several passes over the data a step, for nothing."""
+    global_batch = config.batch_size * jax.process_count()
+    if global_batch > rows:
+        per_process = " per process" if jax.process_count() > 1 else ""
+        most = max(group, rows // jax.process_count() // group * group)  # whole pairs
+        raise DataError(
+            f"batch_size {config.batch_size}{per_process} is more than the {rows} training rows "
+            f"the data packs into (seq_len {config.data.seq_len}): each step would repeat rows, "
+            f"{global_batch / rows:.1f}x the work of one pass; set batch_size to {most} or less, "
+            "or add data"
+        )
 
 
 def _iterator(dataset: Dataset, config: TrainConfig) -> DataIterator:
