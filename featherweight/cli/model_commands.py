@@ -117,8 +117,8 @@ def convert(
     ] = "f16",
 ) -> None:
     """Convert a checkpoint into a Hugging Face directory that transformers loads, or (--to gguf)
-    a GGUF file llama.cpp runs with an Ollama Modelfile beside it. SIGINT/SIGTERM stop it (exit
-    130/143); the previous --out is never replaced by a partial conversion."""
+    a GGUF file llama.cpp runs with an Ollama Modelfile beside it. SIGINT/SIGTERM/SIGHUP stop it
+    (exit 130/143/129); the previous --out is never replaced by a partial conversion."""
     from featherweight.io.convert import convert as convert_checkpoint
 
     with stops_on_signal(out, "conversion"):

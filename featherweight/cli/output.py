@@ -115,8 +115,8 @@ def stopped(stop, what: str) -> None:
 
 @contextlib.contextmanager
 def stops_on_signal(out: Path, what: str):
-    """SIGINT/SIGTERM while the block writes `out` (an export, a conversion) stop it wherever
-    they land (`io/interrupts.py`): one line saying what was kept, exit code 130/143."""
+    """SIGINT/SIGTERM/SIGHUP while the block writes `out` (an export, a conversion) stop it wherever
+    they land (`io/interrupts.py`): one line saying what was kept, exit code 130/143/129."""
     from featherweight.io.interrupts import StopOnSignal
 
     target = out.expanduser().absolute()

@@ -138,8 +138,8 @@ def export(
     """Export a run's checkpoint: merged Hugging Face weights, a PEFT LoRA adapter, or GGUF (the
     merged model, or the adapter for llama-server --lora) with an Ollama Modelfile.
 
-    SIGINT/SIGTERM stop it (exit 130/143) with one line saying what was kept: the previous --out
-    is never replaced by a partial export."""
+    SIGINT/SIGTERM/SIGHUP stop it (exit 130/143/129) with one line saying what was kept: the
+    previous --out is never replaced by a partial export."""
     from featherweight.io.interrupts import StopOnSignal
     from featherweight.train.export_check import merged_output_check, qlora_note
     from featherweight.train.export_run import export_run

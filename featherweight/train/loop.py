@@ -262,8 +262,8 @@ def train(
     """
     console = (console or Console()) if is_primary() else Console(quiet=True)
     check_loggers(config.report_to)
-    # from the very start: SIGINT/SIGTERM during setup (planning, loading, compiling) is recorded
-    # too, and the run stops cleanly before its first step instead of dying mid-setup
+    # from the very start: SIGINT/SIGTERM/SIGHUP during setup (planning, loading, compiling) is
+    # recorded too, and the run stops cleanly before its first step instead of dying mid-setup
     with StopRequest() as stop:
         return _train(config, overwrite, console, plan_fn, on_step, stop)
 
