@@ -11,6 +11,7 @@ import typer
 
 from featherweight.cli.output import (
     console,
+    error_console,
     finite,
     friendly_errors,
     positive,
@@ -68,7 +69,8 @@ def generate(
 ) -> None:
     """Generate text with a KV cache (greedy by default), via the chat template when present.
 
-    A run directory generates with its latest checkpoint (base + adapters, no export needed)."""
+    A run directory generates with its latest checkpoint (base + adapters, no export needed).
+    The reply alone goes to stdout, for scripts; the model and the time to stderr."""
     from featherweight.inference.generate import generate as generate_text
     from featherweight.io.loader import load_model
     from featherweight.train.run_model import load_run_model
@@ -78,16 +80,15 @@ def generate(
         loaded, _ = load_run_model(model, dtype=dtype)
     else:
         loaded = load_model(model_or_demo(model), dtype=dtype)
-    console.print(
+    error_console.print(
         f"[dim]model: {loaded.source} ({loaded.config.num_layers} layers, {loaded.dtype.name})[/]",
         highlight=False,
     )
-    console.print(f"[bold]prompt:[/] {prompt}")
     start = time.perf_counter()
     reply = generate_text(loaded, prompt, max_new_tokens, temperature, seed, chat)
     seconds = time.perf_counter() - start
-    console.print(f"[bold]reply:[/] {reply}", highlight=False)
-    console.print(f"[dim]{seconds:.1f} s including compilation[/]")
+    typer.echo(reply)  # stdout holds the reply alone: `reply=$(featherweight generate ...)`
+    error_console.print(f"[dim]{seconds:.1f} s including compilation[/]")
 
 
 def shard_gib(value: float | None) -> float | None:

@@ -1,8 +1,10 @@
 """The model commands as a user types them: `demo` names the embedded model in `generate`, `chat`
 and `convert` as it does in a config (before, "model path demo does not exist"); text that is not
 UTF-8 (bytes a shell passes through) is refused in one line, or skipped in a chat that goes on,
-where it used to end both with "bug: TypeError: TextInputSequence must be str"."""
+where it used to end both with "bug: TypeError: TextInputSequence must be str". `generate` puts
+the reply alone on stdout (scripts read it), the rest on stderr; `featherweight --version`."""
 
+from importlib.metadata import version
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +12,7 @@ from typer.testing import CliRunner
 
 from featherweight.cli.main import app
 from featherweight.errors import ConfigError
+from featherweight.inference import generate as generate_module
 from featherweight.io import convert, loader
 from featherweight.train import run_model
 
@@ -64,3 +67,19 @@ def test_a_chat_line_that_is_not_utf8_is_skipped_and_the_session_goes_on(monkeyp
     assert result.exit_code == 0, result.output
     assert "skipped that line: byte 0xe9 at character 4 is not UTF-8 text" in result.stderr
     assert "model> you said hello" in result.output  # the next line was answered
+
+
+def test_generate_prints_the_reply_alone_on_stdout(monkeypatch):
+    model = SimpleNamespace(source="a model", config=SimpleNamespace(num_layers=2))
+    model.dtype = SimpleNamespace(name="float32")
+    monkeypatch.setattr(loader, "load_model", lambda path, **_: model)
+    monkeypatch.setattr(generate_module, "generate", lambda *_: "The planet is blue.")
+    result = CliRunner().invoke(app, ["generate", "demo", "--prompt", "Which colour?"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "The planet is blue.\n"
+    assert "model: a model" in result.stderr
+
+
+def test_version():
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout == f"featherweight {version('featherweight')}\n"
