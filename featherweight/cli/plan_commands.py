@@ -102,38 +102,51 @@ def plan(
     ] = None,
 ) -> None:
     """Plan every byte of a train step before compiling; measure the compiled step next to it.
-
-    Given a training config (`plan config.yaml [--set ...]`), it plans exactly the step
-    `train config.yaml` builds; given a model, the step the options describe. Settings resolve as
-    `train` resolves them: the step planned is the one a config trains."""
+    A config (`plan config.yaml [--set ...]`) is planned exactly as `train config.yaml` builds it;
+    a model, with the options' settings, resolved as `train` resolves them."""
     from featherweight.io.model_source import model_config_from
-    from featherweight.memory.budget import budget_bytes_of
 
-    if is_config_file(model):
-        _refuse_plan_options_with_a_config(ctx, model)
-        requested, model_source = _config_request(model, set_, budget)
-    else:
-        if set_:
-            raise _config_error(
-                f"--set {set_[0]} changes a training config, and {model!r} is a model; plan a "
-                "config (featherweight plan config.yaml --set ...) or use the plan options "
-                "(featherweight plan --help)"
-            )
-        requested = _plan_request(
-            method=method, batch_size=batch, dtype=dtype, quantize_head=quantize_head,
-            seq_len=seq, optimizer=optimizer, lora_rank=lora_rank, mesh=mesh, offload=offload,
-            chunks={"loss_chunk": loss_chunk, "vocab_chunk": vocab_chunk, "mlp_chunk": mlp_chunk},
-            attention=attention, objective=objective, reference=reference, budget=budget,
-        )  # fmt: skip
-        model_source = model
+    requested, model_source = _requested(ctx)
     chosen = _check_target_and_mesh(target, requested.mesh, measure)
-    budget_text = requested.memory.budget
-    budget_bytes = None if budget_text is None else budget_bytes_of(budget_text, chosen)
+    budget_bytes = _budget_bytes(requested, chosen)
     model_config = model_config_from(model_source)
     planned = _plan_on_target(requested, model_config, chosen, budget_bytes, measure)
     _print_plan(planned, model_config, chosen, json_output)
     if plot is not None:
         _plot_plan(planned, plot, budget_bytes, say_where=not json_output)
+
+
+def _budget_bytes(requested, target) -> int | None:
+    """The bytes of the config's memory.budget (`--budget` or the config's), for `target`."""
+    from featherweight.memory.budget import budget_bytes_of
+
+    budget = requested.memory.budget
+    return None if budget is None else budget_bytes_of(budget, target)
+
+
+def _requested(ctx: typer.Context):
+    """(the `TrainConfig` plan's command line describes, where its model's shapes come from): a
+    config file as train reads it, or a model with the plan options' settings."""
+    options = ctx.params
+    model, overrides, budget = options["model"], options["set_"], options["budget"]
+    if is_config_file(model):
+        _refuse_plan_options_with_a_config(ctx, model)
+        return _config_request(model, overrides, budget)
+    if overrides:
+        raise _config_error(
+            f"--set {overrides[0]} changes a training config, and {model!r} is a model; plan a "
+            "config (featherweight plan config.yaml --set ...) or use the plan options "
+            "(featherweight plan --help)"
+        )
+    chunks = {name: options[name] for name in ("loss_chunk", "vocab_chunk", "mlp_chunk")}
+    requested = _plan_request(
+        method=options["method"], batch_size=options["batch"], dtype=options["dtype"],
+        quantize_head=options["quantize_head"], seq_len=options["seq"],
+        optimizer=options["optimizer"], lora_rank=options["lora_rank"], mesh=options["mesh"],
+        offload=options["offload"], chunks=chunks, attention=options["attention"],
+        objective=options["objective"], reference=options["reference"], budget=budget,
+    )  # fmt: skip
+    return requested, model
 
 
 def _plot_plan(planned: PlannedStep, plot: Path, budget_bytes: int | None, say_where: bool) -> None:
