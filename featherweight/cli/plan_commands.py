@@ -107,7 +107,8 @@ def plan(
     from featherweight.io.model_source import model_config_from
 
     requested, model_source = _requested(ctx)
-    chosen = _check_target_and_mesh(target, requested.mesh, measure)
+    mesh_key = "mesh" if is_config_file(model) else "--mesh"  # where the mesh was written
+    chosen = _check_target_and_mesh(target, requested.mesh, measure, mesh_key)
     budget_bytes = _budget_bytes(requested, chosen)
     model_config = model_config_from(model_source)
     planned = _plan_on_target(requested, model_config, chosen, budget_bytes, measure)
@@ -158,7 +159,7 @@ def _plot_plan(planned: PlannedStep, plot: Path, budget_bytes: int | None, say_w
         console.print(f"plot: {plot}")
 
 
-def _check_target_and_mesh(target: str | None, mesh, measure: bool):
+def _check_target_and_mesh(target: str | None, mesh, measure: bool, mesh_key: str = "--mesh"):
     """The target (None: this machine), refusing a mesh (`MeshSettings`) with a GPU target and a
     mesh larger than plan can compile; the virtual CPU devices a mesh needs requested before JAX
     starts."""
@@ -177,9 +178,10 @@ def _check_target_and_mesh(target: str | None, mesh, measure: bool):
             require_gpu_compiler(chosen)
     devices = None if mesh is None else requested_devices(mesh)
     if (devices or 0) > PLANNED_DEVICES:
-        shown = ",".join(f"{axis}={size}" for axis, size in mesh.model_dump().items())
+        sizes = mesh.model_dump().items()
+        shown = ",".join(f"{axis}={size}" for axis, size in sizes if size != "auto")
         raise ShardingError(
-            f"the mesh {shown} names {devices} devices; plan compiles on up to {PLANNED_DEVICES} "
+            f"{mesh_key} {shown!r} names {devices} devices; plan compiles on up to {PLANNED_DEVICES} "
             "(virtual) devices -- plan a smaller mesh: bytes per device depend on the axis "
             "sizes, not on how many replicas run"
         )
