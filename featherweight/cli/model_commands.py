@@ -1,33 +1,39 @@
-"""`featherweight setup | generate | convert | plan`: commands over models and the planner."""
+"""`featherweight setup | generate | convert`: commands over models."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from pathlib import Path
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated
 
 import typer
 
 from featherweight.cli.output import (
     console,
+    error_console,
     finite,
     friendly_errors,
-    new_file,
     positive,
     stops_on_signal,
+    utf8_text,
 )
-from featherweight.models.registry import builtin_names
 
 DEFAULT_PROMPT = "Write one sentence about why the sky is blue."
-PLANNED_DEVICES = 4096  # virtual CPU devices plan may ask JAX for (--mesh on a CPU machine)
 
 
-def _model_path(model: str | None) -> Path:
+DEMO_NAME = "demo"
+
+
+def model_or_demo(model: str | None) -> str | Path:
+    """The model a command names: the embedded demo model for none or the name `demo` (as a
+    config's `model.path: demo` means it, unless a path of that name exists), else the path or
+    Hub name as given."""
     from featherweight.io.embedded_model import require_demo_model
 
-    return Path(model) if model else require_demo_model()
+    if model is None or (model == DEMO_NAME and not Path(model).exists()):
+        return require_demo_model()
+    return model
 
 
 @friendly_errors
@@ -44,11 +50,13 @@ def generate(
     model: Annotated[
         str | None,
         typer.Argument(
-            help="HF directory, .gguf, Hub name (org/name), or a training run's directory; "
-            "default: demo"
+            help="HF directory, .gguf, Hub name (org/name), a training run's directory, or demo "
+            "(the default)"
         ),
     ] = None,
-    prompt: Annotated[str, typer.Option(help="Text to continue or answer.")] = DEFAULT_PROMPT,
+    prompt: Annotated[
+        str, typer.Option(callback=utf8_text, help="Text to continue or answer (UTF-8).")
+    ] = DEFAULT_PROMPT,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
     temperature: Annotated[float, typer.Option(min=0.0, callback=finite, help="0 = greedy.")] = 0.0,
     seed: Annotated[int, typer.Option(min=0, max=2**32 - 1)] = 0,
@@ -61,7 +69,8 @@ def generate(
 ) -> None:
     """Generate text with a KV cache (greedy by default), via the chat template when present.
 
-    A run directory generates with its latest checkpoint (base + adapters, no export needed)."""
+    A run directory generates with its latest checkpoint (base + adapters, no export needed).
+    The reply alone goes to stdout, for scripts; the model and the time to stderr."""
     from featherweight.inference.generate import generate as generate_text
     from featherweight.io.loader import load_model
     from featherweight.train.run_model import load_run_model
@@ -70,17 +79,16 @@ def generate(
     if model is not None and is_run_dir(model):
         loaded, _ = load_run_model(model, dtype=dtype)
     else:
-        loaded = load_model(_model_path(model), dtype=dtype)
-    console.print(
+        loaded = load_model(model_or_demo(model), dtype=dtype)
+    error_console.print(
         f"[dim]model: {loaded.source} ({loaded.config.num_layers} layers, {loaded.dtype.name})[/]",
         highlight=False,
     )
-    console.print(f"[bold]prompt:[/] {prompt}")
     start = time.perf_counter()
     reply = generate_text(loaded, prompt, max_new_tokens, temperature, seed, chat)
     seconds = time.perf_counter() - start
-    console.print(f"[bold]reply:[/] {reply}", highlight=False)
-    console.print(f"[dim]{seconds:.1f} s including compilation[/]")
+    typer.echo(reply)  # stdout holds the reply alone: `reply=$(featherweight generate ...)`
+    error_console.print(f"[dim]{seconds:.1f} s including compilation[/]")
 
 
 def shard_gib(value: float | None) -> float | None:
@@ -95,7 +103,9 @@ def shard_gib(value: float | None) -> float | None:
 
 @friendly_errors
 def convert(
-    source: Annotated[str, typer.Argument(help="GGUF file, HF directory or Hub name (org/name)")],
+    source: Annotated[
+        str, typer.Argument(help="GGUF file, HF directory, Hub name (org/name) or demo")
+    ],
     out: Annotated[Path, typer.Option(help="Output directory")],
     dtype: Annotated[str | None, typer.Option(help="cast tensors, e.g. bfloat16")] = None,
     overwrite: bool = False,
@@ -108,13 +118,13 @@ def convert(
     ] = "f16",
 ) -> None:
     """Convert a checkpoint into a Hugging Face directory that transformers loads, or (--to gguf)
-    a GGUF file llama.cpp runs with an Ollama Modelfile beside it. SIGINT/SIGTERM stop it (exit
-    130/143); the previous --out is never replaced by a partial conversion."""
+    a GGUF file llama.cpp runs with an Ollama Modelfile beside it. SIGINT/SIGTERM/SIGHUP stop it
+    (exit 130/143/129); the previous --out is never replaced by a partial conversion."""
     from featherweight.io.convert import convert as convert_checkpoint
 
     with stops_on_signal(out, "conversion"):
         written = convert_checkpoint(
-            source,
+            model_or_demo(source),
             out,
             dtype=dtype,
             overwrite=overwrite,
@@ -123,305 +133,3 @@ def convert(
             quant=quant,
         )
     console.print(f"wrote {written}")
-
-
-def chunk_option(value: str) -> int | str | None:
-    """A chunk option: auto (chosen from the shapes, as train chooses it), none (whole) or a
-    number of tokens or rows (checked by the config)."""
-    text = value.strip().lower()
-    if text in ("none", "null", "whole"):
-        return None
-    if text == "auto":
-        return "auto"
-    if not (text.isascii() and text.isdigit()):  # "²".isdigit() is True, int("²") fails
-        raise typer.BadParameter(
-            f"{value!r} is not a chunk; give auto (chosen from the shapes), none (whole) or a "
-            "whole number, e.g. 512"
-        )
-    return int(text)
-
-
-CHUNK_HELP = "; auto: chosen from the shapes (as train does), none: whole"
-
-
-@friendly_errors
-def plan(
-    model: Annotated[
-        str,
-        typer.Argument(
-            help=f"dir with config.json, .gguf, a Hub name (org/name) or a built-in name: "
-            f"{builtin_names()}",
-            show_default=False,
-        ),
-    ],
-    method: Annotated[str, typer.Option(help="full, lora or qlora")] = "qlora",
-    objective: Annotated[
-        str, typer.Option(help="sft, dpo or orpo (a preference pair: two rows, or one packed)")
-    ] = "sft",
-    reference: Annotated[
-        str, typer.Option(help="dpo's reference: auto, same_step or precomputed")
-    ] = "auto",
-    batch: Annotated[int, typer.Option(help="micro-batch size")] = 2,
-    seq: Annotated[int, typer.Option(help="sequence length")] = 2048,
-    dtype: Annotated[str, typer.Option(help="bfloat16 or float32")] = "bfloat16",
-    budget: Annotated[
-        str | None,
-        typer.Option(help="device memory, e.g. 8GiB, or device (all the device's usable memory)"),
-    ] = None,
-    offload: Annotated[
-        str,
-        typer.Option(help="to host memory: none, or any of residuals,optimizer_state,embed,base"),
-    ] = "none",
-    optimizer: Annotated[
-        str, typer.Option(help="adamw, adamw_8bit, sgd, lion, adafactor")
-    ] = "adamw",
-    lora_rank: Annotated[int, typer.Option(help="LoRA rank")] = 8,
-    loss_chunk: Annotated[
-        str, typer.Option(callback=chunk_option, help="loss sequence chunk" + CHUNK_HELP)
-    ] = "auto",
-    vocab_chunk: Annotated[
-        str, typer.Option(callback=chunk_option, help="LM-head vocabulary chunk" + CHUNK_HELP)
-    ] = "auto",
-    mlp_chunk: Annotated[
-        str, typer.Option(callback=chunk_option, help="MLP sequence chunk" + CHUNK_HELP)
-    ] = "auto",
-    attention: Annotated[
-        str, typer.Option(help="auto, blockwise, cudnn or pallas (NVIDIA GPUs), materialized")
-    ] = "auto",
-    quantize_head: Annotated[bool, typer.Option(help="QLoRA: NF4 LM head")] = False,
-    measure: Annotated[bool, typer.Option(help="compile the step on abstract shapes")] = True,
-    json_output: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
-    plot: Annotated[
-        Path | None, typer.Option(callback=new_file, help="stacked bar chart, e.g. plan.png")
-    ] = None,
-    mesh: Annotated[
-        str | None, typer.Option(help="devices, e.g. fsdp=8 or data=2,fsdp=4: bytes per device")
-    ] = None,
-    target: Annotated[
-        str | None,
-        typer.Option(
-            help="the device to plan and compile for: h100, h200, a100-80gb, a100-40gb, l40s, "
-            "l4, rtx4090, rtx3090 (XLA's GPU compiler, no GPU needed) or cpu; default: this "
-            "machine's backend"
-        ),
-    ] = None,
-) -> None:
-    """Plan every byte of a train step before compiling; measure the compiled step next to it.
-    Settings resolve as `train` resolves them: the step planned is the one a config trains."""
-    from featherweight.io.model_source import model_config_from
-    from featherweight.memory.budget import budget_bytes_of
-
-    chosen = _check_target_and_mesh(target, mesh, measure)
-    requested = _plan_request(
-        method=method, batch_size=batch, dtype=dtype, quantize_head=quantize_head, seq_len=seq,
-        optimizer=optimizer, lora_rank=lora_rank, mesh=mesh, offload=offload,
-        chunks={"loss_chunk": loss_chunk, "vocab_chunk": vocab_chunk, "mlp_chunk": mlp_chunk},
-        attention=attention, objective=objective, reference=reference,
-    )  # fmt: skip
-    budget_bytes = None if budget is None else budget_bytes_of(budget, chosen)
-    model_config = model_config_from(model)
-    planned = _plan_on_target(requested, model_config, chosen, budget_bytes, measure)
-    _print_plan(planned, model_config, chosen, json_output)
-    if plot is not None:
-        _plot_plan(planned, plot, budget_bytes, say_where=not json_output)
-
-
-def _plot_plan(planned: PlannedStep, plot: Path, budget_bytes: int | None, say_where: bool) -> None:
-    """The plan as a stacked bar chart in `plot` (the compiled bytes beside it when measured)."""
-    from featherweight.memory.report import plot_plan
-
-    plot_plan(planned.plan, planned.measurement, plot, budget_bytes)
-    if say_where:
-        console.print(f"plot: {plot}")
-
-
-def _check_target_and_mesh(target: str | None, mesh: str | None, measure: bool):
-    """The target (None: this machine), refusing a mesh with a GPU target and a mesh larger than
-    plan can compile; the virtual CPU devices a mesh needs requested before JAX starts."""
-    from featherweight.errors import ConfigError, ShardingError
-    from featherweight.memory.targets import get_target, require_gpu_compiler
-    from featherweight.parallel.sharding import parse_mesh, request_cpu_devices, requested_devices
-
-    chosen = None if target is None else get_target(target)
-    if chosen is not None and chosen.platform == "gpu":
-        if mesh is not None:
-            raise ConfigError(
-                f"--target {chosen.name} compiles for one device; drop --mesh (a mesh is planned "
-                "per device of this machine's virtual CPU devices)"
-            )
-        if measure:
-            require_gpu_compiler(chosen)
-    devices = None if mesh is None else requested_devices(parse_mesh(mesh))
-    if (devices or 0) > PLANNED_DEVICES:
-        raise ShardingError(
-            f"--mesh {mesh!r} names {devices} devices; plan compiles on up to {PLANNED_DEVICES} "
-            "(virtual) devices -- plan a smaller mesh: bytes per device depend on the axis "
-            "sizes, not on how many replicas run"
-        )
-    if devices:
-        request_cpu_devices(devices)  # a CPU-only machine compiles it too
-    return chosen
-
-
-def _plan_request(
-    *, method, batch_size, dtype, quantize_head, seq_len, optimizer, lora_rank, mesh, offload,
-    chunks, attention, objective="sft", reference="auto",
-):  # fmt: skip
-    """The `TrainConfig` the plan options describe (every other setting at its default, as in a
-    config file that leaves it out)."""
-    from featherweight.errors import ConfigError
-    from featherweight.parallel.sharding import parse_mesh
-    from featherweight.recipe.placement import HOST_SETTINGS
-    from featherweight.recipe.schema import parse_config
-
-    offloaded = set() if offload == "none" else {part.strip() for part in offload.split(",")}
-    unknown = offloaded - set(HOST_SETTINGS)
-    if unknown:
-        raise ConfigError(
-            f"--offload {offload!r}: {sorted(unknown)} cannot go to the host; use none, or any of "
-            f"{','.join(HOST_SETTINGS)}"
-        )
-    placements = {name: "host" if name in offloaded else "device" for name in HOST_SETTINGS}
-    return parse_config(
-        {
-            "method": method,
-            "objective": objective,
-            "dpo": {"reference": reference},
-            "batch_size": batch_size,
-            "model": {"dtype": dtype, "quantize_head": quantize_head},
-            "data": {"seq_len": seq_len},
-            "optimizer": {"name": optimizer},
-            "lora": {"rank": lora_rank},
-            "mesh": None if mesh is None else parse_mesh(mesh).model_dump(),
-            "memory": {**placements, **chunks, "attention": attention},
-        },
-        source="plan options",
-    )
-
-
-def _print_plan(planned: PlannedStep, model_config, target, json_output: bool) -> None:
-    """The plan as one JSON object (with the resolved config), or as the verdict, the report,
-    host memory and the host-base estimate."""
-    import json
-
-    from featherweight.memory.report import print_report, report_json
-
-    config, memory_plan, judged, changes = (
-        planned.config,
-        planned.plan,
-        planned.verdict,
-        planned.changes,
-    )
-    estimate = _host_base_estimate(config, model_config, target)
-    if json_output:
-        report = report_json(memory_plan, planned.measurement, changes, judged)
-        report["config"] = config.model_dump(mode="json")
-        report["host_base_estimate"] = None if estimate is None else estimate._asdict()
-        typer.echo(json.dumps(report, indent=2))
-        return
-    if judged is not None:
-        console.print(f"[bold]{judged.line}[/]", highlight=False)
-    print_report(memory_plan, planned.measurement, console, changes)
-    if config.memory.base == "host":
-        console.print(
-            f"host memory: {memory_plan.host_bytes / 2**30:.2f} GiB pinned (the frozen base "
-            f"{memory_plan.bytes_of('base_layers') / 2**30:.2f} GiB)",
-            highlight=False,
-        )
-    for line in [] if estimate is None else estimate.lines(target.short_name):
-        console.print(line, highlight=False)
-    if judged is not None:
-        console.print(f"[dim]note: {judged.limit_note}[/]", highlight=False)
-
-
-def _host_base_estimate(config, model_config, target):
-    """Transfer and compute estimates of `memory.base: host` on a GPU target, else None."""
-    from featherweight.memory.step_cost import host_base_estimate
-
-    if config.memory.base != "host" or target is None or target.peak_flops is None:
-        return None
-    return host_base_estimate(
-        config, model_config, target.host_link_bytes_per_second, target.peak_flops
-    )
-
-
-class PlannedStep(NamedTuple):
-    """What `plan` shows: the resolved config (fitted to the budget when one is given), its plan,
-    the compiled step's measurement (None with --no-measure), the verdict (None without a limit)
-    and the budget's changes to the resolved settings."""
-
-    config: Any
-    plan: Any
-    measurement: Any
-    verdict: Any
-    changes: list[str]
-
-
-def _plan_on_target(requested, model_config, target, budget_bytes, measure) -> PlannedStep:
-    """The plan of `requested` for `target` (None: this machine's backend), resolved as train
-    resolves it, with the target compiler's calibration and fitted to the budget when one is
-    given; the step compiled for the target, its attention chosen for the target's GPU; and,
-    where the plan does not fit a GPU, the settings the budget search would pick as an option."""
-    from featherweight.models.attention_choice import AttentionTarget, compiling_for
-
-    if target is None:
-        return _plan_and_measure(requested, model_config, target, budget_bytes, measure)
-    capability = target.facts.get("compute_capability")
-    attention_target = AttentionTarget(
-        target.platform, None if capability is None else ".".join(map(str, capability))
-    )
-    with compiling_for(attention_target):
-        return _plan_and_measure(requested, model_config, target, budget_bytes, measure)
-
-
-def _plan_and_measure(requested, model_config, target, budget_bytes, measure) -> PlannedStep:
-    """`_plan_on_target`'s plan, measurement and verdict, with the attention target set."""
-    from featherweight.memory import capacity
-    from featherweight.memory.budget import attention_that_fits, describe_changes, fit_budget
-    from featherweight.memory.defaults import resolve
-    from featherweight.memory.measure import measure_compiled, measure_for_target
-    from featherweight.memory.plan import plan_for_config
-    from featherweight.memory.working_set import calibration_for
-
-    compiler = None if target is None else f"xla-{target.platform}"
-    on_target = capacity.of_target(target)
-    limit = on_target if budget_bytes is None else capacity.of_budget(budget_bytes, target)
-    resolved, options = resolve(requested, model_config), []
-    platform = None if target is None else target.platform  # time weighed at its rates
-    with calibration_for(compiler) if compiler else contextlib.nullcontext():
-        if budget_bytes is None:  # as train: "auto" attention falls back where it cannot fit
-            memory_plan = plan_for_config(resolved, model_config)
-            config, memory_plan = attention_that_fits(
-                requested, memory_plan, model_config, on_target
-            )
-        else:
-            config, memory_plan = fit_budget(
-                resolved, model_config, budget_bytes, platform=platform
-            )
-        if budget_bytes is None and on_target is not None:
-            options = _options_on_target(resolved, memory_plan, model_config, on_target)
-    if not measure:
-        measurement = None
-    elif target is None:
-        measurement = measure_compiled(config, model_config)
-    else:
-        measurement = measure_for_target(config, model_config, target.name)
-    judged = capacity.verdict(memory_plan, limit, measurement, options)
-    changes = describe_changes(resolved, config, model_config, platform)  # with est. step time
-    return PlannedStep(config, memory_plan, measurement, judged, changes)
-
-
-def _options_on_target(resolved, memory_plan, model_config, on_target) -> list[str]:
-    """Where the plan does not fit the target GPU: the settings a budget of its usable memory
-    would pick, or what else would help."""
-    from featherweight.errors import BudgetError
-    from featherweight.memory.budget import describe_changes, fit_budget
-
-    if on_target.needed_bytes(memory_plan) <= on_target.limit_bytes:
-        return []
-    try:
-        fitted, _ = fit_budget(resolved, model_config, on_target.limit_bytes)
-    except BudgetError:
-        return ["a GPU with more memory, a shorter sequence or a lighter method"]
-    changes = ", ".join(describe_changes(resolved, fitted))
-    return [f"--budget {on_target.limit_bytes / 2**30:.2f}GiB picks {changes}"]

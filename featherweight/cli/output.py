@@ -115,8 +115,8 @@ def stopped(stop, what: str) -> None:
 
 @contextlib.contextmanager
 def stops_on_signal(out: Path, what: str):
-    """SIGINT/SIGTERM while the block writes `out` (an export, a conversion) stop it wherever
-    they land (`io/interrupts.py`): one line saying what was kept, exit code 130/143."""
+    """SIGINT/SIGTERM/SIGHUP while the block writes `out` (an export, a conversion) stop it wherever
+    they land (`io/interrupts.py`): one line saying what was kept, exit code 130/143/129."""
     from featherweight.io.interrupts import StopOnSignal
 
     target = out.expanduser().absolute()
@@ -148,6 +148,29 @@ def positive(value: float | None) -> float | None:
     """A finite number option that must be greater than 0."""
     if finite(value) is not None and value <= 0:
         raise typer.BadParameter(f"{value} is not greater than 0")
+    return value
+
+
+def not_utf8(text: str) -> str | None:
+    """What is wrong with `text` when it holds bytes that are not UTF-8 (the shell passes them
+    through, Python keeps them as lone surrogates and the tokenizer takes only text), else None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(text[error.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        return (
+            f"{what} at character {error.start + 1} is not UTF-8 text; give the text in UTF-8 "
+            "(a Latin-1 file converts with iconv -f latin1 -t utf-8)"
+        )
+    return None
+
+
+def utf8_text(value: str | None) -> str | None:
+    """A text option (a prompt) that must be UTF-8 (`not_utf8`)."""
+    problem = None if value is None else not_utf8(value)
+    if problem is not None:
+        raise typer.BadParameter(problem)
     return value
 
 

@@ -42,6 +42,12 @@ def train(
     skip_bad: Annotated[
         bool, typer.Option("--skip-bad", help="skip (and count) bad records")
     ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", help="check the inputs and print the plan, then stop (nothing written)"
+        ),
+    ] = False,
 ) -> None:
     """Fine-tune as CONFIG says: memory plan first, then training with checkpoints (resumable).
 
@@ -51,11 +57,20 @@ def train(
     from featherweight.io.interrupts import EXIT_CODES
     from featherweight.parallel.distributed import initialize_from_env, is_primary
     from featherweight.recipe.schema import load_config
+    from featherweight.train.loop import dry_run as plan_only
     from featherweight.train.loop import train as run_training
 
     initialize_from_env()
     overrides = list(set_ or []) + (["data.skip_bad=true"] if skip_bad else [])
     settings = load_config(config, overrides)
+    if dry_run:
+        planned = plan_only(settings, overwrite=overwrite, console=console)
+        console.print(
+            f"dry run: stopped after the plan; {planned.directory.path} is as it was "
+            "(run the same command without --dry-run to train)",
+            highlight=False,
+        )
+        return
     result = run_training(settings, overwrite=overwrite, console=console)
     if result.stopped_by_signal is not None:
         raise typer.Exit(code=EXIT_CODES.get(result.stopped_by_signal, 1))
@@ -123,8 +138,8 @@ def export(
     """Export a run's checkpoint: merged Hugging Face weights, a PEFT LoRA adapter, or GGUF (the
     merged model, or the adapter for llama-server --lora) with an Ollama Modelfile.
 
-    SIGINT/SIGTERM stop it (exit 130/143) with one line saying what was kept: the previous --out
-    is never replaced by a partial export."""
+    SIGINT/SIGTERM/SIGHUP stop it (exit 130/143/129) with one line saying what was kept: the
+    previous --out is never replaced by a partial export."""
     from featherweight.io.interrupts import StopOnSignal
     from featherweight.train.export_check import merged_output_check, qlora_note
     from featherweight.train.export_run import export_run

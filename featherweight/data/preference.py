@@ -108,7 +108,8 @@ def tokenize_pairs(
     for record in records:
         if record.shape != "preference":
             raise DataError(
-                f"{record.location}: a {record.shape} record in a preference run; objective: dpo "
+                f"{record.location}: a record of the {record.shape} shape in a preference run; "
+                "objective: dpo "
                 'and orpo train on {"prompt", "chosen", "rejected"} records (strings or message '
                 "lists), or set objective: sft"
             )

@@ -119,6 +119,11 @@ def record_shape(fields: Any) -> str:
                 raise ValueError(f'instruction records need a string "{key}"')
         if not isinstance(fields.get("input") or "", str):
             raise ValueError('"input" must be a string when present')
+        if not fields["output"].strip():
+            raise ValueError(
+                '"output" is empty (an empty answer cell?), so the record would train the model '
+                "to answer nothing; fill it in, or skip such records with --skip-bad"
+            )
         return "instruction"
     if "text" in fields:
         if not isinstance(fields["text"], str) or not fields["text"]:

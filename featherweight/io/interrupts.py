@@ -1,5 +1,5 @@
-"""SIGINT and SIGTERM while an output is written (export, convert): the command stops, and what
-existed before is intact.
+"""SIGINT, SIGTERM and SIGHUP while an output is written (export, convert): the command stops, and
+what existed before is intact.
 
 Python raises KeyboardInterrupt wherever the main thread is when a signal arrives -- also inside a
 garbage-collector callback (JAX's `_xla_gc_callback`), where the exception is printed as
@@ -23,12 +23,14 @@ import sys
 import threading
 from collections.abc import Iterator
 
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # the shell's 128 + signal
+# the signals that stop a command cleanly, with the shell's 128 + signal as its exit code: SIGHUP
+# (a closed terminal, a dropped SSH session) is a stop as SIGINT and SIGTERM are
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 _active: StopOnSignal | None = None
 
 
 class StopOnSignal:
-    """A context manager: SIGINT/SIGTERM recorded (`signal_number`) and raised as
+    """A context manager: SIGINT/SIGTERM/SIGHUP recorded (`signal_number`) and raised as
     KeyboardInterrupt, except inside `deferred`. Previous handlers come back on exit."""
 
     def __init__(self) -> None:

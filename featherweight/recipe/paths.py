@@ -1,11 +1,15 @@
 """Where a config's paths point: one rule, applied once, before anything reads a file.
 
-A relative path written in a config file is read from that file's folder (as Docker Compose,
-tsconfig, Cargo and pre-commit read theirs): a config works the same from any working directory,
-and a config next to its data names it `qa.csv`. A relative path given on the command line
-(`--set data.train=qa.csv`) or in Python is read from the working directory, as any command-line
-path is. Either way the run records absolute paths, so a resume or an export from elsewhere reads
-the same files, and the output_dir is always a path (`runs/a` is never taken for a name).
+An input a config file names with a relative path (`model.path`, `data.train`, `data.eval`,
+`data.chat_template`) is read from that file's folder (as Docker Compose, tsconfig, Cargo and
+pre-commit read theirs): a config next to its data names it `qa.csv`, from any working directory.
+What a run writes goes where the command runs, as every peer trainer writes its outputs (TRL,
+torchtune, Axolotl): `output_dir: runs/lora-qa` in `examples/lora-csv-qa.yaml` is `./runs/lora-qa`
+from the repository root, where the next command (`featherweight chat runs/lora-qa`) looks for it.
+A relative path given on the command line (`--set data.train=qa.csv`) or in Python is read from
+the working directory, as any command-line path is. Either way the run records absolute paths, so
+a resume or an export from elsewhere reads the same files, and the output_dir is always a path
+(`runs/a` is never taken for a name).
 
 A value that names something instead of a file stays a name when no path of that name exists:
 `demo`, a Hugging Face dataset (`org/name`) or Hub model (`org/name`), a built-in chat template.
@@ -49,6 +53,8 @@ PATH_SETTINGS: dict[tuple[str, ...], Callable[[str], bool]] = {
     ("data", "chat_template"): _template_name,
     ("output_dir",): _never_a_name,
 }
+# the settings a run writes to: read from the working directory even when written in a config file
+OUTPUT_SETTINGS = {("output_dir",)}
 
 
 def _dotted(key: tuple[str, ...]) -> str:
@@ -94,23 +100,25 @@ def _missing_path_error(key: tuple[str, ...]) -> type[FeatherweightError]:
 def from_config_folder(
     values: dict[str, Any], config_file: Path, skip: set[str], line_of: Callable[[str], str]
 ) -> dict[str, Any]:
-    """The settings `values` read from `config_file`, with each relative path read from the
-    file's folder (settings named in `skip`, overridden on the command line, are left alone).
-    An input that is not there is refused now, naming where it was looked for and why."""
+    """The settings `values` read from `config_file`, with each relative input path read from the
+    file's folder (settings named in `skip`, overridden on the command line, and the outputs,
+    read from the working directory, are left alone). An input that is not there is refused now,
+    naming where it was looked for and why."""
     base = resolved(config_file).parent
     for key, is_name in PATH_SETTINGS.items():
         holder: Any = values
         for part in key[:-1]:
             holder = holder.get(part) if isinstance(holder, dict) else None
         value = holder.get(key[-1]) if isinstance(holder, dict) else None
-        if _dotted(key) in skip or not isinstance(value, str) or not value.strip():
+        if key in OUTPUT_SETTINGS or _dotted(key) in skip:
+            continue
+        if not isinstance(value, str) or not value.strip():
             continue
         path = path_from(base, value)
         if is_name(value) and not path.exists():
             continue
         holder[key[-1]] = str(path)
-        relative = not Path(value).expanduser().is_absolute()
-        if relative and key != ("output_dir",) and not path.exists():
+        if not Path(value).expanduser().is_absolute() and not path.exists():
             raise _missing_path_error(key)(
                 f"{config_file}{line_of(_dotted(key))}: {_dotted(key)} {value!r} is not at {path}; "
                 f"a relative path in a config file is read from the config's folder {base}, not "

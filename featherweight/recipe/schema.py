@@ -592,11 +592,13 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         text = read_input_text(path, "config file")
         try:
             key_lines = _key_lines(text)
-            loaded = yaml.safe_load(text) or {}
+            loaded = yaml.safe_load(text)
         except yaml.YAMLError as error:
             raise ConfigError(f"{path} is not valid YAML: {error}") from None
         except ConfigError as error:
             raise ConfigError(f"{path}: {error}") from None
+        if loaded is None:  # not a run of every default on the demo data without a word
+            raise ConfigError(f"{path} holds no settings (it is empty); {CONFIG_HINT}")
         if not isinstance(loaded, dict):
             raise ConfigError(
                 f"{path} must hold a mapping of settings, found {type(loaded).__name__}"
@@ -604,7 +606,20 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         line_of = lambda key: f" ({key_lines[key]})" if key in key_lines else ""
         values = from_config_folder(loaded, path, set(overridden), line_of)
     key_lines.update({key: f"--set {override}" for key, override in overridden.items()})
-    return parse_config(apply_overrides(values, overrides), source, key_lines)
+    values = apply_overrides(values, overrides)
+    _refuse_steps_with_epochs(values, source, key_lines)
+    return parse_config(values, source, key_lines)
+
+
+def _refuse_steps_with_epochs(values: dict[str, Any], source: str, key_lines: dict[str, str]):
+    """`steps` and `epochs` both written: one would be ignored without a word (epochs decides)."""
+    if values.get("steps") is not None and values.get("epochs") is not None:
+        where = lambda key: f" ({key_lines[key]})" if key in key_lines else ""
+        raise ConfigError(
+            f"{source}: steps{where('steps')} and epochs{where('epochs')} are both set, and a run "
+            "trains epochs x steps per epoch when epochs is set; keep one of them (--set "
+            "epochs=null trains the steps)"
+        )
 
 
 def _flatten(values: Any, prefix: str = "") -> dict[str, Any]:

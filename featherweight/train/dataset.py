@@ -103,9 +103,15 @@ def data_summary(
     }
 
 
+def counted(number: float, noun: str) -> str:
+    """`number` `noun`s in words: "1 step", "2 steps", "1.5 epochs", "12,000 rows"."""
+    return f"{number:,g} {noun}" if number == 1 else f"{number:,g} {noun}s"
+
+
 def _pairs_line(name: str, split: dict[str, Any], seq_len: int) -> str:
     line = (
-        f"{name}: {split['pairs']:,} pairs -> {split['rows']:,} rows of {seq_len + 1} tokens "
+        f"{name}: {counted(split['pairs'], 'pair')} -> {counted(split['rows'], 'row')} of "
+        f"{seq_len + 1} tokens "
         f"({split['packing_efficiency']:.1%} filled, up to {split['most_per_row']} examples a "
         f"row), {split['tokens']:,} tokens ({split['loss_tokens']:,} in completions)"
     )
@@ -123,7 +129,8 @@ def _split_line(name: str, split: dict[str, Any], seq_len: int) -> str:
     if "pairs" in split:
         return _pairs_line(name, split, seq_len)
     line = (
-        f"{name}: {split['examples']:,} examples -> {split['rows']:,} rows of {seq_len + 1} "
+        f"{name}: {counted(split['examples'], 'example')} -> {counted(split['rows'], 'row')} of "
+        f"{seq_len + 1} "
         f"tokens ({split['packing_efficiency']:.1%} filled, up to {split['most_per_row']} a "
         f"row), {split['tokens']:,} tokens ({split['loss_tokens']:,} in the loss)"
     )
@@ -139,7 +146,7 @@ def _split_line(name: str, split: dict[str, Any], seq_len: int) -> str:
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     """The summary as the lines printed before the first step."""
-    lines = [f"data: {summary['records']:,} records read from {summary['source']}"]
+    lines = [f"data: {counted(summary['records'], 'record')} read from {summary['source']}"]
     if summary["skipped"]:
         reasons = "; ".join(
             f"{item['count']:,} {item['reason']} (first: {item['first']})"
@@ -150,8 +157,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         if summary[name] is not None:
             lines.append(_split_line(name, summary[name], summary["seq_len"]))
     lines.append(
-        f"steps: {summary['steps']:,} = {summary['epochs']:g} epochs of "
-        f"{summary['steps_per_epoch']:,} steps (batch {summary['batch_size']}"
+        f"steps: {summary['steps']:,} = {counted(summary['epochs'], 'epoch')} of "
+        f"{counted(summary['steps_per_epoch'], 'step')} (batch {summary['batch_size']}"
         + ("" if summary["packed"] else ", one example per row")
         + ")"
     )

@@ -50,7 +50,7 @@ from featherweight.train.dataset import (
 from featherweight.train.loggers import check_loggers, open_loggers
 from featherweight.train.metrics import MetricsLog, plot_loss_curve
 from featherweight.train.progress import training_progress
-from featherweight.train.run import Run, prepare_run
+from featherweight.train.run import PlannedRun, Run, plan_run, prepare_run
 from featherweight.train.run_dir import LOSS_PLOT, METRICS_FILE
 from featherweight.train.signals import StopRequest
 
@@ -262,10 +262,27 @@ def train(
     """
     console = (console or Console()) if is_primary() else Console(quiet=True)
     check_loggers(config.report_to)
-    # from the very start: SIGINT/SIGTERM during setup (planning, loading, compiling) is recorded
-    # too, and the run stops cleanly before its first step instead of dying mid-setup
+    # from the very start: SIGINT/SIGTERM/SIGHUP during setup (planning, loading, compiling) is
+    # recorded too, and the run stops cleanly before its first step instead of dying mid-setup
     with StopRequest() as stop:
         return _train(config, overwrite, console, plan_fn, on_step, stop)
+
+
+def dry_run(
+    config: TrainConfig, overwrite: bool = False, console: Console | None = None
+) -> PlannedRun:
+    """`train --dry-run`: the run's checks and its plan, made and printed as `train` makes them
+    (the plan's table under its headline), then stop: no weight or record is read, nothing is
+    written."""
+    console = console or Console()
+    planned = plan_run(config, overwrite, printing_planner(console))
+    print_report(planned.plan, None, console)
+    if planned.fit is not None:
+        console.print(
+            f"device memory: {planned.fit.line} ({planned.fit.limit_note})", highlight=False
+        )
+    run_dir.release(planned.directory.path)
+    return planned
 
 
 def _train(config, overwrite, console, plan_fn, on_step, stop: StopRequest) -> TrainResult:

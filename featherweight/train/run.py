@@ -374,7 +374,23 @@ def _read_data(
         raise DataError(f"{model_path} has no tokenizer; the trainer needs one to read the dataset")
     dataset = build_dataset(config, tokenizer, resolve_data_path(config))
     data = _iterator(dataset, config)
+    _refuse_batch_beyond_rows(config, len(dataset.train), dataset.train.group)
     return dataset, data, steps_from_epochs(config, data.steps_per_epoch)
+
+
+def _refuse_batch_beyond_rows(config: TrainConfig, rows: int, group: int) -> None:
+    """A batch larger than the training rows repeats rows in every step (the batch is filled up
+    from the same rows): the work of several passes over the data a step, for nothing."""
+    global_batch = config.batch_size * jax.process_count()
+    if global_batch > rows:
+        per_process = " per process" if jax.process_count() > 1 else ""
+        most = max(group, rows // jax.process_count() // group * group)  # whole pairs
+        raise DataError(
+            f"batch_size {config.batch_size}{per_process} is more than the {rows} training rows "
+            f"the data packs into (seq_len {config.data.seq_len}): each step would repeat rows, "
+            f"{global_batch / rows:.1f}x the work of one pass; set batch_size to {most} or less, "
+            "or add data"
+        )
 
 
 def _iterator(dataset: Dataset, config: TrainConfig) -> DataIterator:
@@ -388,21 +404,45 @@ def _iterator(dataset: Dataset, config: TrainConfig) -> DataIterator:
     )
 
 
-def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> Run:
-    """Check, resolve, plan, load and (when resuming) restore: a run ready for its first step.
+class PlannedRun(NamedTuple):
+    """A run checked and planned, nothing read beyond the checkpoint's header (steps 1-3 of the
+    module docstring): what `train --dry-run` shows, and where `prepare_run` goes on from."""
+
+    directory: RunDirectory
+    model_path: Path
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    mesh: Any
+    config: TrainConfig  # resolved (and fitted to its budget)
+    plan: Any
+    fit: Verdict | None
+
+
+def plan_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> PlannedRun:
+    """Check the output directory, the model's header and the method, then resolve and plan.
 
     The config is resolved once (`memory.defaults.resolve`; a resumed run keeps what it
-    recorded) and that config is planned, built and written to the run's config file.
-    `plan_fn(config, model_config) -> (config, plan)` plans memory (and may change settings to fit
-    a budget) before any weights are read.
+    recorded). `plan_fn(config, model_config) -> (config, plan)` plans memory (and may change
+    settings to fit a budget) before any weights are read.
     """
     directory, model_path = _check_inputs(config, overwrite)
-    output_dir, config = directory.path, directory.config
+    config = directory.config
     model_config, tokenizer = read_header(model_path)
     check_tokenizer_fits(tokenizer, model_config, model_path)
     check_method_settings(config, model_config)
     mesh = mesh_from_settings(config.mesh)
     config, plan, fit = _resolve_and_plan(config, model_config, mesh, plan_fn)
+    return PlannedRun(directory, model_path, model_config, tokenizer, mesh, config, plan, fit)
+
+
+def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> Run:
+    """Check, resolve, plan (`plan_run`), load and (when resuming) restore: a run ready for its
+    first step. The config `plan_run` resolved is the one built and written to the run's config
+    file."""
+    directory, model_path, model_config, tokenizer, mesh, config, plan, fit = plan_run(
+        config, overwrite, plan_fn
+    )
+    output_dir = directory.path
     dataset, data, config = _read_data(config, tokenizer, model_path)
     if directory.resuming:
         check_steps_ahead(config, output_dir)

@@ -1,13 +1,16 @@
-"""SIGINT/SIGTERM during training: finish the current step, save, exit cleanly."""
+"""SIGINT/SIGTERM/SIGHUP during training: finish the current step, save, exit cleanly."""
 
 from __future__ import annotations
 
 import signal
 import threading
 
+from featherweight.io.interrupts import EXIT_CODES
+
 
 class StopRequest:
-    """A context manager that records SIGINT/SIGTERM instead of dying mid-step.
+    """A context manager that records SIGINT/SIGTERM/SIGHUP (`EXIT_CODES`: a closed terminal or
+    a dropped SSH session stops a run as Ctrl-C does) instead of dying mid-step.
 
     `signal_number` is the first signal received (None if none); the loop checks `requested`
     after each step, saves a checkpoint and returns. Previous handlers come back on exit.
@@ -27,7 +30,7 @@ class StopRequest:
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
-            for number in (signal.SIGINT, signal.SIGTERM):
+            for number in EXIT_CODES:
                 self._previous[number] = signal.signal(number, self._handle)
         return self
 

@@ -1,96 +1,85 @@
-"""`featherweight plan` plans what `featherweight train` runs: the same settings resolve to the same
-config ("auto" chunks chosen from the shapes by the one `resolve`) and compile to the same step.
-Before "auto" was a value, the plan command passed every chunk option as an explicit null and
-planned whole-sequence steps the trainer never ran (769.5 MiB planned beside a 632.7 MiB run)."""
+"""The model commands as a user types them: `demo` names the embedded model in `generate`, `chat`
+and `convert` as it does in a config (before, "model path demo does not exist"); text that is not
+UTF-8 (bytes a shell passes through) is refused in one line, or skipped in a chat that goes on,
+where it used to end both with "bug: TypeError: TextInputSequence must be str". `generate` puts
+the reply alone on stdout (scripts read it), the rest on stderr; `featherweight --version`."""
 
-import json
+from importlib.metadata import version
+from types import SimpleNamespace
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from featherweight.cli.main import app
-from featherweight.memory.defaults import resolve
-from featherweight.models.registry import builtin_config
-from featherweight.recipe.schema import load_config
-from featherweight.train import loop
-from tests.conftest import run_settings, write_config
-
-SETTINGS = ("--method", "lora", "--batch", "2", "--seq", "128", "--dtype", "float32")
+from featherweight.errors import ConfigError
+from featherweight.inference import generate as generate_module
+from featherweight.io import convert, loader
+from featherweight.train import run_model
 
 
-def _plan_json(*args: str) -> dict:
-    result = CliRunner().invoke(app, ["plan", *args, "--json"])
-    assert result.exit_code == 0, result.output
-    return json.loads(result.output)
+@pytest.fixture
+def loaded_paths(monkeypatch):
+    """The paths the commands load a model from; no weight is read (the load stops at once)."""
+    paths = []
+
+    def load_model(path, **_):
+        paths.append(path)
+        raise ConfigError("stopped by the test")
+
+    monkeypatch.setattr(loader, "load_model", load_model)
+    return paths
 
 
-def test_plan_and_train_of_the_same_settings_build_the_same_program(
-    tiny_model_dir, demo_data, tmp_path, monkeypatch
+def test_demo_names_the_embedded_model_in_generate_chat_and_convert(
+    demo_gguf, loaded_paths, tmp_path, monkeypatch
 ):
-    planned = _plan_json(str(tiny_model_dir), *SETTINGS)
-    # the trainer, from a YAML with the same settings (every other one at its default)
-    settings = run_settings(tiny_model_dir, demo_data, tmp_path / "run", steps=1)
-    settings.update(method="lora", batch_size=2, lora={}, optimizer={})
-    settings["data"]["seq_len"] = 128
-    compiled = []
-    measurement_of = loop.measurement_of
-    monkeypatch.setattr(
-        loop,
-        "measurement_of",
-        lambda *a, **k: compiled.append(measurement_of(*a, **k)) or compiled[-1],
-    )
-    result = CliRunner().invoke(app, ["train", str(write_config(tmp_path / "run.yaml", settings))])
-    assert result.exit_code == 0, result.output
-    trained = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
-    # the resolved settings: chosen once, the same in both, and recorded by the run
-    assert planned["config"]["memory"] == trained["memory"]
-    assert planned["settings"]["vocab_chunk"] is not None  # a choice was made (the toy's head)
-    assert not load_config(tmp_path / "run" / "config.yaml").memory.unresolved
-    # the compiled step: byte for byte the same memory
-    assert len(compiled) == 1
-    assert planned["measured"] == compiled[0].components
-    assert planned["measured_total_bytes"] == compiled[0].total_bytes
+    for argv in (["generate", "demo"], ["chat", "demo"], ["generate"]):
+        assert CliRunner().invoke(app, argv).exit_code == 2
+    assert loaded_paths == [demo_gguf] * 3
+    sources = []
+    monkeypatch.setattr(convert, "convert", lambda source, out, **_: sources.append(source) or out)
+    converted = CliRunner().invoke(app, ["convert", "demo", "--out", str(tmp_path / "hf")])
+    assert converted.exit_code == 0, converted.output
+    assert sources == [demo_gguf]
 
 
-@pytest.mark.parametrize("seq", [256, 2048, 8192])
-def test_the_plan_command_resolves_as_the_trainer_does(seq, tmp_path):
-    # SmolLM2-135M b2 float32 (the issue's shapes): the options the trainer leaves "auto" are
-    # chosen as the trainer chooses them; none is left auto; an explicit none stays whole
-    args = ["SmolLM2-135M", "--method", "lora", "--batch", "2", "--seq", str(seq)]
-    planned = _plan_json(*args, "--dtype", "float32", "--no-measure")
-    yaml_config = write_config(
-        tmp_path / "run.yaml",
-        {
-            "method": "lora",
-            "batch_size": 2,
-            "model": {"dtype": "float32"},
-            "data": {"seq_len": seq},
-        },
-    )
-    trainer = resolve(load_config(yaml_config), builtin_config("SmolLM2-135M"))
-    assert planned["config"]["memory"] == trainer.model_dump(mode="json")["memory"]
-    whole = _plan_json(*args, "--dtype", "float32", "--no-measure", "--loss-chunk", "none")
-    assert whole["config"]["memory"]["loss_chunk"] is None
+def test_a_path_named_demo_is_that_path(loaded_paths, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()
+    CliRunner().invoke(app, ["generate", "demo"])
+    assert loaded_paths == ["demo"]
 
 
-@pytest.mark.parametrize("value", ["half", "²", "١٢"])  # digits int() refuses or reads oddly
-def test_a_chunk_option_names_what_it_takes(value):
-    result = CliRunner().invoke(
-        app, ["plan", "SmolLM2-135M", "--loss-chunk", value, "--no-measure"]
-    )
+def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(loaded_paths):
+    result = CliRunner().invoke(app, ["generate", "demo", "--prompt", "caf\udce9 au lait"])
     assert result.exit_code == 2
-    assert "auto (chosen from the shapes), none (whole) or a whole number" in result.output
+    assert "byte 0xe9 at character 4 is not UTF-8 text" in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "bug" not in result.stderr
+    assert not loaded_paths  # refused before any model is read
 
 
-def test_the_plan_command_plans_a_preference_objective_and_its_reference():
-    sft = _plan_json("Llama-3.1-8B", "--seq", "1024", "--no-measure")
-    dpo = _plan_json("Llama-3.1-8B", "--seq", "1024", "--no-measure", "--objective", "dpo")
-    full = _plan_json(
-        "Llama-3.2-1B", "--method", "full", "--seq", "256", "--no-measure", "--objective", "dpo"
-    )
-    assert dpo["config"]["objective"] == "dpo" and dpo["settings"]["reference"] == "same_step"
-    assert full["settings"]["reference"] == "precomputed"  # auto: full has no frozen copy
-    assert "objective" not in sft["settings"]
-    assert dpo["planned_device_bytes"] - sft["planned_device_bytes"] == 4 * 2 * 1024  # the ids
-    assert any("one more forward pass of the frozen base" in note for note in dpo["notes"])
+def test_a_chat_line_that_is_not_utf8_is_skipped_and_the_session_goes_on(monkeypatch):
+    model = SimpleNamespace(source="a model")
+    monkeypatch.setattr(loader, "load_model", lambda path, **_: model)
+    echo = lambda _model, messages, *_: (f"you said {message}" for message in messages)
+    monkeypatch.setattr(run_model, "chat_replies", echo)
+    result = CliRunner().invoke(app, ["chat", "demo"], input=b"caf\xe9\nhello\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert "skipped that line: byte 0xe9 at character 4 is not UTF-8 text" in result.stderr
+    assert "model> you said hello" in result.output  # the next line was answered
+
+
+def test_generate_prints_the_reply_alone_on_stdout(monkeypatch):
+    model = SimpleNamespace(source="a model", config=SimpleNamespace(num_layers=2))
+    model.dtype = SimpleNamespace(name="float32")
+    monkeypatch.setattr(loader, "load_model", lambda path, **_: model)
+    monkeypatch.setattr(generate_module, "generate", lambda *_: "The planet is blue.")
+    result = CliRunner().invoke(app, ["generate", "demo", "--prompt", "Which colour?"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "The planet is blue.\n"
+    assert "model: a model" in result.stderr
+
+
+def test_version():
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout == f"featherweight {version('featherweight')}\n"

@@ -115,8 +115,9 @@ def test_summary_counts_truncated_and_dropped_pairs(smol, tmp_path):
 
 
 def test_sft_records_in_a_preference_run_are_refused_with_the_line(smol, tmp_path):
-    path = write(tmp_path, [STRING, {"text": "plain"}])
-    with pytest.raises(DataError, match=r"pairs.jsonl:2: a text record in a preference run"):
+    path = write(tmp_path, [STRING, {"instruction": "Say hi.", "output": "hi"}])
+    shape = "a record of the instruction shape"  # not "a instruction record"
+    with pytest.raises(DataError, match=rf"pairs.jsonl:2: {shape} in a preference run"):
         prepare_preference_dataset(path, smol, 64)
 
 

@@ -271,3 +271,16 @@ def test_a_line_nested_too_deeply_is_a_bad_record_not_a_crash(tmp_path):
         f"{path}:1"
     ]
     assert dict(skipped.reasons) == {"nested too deeply": 1}
+
+
+@pytest.mark.parametrize("answer", ["", "  "])
+def test_an_instruction_with_an_empty_answer_is_refused_or_skipped_and_counted(tmp_path, answer):
+    path = tmp_path / "qa.csv"
+    path.write_text(f"instruction,output\nWhat?,Yes\nWho?,{answer}\n")
+    with pytest.raises(
+        DataError, match=r"record 2.*\"output\" is empty \(an empty answer cell\?\)"
+    ):
+        list(read_records(path))
+    skipped = Skipped()
+    assert len(list(read_records(path, skip_bad=True, skipped=skipped))) == 1
+    assert skipped.count == 1

@@ -1,6 +1,7 @@
-"""Where a config's paths point: from the config file's folder when written in the file, from the
-working directory when given on the command line; names stay names; the run records absolute
-paths; a missing input is named with where it was looked for and why."""
+"""Where a config's paths point: an input written in the file from the config file's folder, an
+output (output_dir) and anything given on the command line from the working directory; names
+stay names; the run records absolute paths; a missing input is named with where it was looked for
+and why."""
 
 import pytest
 
@@ -26,16 +27,18 @@ def _project(tmp_path):
     return folder, config, elsewhere
 
 
-def test_paths_in_a_config_file_are_read_from_its_folder(tmp_path, monkeypatch):
+def test_inputs_in_a_config_file_are_read_from_its_folder_outputs_from_the_working_directory(
+    tmp_path, monkeypatch
+):
     folder, config, elsewhere = _project(tmp_path)
     monkeypatch.chdir(elsewhere)
-    loaded = load_config(config)
+    loaded = absolute_paths(load_config(config))
     assert loaded.data.train == str(folder / "qa.jsonl")
     assert loaded.data.chat_template == str(folder / "chat.jinja")
-    assert loaded.output_dir == str(folder / "runs" / "a")
+    # where `featherweight generate runs/a`, run from the same place, looks for the run
+    assert loaded.output_dir == str(elsewhere / "runs" / "a")
     assert loaded.model.path == "org/some-model"  # a Hub name stays a name
     assert loaded.data.eval == "org/some-dataset"  # and a dataset name too
-    assert absolute_paths(loaded) == loaded  # the working directory changes nothing now
 
 
 def test_paths_given_on_the_command_line_are_read_from_the_working_directory(tmp_path, monkeypatch):

@@ -103,3 +103,23 @@ def test_a_missing_config_points_at_an_example_that_exists(tmp_path):
     assert named and all((repository / name).exists() for name in named), named
     assert "README.md" in str(error.value)
     load_config(repository / "examples" / "lora-csv-qa.yaml")  # the one it names parses
+
+
+def test_steps_and_epochs_both_set_are_refused_naming_both(tmp_path):
+    both = tmp_path / "both.yaml"
+    both.write_text("steps: 200\nepochs: 3\n")
+    with pytest.raises(ConfigError, match=r"steps \(line 1\) and epochs \(line 2\) are both set"):
+        load_config(both)
+    assert load_config(both, ["epochs=null"]).steps == 200  # the fix the message names
+    epochs = tmp_path / "epochs.yaml"
+    epochs.write_text("method: lora\nepochs: 3\n")
+    with pytest.raises(ConfigError, match=r"steps \(--set steps=5\) and epochs \(line 2\)"):
+        load_config(epochs, ["steps=5"])
+
+
+@pytest.mark.parametrize("text", ["", "# all defaults?\n", "---\n"])
+def test_an_empty_config_file_is_refused(tmp_path, text):
+    config = tmp_path / "run.yaml"
+    config.write_text(text)
+    with pytest.raises(ConfigError, match="holds no settings"):
+        load_config(config)

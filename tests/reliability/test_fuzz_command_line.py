@@ -71,8 +71,8 @@ def path_values(places: dict[str, str]) -> st.SearchStrategy[str]:
 # each command: a base command line that cannot start real work, and its options
 COMMANDS = {
     "plan": (["plan", "{model}", "--no-measure"],
-             ["--method", "--batch", "--seq", "--dtype", "--budget", "--offload", "--optimizer",
-              "--lora-rank", "--loss-chunk", "--vocab-chunk", "--mlp-chunk", "--attention",
+             ["--set", "--method", "--batch", "--seq", "--dtype", "--budget", "--offload",
+              "--optimizer", "--lora-rank", "--loss-chunk", "--vocab-chunk", "--mlp-chunk", "--attention",
               "--mesh", "--plot"]),
     "train": (["train", "{absent}", "--set", "model.path={absent}"], ["--set"]),
     "demo": (["demo", "--output-dir", "{dir}"], ["--steps"]),  # {dir} holds the user's notes
@@ -92,7 +92,8 @@ MODELS = ["SmolLM2-135M", "Llama-3.2-1B", "smollm2-135m", "no-such-model"]
 def command_lines(draw, places: dict[str, str]) -> list[str]:
     command = draw(st.sampled_from(sorted(COMMANDS)))
     base, options = COMMANDS[command]
-    fill = {"model": draw(st.sampled_from([*MODELS, places["dir"], places["fifo"]])), **places}
+    models = [*MODELS, places["dir"], places["fifo"], places["latin1.yaml"]]  # a config too
+    fill = {"model": draw(st.sampled_from(models)), **places}
     line = [part.format(**fill) for part in base]
     for option in draw(st.lists(st.sampled_from(options), max_size=4)):
         value = draw(path_values(places) if option in PATH_OPTIONS else option_values())

@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from featherweight.errors import ConfigError
 from featherweight.recipe.optimizer import learning_rate_schedule
 from featherweight.recipe.schema import parse_config
-from featherweight.train.dataset import steps_from_epochs
+from featherweight.train.dataset import steps_from_epochs, summary_lines
 from featherweight.train.loggers import check_loggers, scalars
 from featherweight.train.loop import train
 from featherweight.train.metrics import loss_figure, read_metrics, smoothed, strict
@@ -125,3 +125,15 @@ def test_the_loss_plot_has_whole_steps_only():
     figure.canvas.draw()
     ticks = figure.axes[0].get_xticks()
     assert len(ticks) > 1 and all(float(tick).is_integer() for tick in ticks)
+
+
+def test_the_data_summary_counts_in_words():
+    summary = {"records": 1, "source": "qa.csv", "skipped": 0, "train": None, "eval": None,
+               "steps": 1, "epochs": 1.0, "steps_per_epoch": 1, "batch_size": 2, "packed": True}  # fmt: skip
+    assert summary_lines(summary) == [
+        "data: 1 record read from qa.csv",
+        "steps: 1 = 1 epoch of 1 step (batch 2)",
+    ]
+    summary.update(records=1200, steps=3, epochs=1.5, steps_per_epoch=2)
+    assert summary_lines(summary)[1] == "steps: 3 = 1.5 epochs of 2 steps (batch 2)"
+    assert summary_lines(summary)[0] == "data: 1,200 records read from qa.csv"

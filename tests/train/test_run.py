@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 
-from featherweight.errors import ConfigError, OutputExistsError
+from featherweight.errors import ConfigError, DataError, OutputExistsError
 from featherweight.memory.budget import plan_within_budget
 from featherweight.memory.components import DEVICE
 from featherweight.recipe.paths import absolute_paths
@@ -164,3 +164,18 @@ def test_a_resumed_run_keeps_the_chunks_it_recorded(tmp_path):
     changed = parse_config({"output_dir": str(tmp_path), "memory": {"mlp_chunk": 32}})
     with pytest.raises(OutputExistsError, match=r"memory\.mlp_chunk: 64 -> 32"):
         check_run_dir(changed, overwrite=False)
+
+
+def test_a_batch_larger_than_the_training_rows_is_refused_before_the_weights(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    data = tmp_path / "five.jsonl"
+    data.write_text("".join(f'{{"text": "record {n}"}}\n' for n in range(5)))
+    loaded = []
+    monkeypatch.setattr(run_module, "load_weights", lambda *args: loaded.append(args))
+    settings = run_settings(tiny_model_dir, data, tmp_path / "run", batch_size=64)
+    settings["data"].update(pack=False, eval_fraction=0)  # one record a row: five rows
+    with pytest.raises(DataError, match="batch_size 64 is more than the 5 training rows") as error:
+        prepare_run(parse_config(settings))
+    assert "set batch_size to 5 or less" in str(error.value)
+    assert not loaded and not (tmp_path / "run").exists()
