@@ -154,11 +154,11 @@ def _cached_layer(
     q, k, v = attention_in(layer, x, inputs, config, lora)
     cache_k, cache_v = _write(*cache, k, v, start, prefill)
     if prefill:
-        attended = attention_core(q, k, v, inputs, config)
+        attended = attention_core(q, k, v, inputs, config, layer.get("sinks"))
     else:
         mask = _ring_mask(cache_k.shape[1], start, x.shape[1], window)
         form = ScoreForm(config.attention_scale, config.attn_softcap, window)
-        attended = materialized_attention(q, cache_k, cache_v, mask, form)
+        attended = materialized_attention(q, cache_k, cache_v, mask, form, layer.get("sinks"))
         attended = attended.reshape(*x.shape[:2], -1)
     a = attention_out(layer, x, attended, config, lora)
     return mlp_residual(layer, a, config, lora), (cache_k, cache_v)

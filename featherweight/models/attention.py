@@ -103,26 +103,31 @@ def blockwise_attention(
     segment_ids: jax.Array | None = None,
     block: int = BLOCK,
     form: ScoreForm = PLAIN,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal (and segment-masked) grouped-query attention, tile by tile: -> [B, S, H, h].
 
     Equal to `jax.nn.dot_product_attention(q, k, v, is_causal=True)` (with the segment mask when
     `segment_ids` are given), with float32 softmax statistics for 16-bit inputs; scores formed as
     `form` says. With a window, each query block visits only the key blocks the window reaches:
-    O(S x window) work, not O(S^2).
+    O(S x window) work, not O(S^2). `sinks` [H] (gpt-oss): a logit per head that joins every
+    row's softmax and adds no value -- the online softmax starts from it.
     """
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     tile = block_size(seq, block)
     padded = math.ceil(seq / tile) * tile
     q5 = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # [B, S, K, G, h]
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32).reshape(kv_heads, heads // kv_heads)  # [K, G]
     if tile == seq:  # a lone tile: no loop, its products head-major
-        return _lone_tile(q5, k, v, segment_ids, form).reshape(batch, seq, heads, head_dim)
+        out = _lone_tile(q5, k, v, segment_ids, sinks, form)
+        return out.reshape(batch, seq, heads, head_dim)
     if padded != seq:
         q5, k, v = (_pad_positions(x, padded) for x in (q5, k, v))
         if segment_ids is not None:
             segment_ids = _pad_positions(segment_ids, padded)
-    out = _attention(q5, k, v, segment_ids, tile, form)
+    out = _attention(q5, k, v, segment_ids, sinks, tile, form)
     return out[:, :seq].reshape(batch, seq, heads, head_dim)
 
 
@@ -196,8 +201,9 @@ def _over_blocks(count: int, body, init):
     return body(0, init) if count == 1 else jax.lax.fori_loop(0, count, body, init)
 
 
-def _forward(q, k, v, segments, tile, form):
-    """(out [B, Sp, K, G, h] in q's dtype, log-sum-exp [B, K, G, Sp] float32)."""
+def _forward(q, k, v, segments, sinks, tile, form):
+    """(out [B, Sp, K, G, h] in q's dtype, log-sum-exp [B, K, G, Sp] float32): the sinks, when
+    given, are each row's first term (a running max and sum of one, no value)."""
     batch, padded, kv_heads, groups, head_dim = q.shape
     stats_shape = (batch, kv_heads, groups, tile)
 
@@ -224,9 +230,13 @@ def _forward(q, k, v, segments, tile, form):
             row_sum = row_sum * correction + p.sum(axis=-1)
             return new_max, row_sum, acc * correction[..., None] + pv
 
+        if sinks is None:
+            start_max, start_sum = jnp.full(stats_shape, _MASKED, jnp.float32), 0.0
+        else:
+            start_max, start_sum = jnp.broadcast_to(sinks[None, :, :, None], stats_shape), 1.0
         init = (
-            jnp.full(stats_shape, _MASKED, jnp.float32),
-            jnp.zeros(stats_shape, jnp.float32),
+            start_max,
+            jnp.full(stats_shape, start_sum, jnp.float32),
             jnp.zeros((*stats_shape, head_dim), jnp.float32),
         )
         row_max, row_sum, acc = _causal_sweep(i, key_block, init, tile, form.window)
@@ -246,14 +256,22 @@ def _forward(q, k, v, segments, tile, form):
     return _over_blocks(padded // tile, write, empty)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q, k, v, segments, tile, form):
-    return _forward(q, k, v, segments, tile, form)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, segments, sinks, tile, form):
+    return _forward(q, k, v, segments, sinks, tile, form)[0]
 
 
-def _attention_fwd(q, k, v, segments, tile, form):
-    out, lse = _forward(q, k, v, segments, tile, form)
-    return out, (q, k, v, segments, out, lse)
+def _attention_fwd(q, k, v, segments, sinks, tile, form):
+    out, lse = _forward(q, k, v, segments, sinks, tile, form)
+    return out, (q, k, v, segments, sinks, out, lse)
+
+
+def _sinks_cotangent(sinks, lse, delta, axes):
+    """d sink = -sum over rows of p_sink x delta (a sink's probability exp(sink - lse) moves
+    every row's output by -p_sink x out): [K, G], or None without sinks."""
+    if sinks is None:
+        return None
+    return -jnp.sum(jnp.exp(sinks - lse) * delta, axis=axes)
 
 
 def _attention_bwd(tile, form, residuals, d_out):
@@ -261,7 +279,7 @@ def _attention_bwd(tile, form, residuals, d_out):
     probabilities are recomputed once and give its share of dQ (summed in the block's float32
     carry, written once) and of dK and dV (summed in place into float32 buffers the size of k
     and v: in float32 they are the outputs themselves)."""
-    q, k, v, segments, out, lse = residuals
+    q, k, v, segments, sinks, out, lse = residuals
     batch, padded, head_dim = q.shape[0], q.shape[1], q.shape[-1]
     scale = form.scale_for(head_dim)
     # D_i = rowsum(dO_i * O_i): the softmax backward's per-row term, [B, K, G, Sp]
@@ -304,7 +322,9 @@ def _attention_bwd(tile, form, residuals, d_out):
 
     init = (jnp.zeros_like(q), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     d_q, d_k, d_v = _over_blocks(padded // tile, query_block, init)
-    return d_q, d_k.astype(k.dtype), d_v.astype(v.dtype), None
+    sink_rows = None if sinks is None else sinks[None, :, :, None]
+    d_sinks = _sinks_cotangent(sink_rows, lse, delta, (0, 3))
+    return d_q, d_k.astype(k.dtype), d_v.astype(v.dtype), None, d_sinks
 
 
 def _add_block(buffer: jax.Array, block: jax.Array, index, tile: int) -> jax.Array:
@@ -331,35 +351,39 @@ def _head_major_scores(q, k, segments, form: ScoreForm) -> tuple[jax.Array, jax.
     return jnp.where(_tile_mask(0, 0, q.shape[3], segments, form.window), capped, _MASKED), capped
 
 
-def _lone_tile_forward(q, k, v, segments, form):
+def _lone_tile_forward(q, k, v, segments, sinks, form):
     """(out [B, S, K, G, h] in q's dtype, the rows' log-sum-exp [B, K, G, S, 1] float32) of a
-    sequence that is one tile."""
+    sequence that is one tile (the sinks, when given, in every row's sum)."""
     q, k, v = _head_major(q, k, v)
     s, _ = _head_major_scores(q, k, segments, form)
     row_max = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        row_max = jnp.maximum(row_max, sinks[None, :, :, None, None])
     p = jnp.exp(s - row_max)  # unnormalized: the output is divided instead, [S, h] not [S, S]
     row_sum = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        row_sum = row_sum + jnp.exp(sinks[None, :, :, None, None] - row_max)
     out = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     out = (out / row_sum).astype(q.dtype).transpose(0, 3, 1, 2, 4)
     return out, row_max + jnp.log(row_sum)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _lone_tile(q, k, v, segments, form):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _lone_tile(q, k, v, segments, sinks, form):
     """Attention over a sequence that is one tile: the products taken head-major (batched over
     B and K), so that none transposes the S x S tile; the arrays in and out, and those kept for
     the backward pass, in the loops' layout (the copies are transient)."""
-    return _lone_tile_forward(q, k, v, segments, form)[0]
+    return _lone_tile_forward(q, k, v, segments, sinks, form)[0]
 
 
-def _lone_tile_fwd(q, k, v, segments, form):
-    out, lse = _lone_tile_forward(q, k, v, segments, form)
-    return out, (q, k, v, segments, out, lse)
+def _lone_tile_fwd(q, k, v, segments, sinks, form):
+    out, lse = _lone_tile_forward(q, k, v, segments, sinks, form)
+    return out, (q, k, v, segments, sinks, out, lse)
 
 
 def _lone_tile_bwd(form, residuals, d_out):
     """The tile's backward: its probabilities made once again from the kept log-sum-exp."""
-    q_in, k_in, v_in, segments, out, lse = residuals
+    q_in, k_in, v_in, segments, sinks, out, lse = residuals
     q, k, v = _head_major(q_in, k_in, v_in)
     d_out, out = (x.transpose(0, 2, 3, 1, 4) for x in (d_out, out))
     scale = form.scale_for(q.shape[-1])
@@ -377,6 +401,9 @@ def _lone_tile_bwd(form, residuals, d_out):
         d_k.astype(k.dtype).transpose(0, 2, 1, 3),
         d_v.astype(v.dtype).transpose(0, 2, 1, 3),
         None,
+        None
+        if sinks is None
+        else _sinks_cotangent(sinks[None, :, :, None], lse[..., 0], delta[..., 0], (0, 3)),
     )
 
 
@@ -402,11 +429,14 @@ def attention_mask(
     return causal[None, None] & same_segment
 
 
-def materialized_attention(q, k, v, mask: jax.Array, form: ScoreForm = PLAIN) -> jax.Array:
+def materialized_attention(
+    q, k, v, mask: jax.Array, form: ScoreForm = PLAIN, sinks: jax.Array | None = None
+) -> jax.Array:
     """XLA's path: the float32 B x H x T x S scores, scaled, capped and masked by `mask`
-    [B or 1, 1, T, S] -> [B, T, H, h] (the reference the tiled and fused paths are tested
-    against; also a cached decode step's attention over its cache)."""
-    if form.softcap is None:
+    [B or 1, 1, T, S], with each head's sink in its softmax when given -> [B, T, H, h] (the
+    reference the tiled and fused paths are tested against; also a cached decode step's
+    attention over its cache)."""
+    if form.softcap is None and sinks is None:
         scale = form.scale_for(q.shape[-1])
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
     groups = q.shape[2] // k.shape[2]
@@ -414,7 +444,13 @@ def materialized_attention(q, k, v, mask: jax.Array, form: ScoreForm = PLAIN) ->
     scores = jnp.einsum("btkgd,bskd->bkgts", q5, k, preferred_element_type=jnp.float32)
     scores = _capped(scores * form.scale_for(q.shape[-1]), form)
     scores = jnp.where(mask[:, :, None], scores, _MASKED)  # [B, K, G, T, S]
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is not None:  # a column of each head's sink, dropped after the softmax
+        sink = sinks.astype(jnp.float32).reshape(1, k.shape[2], groups, 1, 1)
+        sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)
+        probs = probs[..., :-1].astype(v.dtype)
+    else:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.astype(q.dtype).reshape(q.shape)
 
@@ -429,19 +465,26 @@ def attend(
     scale: float | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal (and segment-masked) grouped-query self-attention: q [B, S, H, h], k, v [B, S, K, h]
     -> [B, S, H, h], by `implementation` (one of `IMPLEMENTATIONS`; "cudnn" gives cuDNN packed
     rows of at most `packed_slots` documents, "cudnn_padded" rows of one document each:
     `models/fused_attention.py`), the scores scaled by `scale` (None: head_dim^-1/2), capped by
-    `softcap` and kept within `window` positions when given. cuDNN and Pallas take no softcap
-    and Pallas no window: `attention_choice` never picks them for such a model."""
+    `softcap` and kept within `window` positions when given; `sinks` [H]: gpt-oss's per-head
+    sink logits. cuDNN and Pallas take no softcap or sinks and Pallas no window:
+    `attention_choice` never picks them for such a model."""
     form = ScoreForm(scale, softcap, window)
     if implementation == "blockwise":
-        return blockwise_attention(q, k, v, segment_ids, form=form)
+        return blockwise_attention(q, k, v, segment_ids, form=form, sinks=sinks)
     if implementation == "materialized":
         mask = attention_mask(segment_ids, q.shape[1], k.shape[1], window)
-        return materialized_attention(q, k, v, mask, form)
+        return materialized_attention(q, k, v, mask, form, sinks)
+    if sinks is not None:
+        raise StepConfigError(
+            f"attention implementation {implementation!r} takes no attention sinks (gpt-oss); "
+            "use memory.attention: blockwise"
+        )
     fused_form = dict(scale=form.scale_for(q.shape[-1]), window=window)
     if segment_ids is None and implementation in ("cudnn", "cudnn_padded"):
         return cudnn_attention(q, k, v, None, "plain", **fused_form)

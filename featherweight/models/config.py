@@ -33,7 +33,7 @@ from featherweight.errors import (
 )
 from featherweight.models.families import family_of
 
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "clamped_swiglu")
 
 _REQUIRED_HF_FIELDS = (
     "vocab_size",
@@ -113,7 +113,7 @@ def _check_field_types(hf: dict[str, Any], source: str) -> None:
         )
 
 
-ROPE_TYPES = ("llama3", "linear", "longrope")
+ROPE_TYPES = ("llama3", "linear", "longrope", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +121,9 @@ class RopeScaling:
     """A RoPE scaling of the frequencies: Llama 3's `llama3` (wavelength-dependent interpolation),
     `linear` (every frequency divided by `factor`: Gemma 3's global layers) or `longrope`
     (Phi-3.5: per-frequency divisors, `short_factor` up to the original context and
-    `long_factor` beyond it, and cos/sin scaled by `attention_factor`)."""
+    `long_factor` beyond it, and cos/sin scaled by `attention_factor`) or `yarn` (gpt-oss:
+    frequencies between `beta_fast` and `beta_slow` rotations ramped from extrapolated to
+    divided by `factor`, cos/sin scaled by `attention_factor`)."""
 
     factor: float
     low_freq_factor: float = 1.0
@@ -131,11 +133,23 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json `rope_scaling` that transformers reads back into this scaling."""
         if self.rope_type == "linear":
             return {"rope_type": "linear", "factor": self.factor}
+        if self.rope_type == "yarn":
+            return {
+                "rope_type": "yarn",
+                "factor": self.factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings,
+                "beta_fast": self.beta_fast,
+                "beta_slow": self.beta_slow,
+                "truncate": self.truncate,
+            }
         if self.rope_type == "longrope":
             return {
                 "rope_type": "longrope",
@@ -175,6 +189,14 @@ class ModelConfig:
       config flag).
     router_aux_loss_coef: the family's load-balancing loss weight (recorded; not trained, as
       transformers' own default `output_router_logits: false` does not).
+    routing: "softmax_topk" (softmax over every expert, then the top k) or "topk_softmax"
+      (gpt-oss: the top k logits, then a softmax over them).
+    output_bias: the o projection has a bias too (gpt-oss; `attention_bias` gives q, k, v theirs).
+    expert_bias: the router and each expert's gate, up and down have biases (gpt-oss).
+    attention_sinks: a learned logit per head that joins every softmax and takes no value
+      (gpt-oss's sinks).
+    swiglu_alpha, swiglu_limit: gpt-oss's clamped SwiGLU ("clamped_swiglu"): gate clamped above
+      and up clamped both ways at the limit, (up + 1) * gate * sigmoid(alpha * gate).
     """
 
     model_type: str
@@ -209,6 +231,12 @@ class ModelConfig:
     experts_per_token: int = 0
     norm_topk_prob: bool = False
     router_aux_loss_coef: float | None = None
+    routing: str = "softmax_topk"
+    output_bias: bool = False
+    expert_bias: bool = False
+    attention_sinks: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -335,6 +363,8 @@ def _rope_settings(
     try:
         if rope_type == "linear":
             scaling = RopeScaling(factor=float(rope["factor"]), rope_type="linear")
+        elif rope_type == "yarn":
+            scaling = _yarn(hf, rope)
         elif rope_type == "longrope":
             scaling = _longrope(hf, rope)
         else:
@@ -368,6 +398,24 @@ def _longrope(hf: dict[str, Any], rope: dict[str, Any]) -> RopeScaling:
         short_factor=tuple(float(x) for x in rope["short_factor"]),
         long_factor=tuple(float(x) for x in rope["long_factor"]),
         attention_factor=float(attention),
+    )
+
+
+def _yarn(hf: dict[str, Any], rope: dict[str, Any]) -> RopeScaling:
+    """YaRN (gpt-oss), with transformers' defaults for the attention factor and the betas."""
+    original = int(rope["original_max_position_embeddings"])
+    factor = float(rope.get("factor") or hf["max_position_embeddings"] / original)
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    return RopeScaling(
+        factor=factor,
+        original_max_position_embeddings=original,
+        rope_type="yarn",
+        attention_factor=float(attention),
+        beta_fast=float(rope.get("beta_fast") or 32),
+        beta_slow=float(rope.get("beta_slow") or 1),
+        truncate=bool(rope.get("truncate", True)),
     )
 
 

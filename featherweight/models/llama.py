@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +96,10 @@ def rope_inverse_frequencies(config: ModelConfig, seq_len: int = 0, local: bool 
         return inv_freq.astype(np.float32), 1.0
     if scaling.rope_type == "linear":
         return (inv_freq / scaling.factor).astype(np.float32), 1.0
+    if scaling.rope_type == "yarn":
+        return _yarn_frequencies(
+            inv_freq, rotary, config.rope_theta, scaling
+        ), scaling.attention_factor
     if scaling.rope_type == "longrope":
         long = seq_len > scaling.original_max_position_embeddings
         factors = np.asarray(scaling.long_factor if long else scaling.short_factor, np.float32)
@@ -109,6 +114,27 @@ def rope_inverse_frequencies(config: ModelConfig, seq_len: int = 0, local: bool 
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return np.where(is_medium, smoothed, scaled).astype(np.float32), 1.0
+
+
+def _yarn_frequencies(inv_freq: np.ndarray, rotary: int, base: float, scaling) -> np.ndarray:
+    """YaRN's frequencies (transformers' `_compute_yarn_parameters`): extrapolated above
+    `beta_fast` rotations over the original context, divided by `factor` below `beta_slow`,
+    ramped linearly between."""
+
+    def dimension(rotations: float) -> float:
+        context = scaling.original_max_position_embeddings
+        return rotary * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension(scaling.beta_fast), dimension(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(rotary // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolated = 1 - ramp
+    return (inv_freq / scaling.factor * (1 - extrapolated) + inv_freq * extrapolated).astype(
+        np.float32
+    )
 
 
 def rotary_tables(
@@ -226,10 +252,16 @@ def attention_in(
 
 
 def attention_core(
-    q: jax.Array, k: jax.Array, v: jax.Array, inputs: AttentionInputs, config: ModelConfig
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    inputs: AttentionInputs,
+    config: ModelConfig,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal (and segment-masked) grouped-query attention by `inputs.implementation`, with the
-    family's score scale and softcap, within the window on a sliding layer: -> [B, S, H*h].
+    family's score scale and softcap (and the layer's sinks [H]), within the window on a sliding
+    layer: -> [B, S, H*h].
 
     Where layers differ, both variants are compiled and a `lax.cond` on the layer runs one. The
     default, blockwise, never builds an S x S array (`featherweight.models.attention`).
@@ -239,7 +271,7 @@ def attention_core(
     def run(window: int | None) -> jax.Array:
         return attend(
             q, k, v, inputs.segment_ids, inputs.implementation, inputs.packed_slots,
-            scale=config.attention_scale, softcap=config.attn_softcap, window=window,
+            scale=config.attention_scale, softcap=config.attn_softcap, window=window, sinks=sinks,
         )  # fmt: skip
 
     with jax.named_scope("attention"):
@@ -283,11 +315,16 @@ def mlp_in(
         return gate, linear(layer, "up", normed, lora, dropout_key)
 
 
-def activation(config: ModelConfig, gate: jax.Array) -> jax.Array:
-    """The gate's activation: SiLU (SwiGLU) or GELU with the tanh approximation (Gemma's GeGLU)."""
+def gated(config: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The MLP's hidden activation from its gate and up projections: SiLU (SwiGLU), GELU with
+    the tanh approximation (Gemma's GeGLU), or gpt-oss's clamped SwiGLU."""
     if config.activation == "gelu_pytorch_tanh":
-        return jax.nn.gelu(gate, approximate=True)
-    return jax.nn.silu(gate)
+        return jax.nn.gelu(gate, approximate=True) * up
+    if config.activation == "clamped_swiglu":
+        limit = config.swiglu_limit
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return (up + 1) * gate * jax.nn.sigmoid(gate * config.swiglu_alpha)
+    return jax.nn.silu(gate) * up
 
 
 def mlp_out(
@@ -302,12 +339,12 @@ def mlp_out(
     (each token's experts summed by their weights in an MoE layer; normed first with sandwich
     norms)."""
     if config.num_experts:
-        out = moe.experts_out(layer, hidden, config, activation, lora, dropout_key)
+        out = moe.experts_out(layer, hidden, config, gated, lora, dropout_key)
         out = out.reshape(a.shape)
     else:
         gate, up = hidden
         with jax.named_scope("mlp"):
-            out = linear(layer, "down", activation(config, gate) * up, lora, dropout_key)
+            out = linear(layer, "down", gated(config, gate, up), lora, dropout_key)
     if config.sandwich_norms:
         out = norm(config, out, layer["post_mlp_norm"])
     return a + out
@@ -366,7 +403,8 @@ def block(
     """One transformer layer, its four stages in order: [B, S, D] -> [B, S, D]."""
     attn_key, mlp_key = split_dropout_key(dropout_key)
     q, k, v = attention_in(layer, x, inputs, config, lora, attn_key)
-    a = attention_out(layer, x, attention_core(q, k, v, inputs, config), config, lora, attn_key)
+    attended = attention_core(q, k, v, inputs, config, layer.get("sinks"))
+    a = attention_out(layer, x, attended, config, lora, attn_key)
     return mlp_residual(layer, a, config, lora, mlp_key, mlp_chunk)
 
 

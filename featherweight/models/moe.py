@@ -66,6 +66,11 @@ def route(layer, x: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Arra
     """(weights [N, k] in x's dtype, experts [N, k] int32) of the tokens x [N, D]."""
     with jax.named_scope("router"):
         logits = jnp.einsum("nd,ed->ne", x, layer["router"].astype(x.dtype))
+        if "router_bias" in layer:
+            logits = logits + layer["router_bias"].astype(logits.dtype)
+        if config.routing == "topk_softmax":  # gpt-oss: the top k logits, then their softmax
+            top, experts = jax.lax.top_k(logits, config.experts_per_token)
+            return jax.nn.softmax(top, axis=-1).astype(x.dtype), experts.astype(jnp.int32)
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, config.experts_per_token)
         if config.norm_topk_prob:
@@ -108,14 +113,17 @@ def _expert(weight, index: jax.Array, dtype) -> jax.Array:
 
 def grouped_linear(layer, name: str, rows: jax.Array, block_expert: jax.Array, lora, key):
     """rows [R, in] -> [R, out]: each block of rows times its expert's weight `layer[name]`
-    [E, out, in] (and its expert's LoRA adapter when present), one block at a time."""
-    weight = layer[name]
+    [E, out, in] (plus its bias [E, out] and its LoRA adapter when present), one block at a
+    time."""
+    weight, bias = layer[name], layer.get(f"{name}_bias")
     adapter = layer.get("lora", {}).get(name)
     blocks = rows.reshape(block_expert.shape[0], -1, rows.shape[-1])
 
     def one_block(_, inputs):
         index, x, expert = inputs
         y = jnp.einsum("mi,oi->mo", x, _expert(weight, expert, x.dtype))
+        if bias is not None:
+            y = y + jax.lax.dynamic_index_in_dim(bias, expert, keepdims=False).astype(y.dtype)
         if adapter is not None and lora is not None:
             pair = jax.tree.map(lambda leaf: leaf[expert], adapter)
             block_key = None if key is None else jax.random.fold_in(key, index)
@@ -143,13 +151,13 @@ def experts_in(layer, normed: jax.Array, config: ModelConfig, lora=None, key=Non
     return gate, up, Routing(weights, pair_row, row_token, block_expert)
 
 
-def experts_out(layer, hidden, config: ModelConfig, activation, lora=None, key=None) -> jax.Array:
+def experts_out(layer, hidden, config: ModelConfig, gated, lora=None, key=None) -> jax.Array:
     """The routed MLP's second half: down(act(gate) * up) of each routed row, each token's rows
     summed with its expert weights -> [N, D]."""
     gate, up, routing = hidden
     with jax.named_scope("experts"):
         rows = grouped_linear(
-            layer, "down", activation(config, gate) * up, routing.block_expert, lora, key
+            layer, "down", gated(config, gate, up), routing.block_expert, lora, key
         )  # [R, D]
         picked = rows[routing.pair_row]  # [N, k, D]
         return jnp.einsum("nkd,nk->nd", picked, routing.weights.astype(picked.dtype))

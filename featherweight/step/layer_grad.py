@@ -71,10 +71,11 @@ class _Stages:
         )
 
     def attention_residual(self, trainable, x, qkv):
-        return self.attention_output(trainable, x, self.attention(qkv))
+        return self.attention_output(trainable, x, self.attention(trainable, qkv))
 
-    def attention(self, qkv):
-        return attention_core(*qkv, self.inputs, self.config)
+    def attention(self, trainable, qkv):
+        sinks = self.layer(trainable).get("sinks")
+        return attention_core(*qkv, self.inputs, self.config, sinks)
 
     def attention_output(self, trainable, x, attended):
         return attention_out(
@@ -129,7 +130,7 @@ def layer_forward(
         return block(layer, x, inputs, config, lora, dropout_key, mlp_chunk), {}
     stages = _Stages(frozen_layer, inputs, config, lora, dropout_key, mlp_chunk)
     qkv = stages.qkv(trainable_layer, x)
-    attended = stages.attention(qkv)
+    attended = stages.attention(trainable_layer, qkv)
     a = stages.attention_output(trainable_layer, x, attended)
     saved = {"qkv": qkv} if "qkv" in save else {}
     if "attention" in save:
@@ -199,5 +200,6 @@ def _attention_vjp(stages: _Stages, trainable_layer, x, qkv, saved, g_a):
         return vjp_attention(g_a)
     _, vjp_output = jax.vjp(stages.attention_output, trainable_layer, x, saved["attention"][0])
     grad_attention, g_x, g_attended = vjp_output(g_a)
-    _, vjp_core = jax.vjp(stages.attention, qkv)
-    return grad_attention, g_x, vjp_core(g_attended)[0]
+    _, vjp_core = jax.vjp(stages.attention, trainable_layer, qkv)
+    grad_core, g_qkv = vjp_core(g_attended)  # the core's trainable part: gpt-oss's sinks
+    return _add_trees(grad_attention, grad_core), g_x, g_qkv
