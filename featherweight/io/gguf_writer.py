@@ -120,9 +120,8 @@ def add_hyperparameters(writer: GGUFWriter, config: ModelConfig) -> None:
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
     writer.add_rope_dimension_count(config.rotary_dim)
-    if config.head_dim * config.num_heads != config.hidden_size:
-        writer.add_key_length(config.head_dim)
-        writer.add_value_length(config.head_dim)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
