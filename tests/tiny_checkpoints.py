@@ -348,3 +348,58 @@ def write_family_gguf(path: Path, model: torch.nn.Module) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+WINDOW = 8  # shorter than TOKENS' 48 positions
+# Qwen3, Gemma 2, Gemma 3 and Phi-3 as llama.cpp can run them: family -> (transformers config
+# class, settings beyond SIZES). Qwen3's head_dim 128 is transformers' default, so its own GGUF
+# reading (which reads no head_dim) keeps it; Gemma 3 has 6 layers, llama.cpp's sliding pattern.
+LLAMA_CPP_FAMILIES = {
+    "qwen3": (transformers.Qwen3Config, dict(num_hidden_layers=2, head_dim=128)),
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+        ),
+    ),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        dict(
+            num_hidden_layers=6,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
+    "phi3": (
+        transformers.Phi3Config,
+        dict(
+            num_hidden_layers=2,
+            sliding_window=WINDOW,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.5,
+            },
+            pad_token_id=0,
+        ),
+    ),
+}
+
+
+def family_config(family: str) -> transformers.PretrainedConfig:
+    """A tiny float32, eager-attention transformers config of a `LLAMA_CPP_FAMILIES` family."""
+    config_class, settings = LLAMA_CPP_FAMILIES[family]
+    config = config_class(**{**SIZES, "max_position_embeddings": 4096, **settings})
+    config._attn_implementation = "eager"
+    return config

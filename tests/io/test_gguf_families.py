@@ -8,7 +8,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-import transformers
 from gguf import GGUFReader
 
 from featherweight.errors import ExportError
@@ -17,7 +16,10 @@ from featherweight.io.gguf_export import export_merged_gguf
 from featherweight.io.loader import load_model
 from featherweight.io.ollama import MODEL_FILE
 from tests.tiny_checkpoints import (
+    LLAMA_CPP_FAMILIES,
     TOKENS,
+    WINDOW,
+    family_config,
     hf_from_gguf,
     hf_logits,
     random_hf_model,
@@ -25,71 +27,12 @@ from tests.tiny_checkpoints import (
 )
 
 TOLERANCE = 1e-4
-WINDOW = 8  # shorter than TOKENS' 48 positions
-_SMALL = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-5,
-)
-# family -> (transformers config class, settings llama.cpp can represent, whether transformers'
-# own GGUF reading keeps every setting: Qwen3's head_dim 128 is its default)
-CASES = {
-    "qwen3": (transformers.Qwen3Config, dict(num_hidden_layers=2, head_dim=128), True),
-    "gemma2": (
-        transformers.Gemma2Config,
-        dict(
-            num_hidden_layers=4,
-            head_dim=16,
-            query_pre_attn_scalar=16,
-            sliding_window=WINDOW,
-            attn_logit_softcapping=2.0,
-            final_logit_softcapping=3.0,
-        ),
-        False,  # transformers reads no softcaps from GGUF
-    ),
-    "gemma3": (
-        transformers.Gemma3TextConfig,
-        dict(
-            num_hidden_layers=6,  # llama.cpp: every 6th layer global
-            head_dim=16,
-            query_pre_attn_scalar=16,
-            sliding_window=WINDOW,
-            rope_parameters={
-                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            },
-        ),
-        False,  # nor Gemma 3's query scale, nor its linear scaling
-    ),
-    "phi3": (
-        transformers.Phi3Config,
-        dict(
-            num_hidden_layers=2,
-            sliding_window=WINDOW,
-            tie_word_embeddings=False,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 1e4,
-                "partial_rotary_factor": 0.5,
-            },
-            pad_token_id=0,
-        ),
-        False,  # nor Phi-3's partial rotary factor
-    ),
-}
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=list(LLAMA_CPP_FAMILIES))
 def case(request, tmp_path_factory):
     """(family, transformers model, its GGUF as llama.cpp writes it, featherweight's load)."""
-    config_class, settings, _ = CASES[request.param]
-    config = config_class(**{**_SMALL, **settings})
-    config._attn_implementation = "eager"
-    hf_model = random_hf_model(config)
+    hf_model = random_hf_model(family_config(request.param))
     path = write_family_gguf(tmp_path_factory.mktemp(request.param) / "model.gguf", hf_model)
     return request.param, hf_model, path, load_model(path, dtype="float32")
 
@@ -102,7 +45,7 @@ def test_llama_cpps_gguf_loads_with_transformers_logits(case):
     family, hf_model, path, model = case
     assert model.config.model_type.startswith(family)
     assert _diff(model, hf_model) <= TOLERANCE, family
-    if CASES[family][2]:
+    if family == "qwen3":  # transformers' GGUF reading keeps Qwen3's settings, not the others'
         assert _diff(model, hf_from_gguf(path)) <= TOLERANCE, f"{family}: transformers' GGUF read"
 
 

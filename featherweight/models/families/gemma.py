@@ -160,10 +160,16 @@ def _gemma3_metadata(config: Any) -> dict[str, Any]:
     }
 
 
+def _query_pre_attn_scalar(query_scale: float) -> int | float:
+    """transformers 5 types `query_pre_attn_scalar` as an int, and refuses 16.0."""
+    scalar = query_scale**-2
+    return round(scalar) if abs(scalar - round(scalar)) < 1e-6 * scalar else scalar
+
+
 def _extras(config: Any) -> dict[str, Any]:
     return {
         "hidden_activation": config.activation,
-        "query_pre_attn_scalar": config.query_scale**-2,
+        "query_pre_attn_scalar": _query_pre_attn_scalar(config.query_scale),
         "attn_logit_softcapping": config.attn_softcap,
         "final_logit_softcapping": config.final_softcap,
         "sliding_window": config.sliding_window,

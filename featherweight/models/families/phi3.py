@@ -57,6 +57,8 @@ PHI3 = Family(
     hf_extras=lambda config: {
         "sliding_window": config.sliding_window,
         "partial_rotary_factor": config.partial_rotary_factor,
+        # not Phi3Config's default 32000, which a vocabulary of 32000 or fewer has no row for
+        "pad_token_id": None,
     },
     hf_fused={
         "self_attn.qkv_proj.weight": ("q", "k", "v"),
