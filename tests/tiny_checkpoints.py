@@ -1,6 +1,7 @@
 """Tiny checkpoints of every supported family, built with transformers (the reference) in the test:
 random Hugging Face models, their safetensors directories, and GGUF files written the way
-llama.cpp's converter writes them (q/k rows permuted, Llama 3 rope factors as `rope_freqs.weight`).
+llama.cpp's converter writes them (q/k rows permuted, Llama 3 rope factors as `rope_freqs.weight`;
+Qwen3, Gemma 2 / 3 and Phi-3 with their architectures' metadata, names and layouts).
 """
 
 from __future__ import annotations
@@ -8,10 +9,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 import transformers
-from gguf import GGMLQuantizationType, GGUFWriter, TokenType, quants
+from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType, quants
 
 from tests.kquant_encoder import ENCODERS, quantize_k
 
@@ -160,6 +162,23 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[rest]}"
 
 
+def add_byte_level_tokenizer(writer: GGUFWriter, vocab_size: int) -> None:
+    """The byte-level BPE vocabulary of the tiny GGUF files: past the 256 bytes, two-letter tokens
+    and their merges ("a b" -> "ab"), as llama.cpp needs merges to load a byte-level vocabulary."""
+    tokens = _byte_level_tokens()[:vocab_size]
+    pairs = [(chr(ord("a") + i // 26), chr(ord("a") + i % 26)) for i in range(26 * 26)]
+    pairs = pairs[: vocab_size - len(tokens)]
+    tokens += [left + right for left, right in pairs]
+    merges = [f"{left} {right}" for left, right in pairs]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types([TokenType.NORMAL] * vocab_size)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
 def write_gguf(
     path: Path,
     model: torch.nn.Module,
@@ -189,20 +208,7 @@ def write_gguf(
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    # past the 256 bytes, a vocabulary gets two-letter tokens and their merges ("a b" -> "ab"),
-    # as llama.cpp needs merges to load a byte-level BPE vocabulary
-    tokens = _byte_level_tokens()[: config.vocab_size]
-    pairs = [(chr(ord("a") + i // 26), chr(ord("a") + i % 26)) for i in range(26 * 26)]
-    pairs = pairs[: config.vocab_size - len(tokens)]
-    tokens += [left + right for left, right in pairs]
-    merges = [f"{left} {right}" for left, right in pairs]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_merges(merges)
-    writer.add_token_types([TokenType.NORMAL] * config.vocab_size)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_byte_level_tokenizer(writer, config.vocab_size)
     for hf_name, parameter in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -269,3 +275,131 @@ def with_weights_through(
                 back = quants.dequantize(quants.quantize(values, tensor_type), tensor_type)
                 parameter.copy_(torch.from_numpy(np.asarray(back, dtype=np.float32)))
     return rounded
+
+
+# transformers model_type -> llama.cpp architecture, for `write_family_gguf`
+LLAMA_CPP_ARCHITECTURES = {
+    "qwen3": MODEL_ARCH.QWEN3,
+    "gemma2": MODEL_ARCH.GEMMA2,
+    "gemma3_text": MODEL_ARCH.GEMMA3,
+    "phi3": MODEL_ARCH.PHI3,
+}
+
+
+def _family_hyperparameters(writer: GGUFWriter, config: transformers.PretrainedConfig) -> None:
+    """The metadata llama.cpp's convert_hf_to_gguf.py writes for Qwen3, Gemma 2 / 3 and Phi-3."""
+    kind = config.model_type
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters
+    if kind == "gemma3_text":
+        rope = rope["full_attention"]
+    if kind != "gemma2":  # Gemma2Model writes no RoPE base (llama.cpp's default 10000)
+        writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if kind != "phi3":
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    if kind == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
+    if kind == "gemma3_text":
+        if config.final_logit_softcapping:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
+    if kind == "phi3":
+        rotary = rope.get("partial_rotary_factor", 1.0)
+        writer.add_rope_dimension_count(
+            int(rotary * config.hidden_size) // config.num_attention_heads
+        )
+        writer.add_sliding_window(config.sliding_window or 0)
+
+
+def write_family_gguf(path: Path, model: torch.nn.Module) -> Path:
+    """Write a Qwen3, Gemma 2 / 3 or Phi-3 model in F32 as llama.cpp's converter does: its
+    architecture's metadata, tensor names from the gguf package's own map (Phi-3's `qkv_proj` as
+    `attn_qkv`, `gate_up_proj` as `ffn_up`), Gemma's norm weights stored as 1 + w, no q/k
+    permutation, the head of a tied model left out."""
+    config = model.config
+    arch = LLAMA_CPP_ARCHITECTURES[config.model_type]
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    writer = GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_name("tiny test model")
+    _family_hyperparameters(writer, config)
+    writer.add_vocab_size(config.vocab_size)
+    add_byte_level_tokenizer(writer, config.vocab_size)
+    for hf_name, parameter in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        values = parameter.detach().float().numpy()
+        if config.model_type.startswith("gemma") and hf_name.endswith("norm.weight"):
+            values = values + 1.0
+        writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+WINDOW = 8  # shorter than TOKENS' 48 positions
+# Qwen3, Gemma 2, Gemma 3 and Phi-3 as llama.cpp can run them: family -> (transformers config
+# class, settings beyond SIZES). Qwen3's head_dim 128 is transformers' default, so its own GGUF
+# reading (which reads no head_dim) keeps it; Gemma 3 has 6 layers, llama.cpp's sliding pattern.
+LLAMA_CPP_FAMILIES = {
+    "qwen3": (transformers.Qwen3Config, dict(num_hidden_layers=2, head_dim=128)),
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+        ),
+    ),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        dict(
+            num_hidden_layers=6,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
+    "phi3": (
+        transformers.Phi3Config,
+        dict(
+            num_hidden_layers=2,
+            sliding_window=WINDOW,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.5,
+            },
+            pad_token_id=0,
+        ),
+    ),
+}
+
+
+def family_config(family: str) -> transformers.PretrainedConfig:
+    """A tiny float32, eager-attention transformers config of a `LLAMA_CPP_FAMILIES` family."""
+    config_class, settings = LLAMA_CPP_FAMILIES[family]
+    config = config_class(**{**SIZES, "max_position_embeddings": 4096, **settings})
+    config._attn_implementation = "eager"
+    return config

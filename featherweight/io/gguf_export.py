@@ -10,7 +10,8 @@ Adapter: llama.cpp's layout (its `convert_lora_to_gguf.py`): `general.type = ada
 `adapter.type = lora`, `adapter.lora.alpha`, and per target `blk.N.<tensor>.weight.lora_a`
 [r, in] / `.lora_b` [out, r] in F32. llama.cpp scales by alpha / r, so alpha is written as
 `scale * r` (rsLoRA's alpha / sqrt(r) included); for `llama` files, B's rows get the q/k
-permutation the base's rows have (permuting the rows of B A is permuting the rows of B).
+permutation the base's rows have (permuting the rows of B A is permuting the rows of B); Phi-3's
+fused `attn_qkv` / `ffn_up` get one block LoRA of their parts' adapters (`stored_adapters`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ import numpy as np
 from featherweight.io.atomic import atomic_directory, check_output_dir
 from featherweight.io.gguf_writer import check_quant, gguf_architecture, to_gguf_layout
 from featherweight.io.hf_writer import iter_tensors
-from featherweight.io.names import gguf_name
 from featherweight.io.ollama import ADAPTER_FILE, MODELFILE, modelfile_text, write_gguf_directory
-from featherweight.io.peft_export import adapter_stacks
+from featherweight.io.peft_export import adapter_stacks, stored_adapters
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params
@@ -67,18 +67,31 @@ def write_adapter_gguf(
     path: Path, stacks: dict[str, dict[str, np.ndarray]], model_config: ModelConfig, scale: float
 ) -> Path:
     """Write the adapter stacks ({target: {"a": [L, r, in], "b": [L, out, r]}}) as llama.cpp's
-    LoRA adapter GGUF at `path`."""
+    LoRA adapter GGUF at `path`. llama.cpp scales each tensor by alpha / its rank, so a fused
+    tensor's block LoRA of k parts (rank k r, `stored_adapters`) has B multiplied by k."""
     writer = gguf.GGUFWriter(str(path), gguf_architecture(model_config))
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     rank = next(iter(stacks.values()))["a"].shape[-2]
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(scale * rank))
+    laid_out = {
+        target: {
+            "a": np.asarray(pair["a"], dtype=np.float32),
+            "b": np.stack(
+                [
+                    to_gguf_layout(model_config, (target, layer), np.asarray(pair["b"][layer]))
+                    for layer in range(model_config.num_layers)
+                ]
+            ).astype(np.float32),
+        }
+        for target, pair in stacks.items()
+    }
+    adapters = stored_adapters(laid_out, model_config, gguf=True)
     for layer in range(model_config.num_layers):
-        for target, pair in stacks.items():
-            name = gguf_name((target, layer), model_config)
-            b = to_gguf_layout(model_config, (target, layer), np.asarray(pair["b"][layer]))
-            writer.add_tensor(f"{name}.lora_a", np.asarray(pair["a"][layer], dtype=np.float32))
-            writer.add_tensor(f"{name}.lora_b", np.ascontiguousarray(b, dtype=np.float32))
+        for name, adapter in adapters.items():
+            b = adapter.b[layer] * np.float32(adapter.parts)
+            writer.add_tensor(f"blk.{layer}.{name}.lora_a", np.ascontiguousarray(adapter.a[layer]))
+            writer.add_tensor(f"blk.{layer}.{name}.lora_b", np.ascontiguousarray(b))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

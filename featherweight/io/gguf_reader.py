@@ -8,9 +8,13 @@ plain file reads (no memory map, whose touched pages would stay resident) and ea
 dequantized straight into the caller's buffer: on top of the result, host memory holds one chunk
 (`CHUNK_VALUES` values) of bytes and floats, never a second copy of a tensor.
 
-Llama 3's rope scaling is recognised from the `rope_freqs.weight` factors llama.cpp writes for it.
-GGUF stores the q and k projections of `llama` files with rows permuted for llama.cpp's interleaved
-rotary layout; they are permuted back to Hugging Face's half-split layout on read.
+The architectures are the families' `gguf_architecture`s (llama, qwen2, qwen3, gemma2, gemma3,
+phi3); each family reads its own metadata (`Family.gguf_options`) as llama.cpp runs it. Llama 3's
+rope scaling is recognised from the `rope_freqs.weight` factors llama.cpp writes for it, linear
+scaling (Gemma 3) from `rope.scaling.type`. GGUF stores the q and k projections of `llama` files
+with rows permuted for llama.cpp's interleaved rotary layout (permuted back to Hugging Face's
+half-split layout on read), Gemma's norm weights as 1 + w (the 1 is taken off on read), and
+Phi-3's q, k, v and gate, up fused along their rows (each part read as its row range).
 """
 
 from __future__ import annotations
@@ -25,16 +29,24 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from featherweight.errors import CorruptCheckpointError, UnsupportedModelError
-from featherweight.io.names import TensorKey, gguf_name, parse_gguf_name, validate_tensors
+from featherweight.errors import CorruptCheckpointError, TensorShapeError, UnsupportedModelError
+from featherweight.io.names import (
+    TensorKey,
+    gguf_fused_parts,
+    gguf_name,
+    parse_gguf_name,
+    validate_tensors,
+)
 from featherweight.io.tokenizer import Tokenizer, tokenizer_from_gguf_fields
 from featherweight.models.config import ModelConfig, RopeScaling
+from featherweight.models.families import BY_GGUF_ARCHITECTURE
 from featherweight.models.llama import rope_inverse_frequencies
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = tuple(BY_GGUF_ARCHITECTURE)
 CHUNK_VALUES = 1 << 18  # values dequantized at a time (1 MiB of float32)
 ROPE_FACTORS = "rope_freqs.weight"  # read into the config, not a parameter
 _IGNORED = {ROPE_FACTORS}
+_LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 @functools.cache
@@ -119,19 +131,30 @@ class GGUFSource:
                     f"{', '.join(sorted(k.name for k in supported))}. Upgrade gguf, or use a file "
                     "quantized with one of these (or the original safetensors)."
                 )
+        self.family = BY_GGUF_ARCHITECTURE[self.architecture]
         self.config = self._config()
-        self._keys: dict[TensorKey, str] = {}
+        self._keys: dict[TensorKey, tuple[str, int]] = {}  # key -> (stored name, first row)
         shapes: dict[TensorKey, tuple[int, ...]] = {}
         unknown = []
         for name, tensor in self.tensors.items():
             if name in _IGNORED:
                 continue
-            key = parse_gguf_name(name, self.config)
-            if key is None:
-                unknown.append(name)
-                continue
-            self._keys[key] = name
-            shapes[key] = tuple(int(size) for size in reversed(tensor.shape.tolist()))
+            shape = tuple(int(size) for size in reversed(tensor.shape.tolist()))
+            parts = gguf_fused_parts(name, self.config)
+            if parts is None:
+                key = parse_gguf_name(name, self.config)
+                if key is None:
+                    unknown.append(name)
+                    continue
+                parts = [(key, 0, shape[0])]
+            elif len(shape) != 2 or shape[0] != parts[-1][2]:
+                raise TensorShapeError(
+                    f"{self.path}: tensor {name!r} has shape {shape}, expected "
+                    f"({parts[-1][2]}, ...) from the metadata; the file is damaged"
+                )
+            for key, first, stop in parts:
+                self._keys[key] = (name, first)
+                shapes[key] = (stop - first, *shape[1:])
         validate_tensors(self.config, shapes, unknown, str(self.path), spell=gguf_name)
         self.shapes = shapes
 
@@ -184,24 +207,42 @@ class GGUFSource:
             raise CorruptCheckpointError(
                 f"{self.path} lacks metadata {', '.join(f'{arch}.{key}' for key in missing)}"
             )
+        if any(name in self.tensors for name in _LONGROPE_FACTORS):
+            raise UnsupportedModelError(
+                f"{self.path}: LongRoPE factors ({_LONGROPE_FACTORS[0]!r}) are not read from GGUF; "
+                "load the model's Hugging Face safetensors instead"
+            )
         num_heads = int(self._get(f"{arch}.attention.head_count"))
         hidden = int(self._get(f"{arch}.embedding_length"))
         tokens = self.fields.get("tokenizer.ggml.tokens")
         vocab = self._get(f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
         if vocab is None:
             vocab = int(self.tensors["token_embd.weight"].shape[-1])
-        head_dim = self._get(f"{arch}.rope.dimension_count") or hidden // num_heads
+        rotary = self._get(f"{arch}.rope.dimension_count")
+        head_dim = self._get(f"{arch}.attention.key_length") or (
+            rotary if self.family.name != "phi3" else None  # Phi-3 rotates part of each head
+        )
+        head_dim = int(head_dim or hidden // num_heads)
+        shape = {
+            "num_layers": int(self._get(f"{arch}.block_count")),
+            "hidden_size": hidden,
+            "num_heads": num_heads,
+            "head_dim": head_dim,
+        }
+        options = self.family.gguf_options(
+            lambda suffix, default=None: self._get(f"{arch}.{suffix}", default), shape
+        )
         bos = self._get("tokenizer.ggml.bos_token_id")
         eos = self._get("tokenizer.ggml.eos_token_id")
         config = ModelConfig(
-            model_type="llama" if arch == "llama" else "qwen2",
+            model_type=self.family.model_types[0],
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(self._get(f"{arch}.feed_forward_length")),
-            num_layers=int(self._get(f"{arch}.block_count")),
+            num_layers=shape["num_layers"],
             num_heads=num_heads,
             num_kv_heads=int(self._get(f"{arch}.attention.head_count_kv", num_heads)),
-            head_dim=int(head_dim),
+            head_dim=head_dim,
             rms_norm_eps=float(self._get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(self._get(f"{arch}.rope.freq_base", 10000.0)),
             max_position_embeddings=int(self._get(f"{arch}.context_length", 4096)),
@@ -209,11 +250,13 @@ class GGUFSource:
             attention_bias="blk.0.attn_q.bias" in self.tensors,
             bos_token_id=None if bos is None else int(bos),
             eos_token_id=None if eos is None else int(eos),
+            **options,
         )
         return dataclasses.replace(config, rope_scaling=self._rope_scaling(config))
 
     def _rope_scaling(self, config: ModelConfig) -> RopeScaling | None:
-        """Llama 3 rope scaling, recognised from the `rope_freqs.weight` factors llama.cpp stores.
+        """Linear rope scaling (`rope.scaling.type`, Gemma 3's global layers), or Llama 3's,
+        recognised from the `rope_freqs.weight` factors llama.cpp stores.
 
         GGUF keeps no llama3 scaling settings, only the per-frequency divisors they produce. They
         are matched against Llama 3's published settings (low 1, high 4, original context 8192,
@@ -221,10 +264,13 @@ class GGUFSource:
         which would shift every rotary angle.
         """
         kind = self._get(f"{self.architecture}.rope.scaling.type")
-        if kind not in (None, "none"):
+        factor = self._get(f"{self.architecture}.rope.scaling.factor")
+        if kind == "linear" and factor:
+            return RopeScaling(factor=float(factor), rope_type="linear")
+        if kind not in (None, "none", "linear"):
             raise UnsupportedModelError(
                 f"{self.path}: rope scaling type {kind!r} ({self.architecture}.rope.scaling.type) "
-                "is not supported; supported: Llama 3's per-frequency factors or none"
+                "is not supported; supported: linear, Llama 3's per-frequency factors or none"
             )
         tensor = self.tensors.get(ROPE_FACTORS)
         if tensor is None:
@@ -239,9 +285,8 @@ class GGUFSource:
             high_freq_factor=4.0,
             original_max_position_embeddings=int(original),
         )
-        implied = rope_inverse_frequencies(config) / rope_inverse_frequencies(
-            dataclasses.replace(config, rope_scaling=scaling)
-        )
+        scaled, _ = rope_inverse_frequencies(dataclasses.replace(config, rope_scaling=scaling))
+        implied = rope_inverse_frequencies(config)[0] / scaled
         if factors.shape == implied.shape and np.allclose(implied, factors, rtol=1e-4):
             return scaling
         raise UnsupportedModelError(
@@ -256,7 +301,7 @@ class GGUFSource:
 
     def stored_dtype(self, key: TensorKey) -> np.dtype:
         """Dtype a tensor has once read: float32 for quantized and F32, float16 for F16."""
-        kind = self.tensors[self._keys[key]].tensor_type
+        kind = self.tensors[self._keys[key][0]].tensor_type
         return np.dtype(np.float16) if kind == GGMLQuantizationType.F16 else np.dtype(np.float32)
 
     def read(self, key: TensorKey) -> np.ndarray:
@@ -267,25 +312,29 @@ class GGUFSource:
         """Dequantize the tensor into `out` (cast to its dtype), `CHUNK_VALUES` at a time.
 
         Rows are read from the file with plain reads and dequantized chunk by chunk; the q and k
-        rows of a `llama` file go straight to their un-permuted places in `out`.
+        rows of a `llama` file go straight to their un-permuted places in `out`, a fused tensor's
+        part is its own rows, and a Gemma norm loses llama.cpp's + 1.
         """
-        tensor = self.tensors[self._keys[key]]
+        name, first_row = self._keys[key]
+        tensor = self.tensors[name]
         shape = self.shapes[key]
         rows = int(np.prod(shape[:-1], dtype=np.int64))
-        row_bytes = int(tensor.n_bytes) // rows
+        row_bytes = int(tensor.n_bytes) // int(np.prod(tensor.shape[1:], dtype=np.int64))
+        offset = self.family.gguf_norm_offset if key[0].endswith("norm") else 0.0
         rows_per_chunk = max(1, CHUNK_VALUES // shape[-1])
         destination = self._row_destinations(key, rows)
         matrix = out.reshape(rows, shape[-1])
         raw = np.empty(min(rows, rows_per_chunk) * row_bytes, dtype=np.uint8)
         try:
             with open(self.path, "rb") as handle:
-                handle.seek(int(tensor.data_offset))
+                handle.seek(int(tensor.data_offset) + first_row * row_bytes)
                 for start in range(0, rows, rows_per_chunk):
                     count = min(rows_per_chunk, rows - start)
                     chunk = raw[: count * row_bytes]
                     if handle.readinto(chunk) != chunk.size:
                         raise OSError("the file ends inside the tensor")
                     values = quants.dequantize(chunk.reshape(count, row_bytes), tensor.tensor_type)
+                    values = values - offset if offset else values
                     where = slice(start, start + count)
                     matrix[where if destination is None else destination[where]] = values
         except (OSError, ValueError) as error:
@@ -299,7 +348,7 @@ class GGUFSource:
         """Where each stored row goes in Hugging Face layout (None: in place): llama.cpp permutes
         the q and k rows of `llama` files for its interleaved rotary layout."""
         name, _layer = key
-        if self.architecture != "llama" or name not in ("q", "k"):
+        if not self.family.gguf_permutes_qk or name not in ("q", "k"):
             return None
         heads = self.config.num_heads if name == "q" else self.config.num_kv_heads
         return np.argsort(unpermute_rotary_rows(np.arange(rows), heads))

@@ -1,5 +1,7 @@
-"""Write a model as a GGUF file llama.cpp runs: llama.cpp's tensor names and q/k row layout, the
-hyper-parameters and the tokenizer in the metadata, each weight in the requested type.
+"""Write a model as a GGUF file llama.cpp runs: llama.cpp's architecture, tensor names and
+layout (q/k rows permuted for `llama`, Gemma's norms as 1 + w, Phi-3's q, k, v and gate, up fused),
+the hyper-parameters (and the family's own: softcaps, window, `Family.gguf_metadata`) and the
+tokenizer in the metadata, each weight in the requested type.
 
 Streaming: every tensor's name, shape and type are known from the config before any tensor is
 read, so the header and tensor table are written first (`gguf.GGUFWriter`) and then the tensors
@@ -25,15 +27,18 @@ from gguf import (
     GGMLQuantizationType,
     GGUFWriter,
     LlamaFileType,
+    RopeScalingType,
     quants,
 )
 
 from featherweight.errors import ConfigError, ExportError
 from featherweight.io.gguf_reader import ROPE_FACTORS, unpermute_rotary_rows
 from featherweight.io.gguf_tokenizer import add_tokenizer
-from featherweight.io.names import TensorKey, expected_shapes, gguf_name
+from featherweight.io.hf_writer import join_stored
+from featherweight.io.names import TensorKey, expected_shapes, stored_tensors
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
+from featherweight.models.families import family_of
 from featherweight.models.llama import rope_inverse_frequencies
 
 Q = GGMLQuantizationType
@@ -61,8 +66,8 @@ def check_quant(quant: str) -> GGMLQuantizationType:
 
 
 def gguf_architecture(config: ModelConfig) -> str:
-    """llama.cpp's architecture for a config: Mistral runs as `llama`, Qwen2 as `qwen2`."""
-    return "qwen2" if config.model_type == "qwen2" else "llama"
+    """llama.cpp's architecture for a config's family (Mistral runs as `llama`)."""
+    return family_of(config.model_type).gguf_architecture
 
 
 def permute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -74,9 +79,13 @@ def permute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def to_gguf_layout(config: ModelConfig, key: TensorKey, values: np.ndarray) -> np.ndarray:
-    """A tensor in Hugging Face layout -> GGUF's (q/k rows of `llama` files permuted)."""
+    """A tensor in Hugging Face layout -> GGUF's (q/k rows of `llama` files permuted, Gemma's norm
+    weights stored as 1 + w)."""
     name, _layer = key
-    if gguf_architecture(config) != "llama" or name not in ("q", "k"):
+    family = family_of(config.model_type)
+    if name.endswith("norm") and family.gguf_norm_offset:
+        return values.astype(np.float32) + np.float32(family.gguf_norm_offset)
+    if not family.gguf_permutes_qk or name not in ("q", "k"):
         return values
     return permute_rotary_rows(values, config.num_heads if name == "q" else config.num_kv_heads)
 
@@ -110,23 +119,56 @@ def add_hyperparameters(writer: GGUFWriter, config: ModelConfig) -> None:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
-    writer.add_rope_dimension_count(config.head_dim)
-    if config.head_dim * config.num_heads != config.hidden_size:
-        writer.add_key_length(config.head_dim)
-        writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.rotary_dim)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    if config.rope_scaling is not None:
-        writer.add_rope_scaling_orig_ctx_len(config.rope_scaling.original_max_position_embeddings)
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling.factor)
+    elif scaling is not None:
+        writer.add_rope_scaling_orig_ctx_len(scaling.original_max_position_embeddings)
+    for suffix, value in family_of(config.model_type).gguf_metadata(config).items():
+        if value is None:
+            continue
+        key = f"{gguf_architecture(config)}.{suffix}"
+        if isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_float32(key, float(value))
 
 
 def rope_factors(config: ModelConfig) -> np.ndarray | None:
     """Llama 3 rope scaling as llama.cpp stores it: per-frequency divisors (`rope_freqs.weight`)."""
-    if config.rope_scaling is None:
+    if config.rope_scaling is None or config.rope_scaling.rope_type != "llama3":
         return None
     plain = dataclasses.replace(config, rope_scaling=None)
-    return (rope_inverse_frequencies(plain) / rope_inverse_frequencies(config)).astype(np.float32)
+    return (rope_inverse_frequencies(plain)[0] / rope_inverse_frequencies(config)[0]).astype(
+        np.float32
+    )
+
+
+def _in_gguf_layout(
+    config: ModelConfig,
+    shapes: dict[TensorKey, tuple[int, ...]],
+    tensors: Iterable[tuple[TensorKey, np.ndarray]],
+):
+    """The keyed tensors in GGUF's layout, checked to come in `shapes`' order, all of them."""
+    order = iter(shapes)
+    for key, values in tensors:
+        expected = next(order, None)
+        if key != expected or tuple(values.shape) != shapes[key]:
+            raise ExportError(
+                f"GGUF writer got tensor {key} {tuple(values.shape)} where {expected} "
+                f"{shapes.get(expected)} was due; the tensors do not follow the model config"
+            )
+        yield key, to_gguf_layout(config, key, values)
+    missing = next(order, None)
+    if missing is not None:
+        raise ExportError(f"GGUF writer: tensor {missing} was never given")
 
 
 def write_model_gguf(
@@ -140,7 +182,8 @@ def write_model_gguf(
     """Write the model at `path` (not atomically: callers write into a staging directory).
 
     `tensors` yields (key, Hugging Face-layout tensor) in `expected_shapes(config)` order, one at a
-    time; each is permuted, quantized and written before the next is drawn.
+    time; each is put in GGUF's layout, quantized and written before the next is drawn (the parts
+    of a fused tensor are held until the last comes).
     """
     wanted = check_quant(quant)
     if tokenizer is None:
@@ -157,14 +200,15 @@ def write_model_gguf(
     add_tokenizer(writer, tokenizer, config.vocab_size)
 
     shapes = expected_shapes(config)
-    kinds = {key: tensor_type(shape, wanted) for key, shape in shapes.items()}
-    for key, shape in shapes.items():
+    layout = stored_tensors(config, gguf=True)
+    stored_shapes = {}
+    for stored, parts in layout:
+        rows = sum(shapes[part][0] for part in parts)
+        stored_shapes[stored] = (rows, *shapes[parts[0]][1:])
+    kinds = {stored: tensor_type(shape, wanted) for stored, shape in stored_shapes.items()}
+    for stored, shape in stored_shapes.items():
         writer.add_tensor_info(
-            gguf_name(key, config),
-            shape,
-            np.dtype(np.float32),
-            _nbytes(shape, kinds[key]),
-            kinds[key],
+            stored, shape, np.dtype(np.float32), _nbytes(shape, kinds[stored]), kinds[stored]
         )
     factors = rope_factors(config)
     if factors is not None:
@@ -172,18 +216,8 @@ def write_model_gguf(
     writer.write_header_to_file(path=Path(path))
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    order = iter(shapes)
-    for key, values in tensors:
-        expected = next(order, None)
-        if key != expected or tuple(values.shape) != shapes[key]:
-            raise ExportError(
-                f"GGUF writer got tensor {key} {tuple(values.shape)} where {expected} "
-                f"{shapes.get(expected)} was due; the tensors do not follow the model config"
-            )
-        writer.write_tensor_data(_encode(to_gguf_layout(config, key, values), kinds[key]))
-    missing = next(order, None)
-    if missing is not None:
-        raise ExportError(f"GGUF writer: tensor {missing} was never given")
+    for stored, values in join_stored(layout, _in_gguf_layout(config, shapes, tensors)):
+        writer.write_tensor_data(_encode(values, kinds[stored]))
     if factors is not None:
         writer.write_tensor_data(factors)
     writer.close()

@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from featherweight.io.atomic import atomic_directory
 from featherweight.io.interrupts import raise_if_interrupted
-from featherweight.io.names import TensorKey, fused_hf_names, hf_expert_names, hf_name
+from featherweight.io.names import StoredTensor, TensorKey, stored_tensors
 from featherweight.io.output_paths import resolved
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
@@ -56,29 +56,36 @@ def iter_tensors(
             yield (name, layer), tensor if transform is None else transform(name, layer, tensor)
 
 
+def join_stored(
+    layout: list[StoredTensor], tensors: Iterable[tuple[TensorKey, np.ndarray]]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """The keyed tensors under their stored names (`names.stored_tensors`), the parts of a fused
+    one concatenated along their rows once all have come (only those are held back), an MoE
+    layer's expert stack one tensor per expert where the name has "{e}"."""
+    stored_as = {parts[-1]: (name, parts) for name, parts in layout}
+    pending: dict[TensorKey, np.ndarray] = {}
+    for key, tensor in tensors:
+        if key not in stored_as:
+            pending[key] = tensor
+            continue
+        name, parts = stored_as[key]
+        if "{e}" in name:  # an MoE layer's expert stack, stored one tensor per expert
+            for expert, part in enumerate(tensor):
+                yield name.format(e=expert), part
+            continue
+        if len(parts) == 1:
+            yield name, tensor
+            continue
+        pending[key] = tensor
+        yield name, np.concatenate([pending.pop(part) for part in parts], axis=0)
+
+
 def hf_named(
     config: ModelConfig, tensors: Iterable[tuple[TensorKey, np.ndarray]]
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """The keyed tensors under their Hugging Face names: the ones the family stores fused
-    (Phi-3's `qkv_proj`) concatenated along their rows once all their parts have come, an MoE
-    layer's expert stacks one tensor per expert."""
-    fused = fused_hf_names(config)
-    group_of = {part: spelled for spelled, parts in fused.items() for part in parts}
-    per_expert = hf_expert_names(config)
-    pending: dict[TensorKey, np.ndarray] = {}
-    for (name, layer), tensor in tensors:
-        if layer is not None and name in per_expert:  # an MoE layer's stack: one per expert
-            for expert, part in enumerate(tensor):
-                yield f"model.layers.{layer}.{per_expert[name].format(e=expert)}", part
-            continue
-        if layer is None or name not in group_of:
-            yield hf_name((name, layer), config), tensor
-            continue
-        pending[(name, layer)] = tensor
-        parts = [(part, layer) for part in fused[group_of[name]]]
-        if all(part in pending for part in parts):
-            stacked = np.concatenate([pending.pop(part) for part in parts], axis=0)
-            yield f"model.layers.{layer}.{group_of[name]}", stacked
+    """The keyed tensors under their Hugging Face names, the ones the family stores fused
+    (Phi-3's `qkv_proj`) concatenated (`join_stored`)."""
+    return join_stored(stored_tensors(config), tensors)
 
 
 def iter_hf_tensors(

@@ -169,9 +169,29 @@ def gguf_fused_parts(name: str, config: ModelConfig) -> FusedParts | None:
     return _fused_parts(name, family_of(config.model_type).gguf_fused, _GGUF_LAYER_RE, config)
 
 
-def fused_hf_names(config: ModelConfig) -> dict[str, tuple[str, ...]]:
-    """The family's fused Hugging Face layer tensors (name within a layer -> our keys)."""
-    return dict(family_of(config.model_type).hf_fused)
+StoredTensor = tuple[str, tuple[TensorKey, ...]]
+
+
+def stored_tensors(config: ModelConfig, gguf: bool = False) -> list[StoredTensor]:
+    """Every tensor as a file stores it, Hugging Face's (or with `gguf`, llama.cpp's): (name, the
+    keys concatenated along its rows: one, or a fused tensor's parts), in `expected_shapes` order
+    with a fused tensor where its last part comes -- the order a writer streaming keyed tensors
+    can write them in."""
+    family = family_of(config.model_type)
+    fused = family.gguf_fused if gguf else family.hf_fused
+    spell = gguf_name if gguf else hf_name
+    group_of = {part: spelled for spelled, parts in fused.items() for part in parts}
+    stored: list[StoredTensor] = []
+    for name, layer in expected_shapes(config):
+        if layer is None or name not in group_of:
+            stored.append((spell((name, layer), config), ((name, layer),)))
+            continue
+        parts = fused[group_of[name]]
+        if name == parts[-1]:
+            prefix = "blk" if gguf else "model.layers"
+            joined = tuple((part, layer) for part in parts)
+            stored.append((f"{prefix}.{layer}.{group_of[name]}", joined))
+    return stored
 
 
 def expected_shapes(config: ModelConfig) -> dict[TensorKey, tuple[int, ...]]:

@@ -5,6 +5,11 @@ Merged: every tensor of the base is streamed out one at a time; targeted linear 
 result is cast (bf16 by default) and written in shards. PEFT: `adapter_config.json` and
 `adapter_model.safetensors` under PEFT's tensor names, which `peft.PeftModel.from_pretrained`
 loads. Both are atomic: the directory appears complete or not at all.
+
+A family that stores projections fused (Phi-3's `qkv_proj`, `gate_up_proj`) has one module where
+featherweight trains one adapter per part; the parts' adapters are exported as one LoRA of rank
+k r on the fused module (`stored_adapters`): A their A's stacked, B block-diagonal, so B A is
+each part's B A in its own rows; PEFT's `rank_pattern` / `alpha_pattern` keep the scale.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -20,11 +26,13 @@ from safetensors.numpy import save_file
 from featherweight.errors import ExportError
 from featherweight.io.atomic import atomic_directory, check_output_dir
 from featherweight.io.hf_writer import DEFAULT_SHARD_BYTES, iter_hf_tensors, save_hf_checkpoint
+from featherweight.io.names import stored_tensors
 from featherweight.io.output_paths import resolved
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import Params
-from featherweight.peft.lora import PEFT_MODULES, LoraConfig, check_adapters, merge_lora_weight
+from featherweight.models.shapes import layer_shapes
+from featherweight.peft.lora import LoraConfig, check_adapters, merge_lora_weight
 
 PEFT_PREFIX = "base_model.model.model.layers"
 MERGED_DTYPES = ("bfloat16", "float16", "float32", None)
@@ -108,10 +116,56 @@ def export_merged(
     )
 
 
+class StoredAdapter(NamedTuple):
+    """A LoRA on one tensor as a file stores it: A [L, k r, in], B [L, out, k r], from k adapters."""
+
+    a: np.ndarray
+    b: np.ndarray
+    parts: int
+
+
+def stored_adapters(
+    stacks: dict[str, dict[str, np.ndarray]], model_config: ModelConfig, gguf: bool = False
+) -> dict[str, StoredAdapter]:
+    """The adapter stacks on the layer tensors a Hugging Face (or GGUF) file stores, by their name
+    within a layer ("self_attn.q_proj.weight"): a fused tensor's targeted parts as one block LoRA
+    (zero rows of B where a part is not targeted)."""
+    shapes = layer_shapes(model_config)
+    prefix = "blk.0." if gguf else "model.layers.0."
+    result = {}
+    for name, parts in stored_tensors(model_config, gguf):
+        if not name.startswith(prefix):
+            continue
+        targeted = [part for part, _ in parts if part in stacks]
+        if len(parts) == 1 and targeted:
+            result[name[len(prefix) :]] = StoredAdapter(**stacks[targeted[0]], parts=1)
+        elif targeted:
+            a = np.concatenate([stacks[part]["a"] for part in targeted], axis=1)
+            rank = stacks[targeted[0]]["a"].shape[1]
+            rows = sum(shapes[part][0] for part, _ in parts)
+            b = np.zeros((model_config.num_layers, rows, a.shape[1]), a.dtype)
+            row = 0
+            for part, _ in parts:
+                if part in stacks:
+                    column = targeted.index(part) * rank
+                    b[:, row : row + shapes[part][0], column : column + rank] = stacks[part]["b"]
+                row += shapes[part][0]
+            result[name[len(prefix) :]] = StoredAdapter(a, b, len(targeted))
+    return result
+
+
 def peft_adapter_config(
-    lora_config: LoraConfig, base_model_name_or_path: str | None
+    lora_config: LoraConfig,
+    base_model_name_or_path: str | None,
+    adapters: dict[str, StoredAdapter],
 ) -> dict[str, object]:
-    """The `adapter_config.json` PEFT reads for these settings (unlisted fields: its defaults)."""
+    """The `adapter_config.json` PEFT reads for these settings (unlisted fields: its defaults):
+    a block LoRA of k parts gets rank k r and the alpha that keeps alpha / r (or / sqrt r)."""
+    modules = {
+        name.removesuffix(".weight").split(".")[-1]: adapter for name, adapter in adapters.items()
+    }
+    blocks = {module: adapter.parts for module, adapter in modules.items() if adapter.parts > 1}
+    growth = (lambda parts: parts**0.5) if lora_config.rslora else (lambda parts: parts)
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -120,7 +174,11 @@ def peft_adapter_config(
         "lora_alpha": lora_config.alpha,
         "lora_dropout": lora_config.dropout,
         "use_rslora": lora_config.rslora,
-        "target_modules": [PEFT_MODULES[t].split(".")[-1] for t in lora_config.targets],
+        "target_modules": list(modules),
+        "rank_pattern": {module: parts * lora_config.rank for module, parts in blocks.items()},
+        "alpha_pattern": {
+            module: growth(parts) * lora_config.alpha for module, parts in blocks.items()
+        },
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,
@@ -130,14 +188,14 @@ def peft_adapter_config(
     }
 
 
-def peft_tensors(stacks: dict[str, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Adapter stacks under PEFT's names: `...layers.{i}.self_attn.q_proj.lora_A.weight` [r, in]."""
+def peft_tensors(adapters: dict[str, StoredAdapter]) -> dict[str, np.ndarray]:
+    """Adapters under PEFT's names: `...layers.{i}.self_attn.q_proj.lora_A.weight` [r, in]."""
     tensors = {}
-    for target, pair in stacks.items():
-        for layer in range(pair["a"].shape[0]):
-            prefix = f"{PEFT_PREFIX}.{layer}.{PEFT_MODULES[target]}"
-            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(pair["a"][layer])
-            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(pair["b"][layer])
+    for name, adapter in adapters.items():
+        for layer in range(adapter.a.shape[0]):
+            prefix = f"{PEFT_PREFIX}.{layer}.{name.removesuffix('.weight')}"
+            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(adapter.a[layer])
+            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(adapter.b[layer])
     return tensors
 
 
@@ -207,10 +265,11 @@ def export_peft(
         if write_base is not None:
             write_base(staging / BASE_DIR)
             base_model_name_or_path = str(final / BASE_DIR)
-        config = peft_adapter_config(lora_config, base_model_name_or_path)
+        adapters_on_disk = stored_adapters(stacks, model_config)
+        config = peft_adapter_config(lora_config, base_model_name_or_path, adapters_on_disk)
         (staging / "adapter_config.json").write_text(json.dumps(config, indent=2))
         save_file(
-            peft_tensors(stacks),
+            peft_tensors(adapters_on_disk),
             str(staging / "adapter_model.safetensors"),
             metadata={"format": "pt"},
         )

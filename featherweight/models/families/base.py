@@ -16,9 +16,15 @@ from typing import Any
 from featherweight.errors import ModelConfigError
 
 HFConfig = dict[str, Any]
+# A GGUF file's `{arch}.<suffix>` metadata: (suffix, default) -> value.
+GGUFGet = Callable[[str, Any], Any]
 
 
 def _no_options(hf: HFConfig, source: str) -> dict[str, Any]:
+    return {}
+
+
+def _no_gguf_options(get: GGUFGet, shape: dict[str, int]) -> dict[str, Any]:
     return {}
 
 
@@ -47,6 +53,11 @@ class Family:
     gguf_fused: the same for GGUF names.
     gguf_permutes_qk: llama.cpp stores q/k rows permuted for its interleaved RoPE ("llama" only).
     gguf_norm_offset: llama.cpp stores Gemma's RMSNorm weights as 1 + w.
+    gguf_options: (the file's `{arch}.*` metadata, its shape: num_layers, hidden_size,
+      num_heads, head_dim) -> the layer options, as llama.cpp runs the architecture (what it
+      reads from the file and what it hard-codes: Gemma 3's sliding pattern and local RoPE base).
+    gguf_metadata: ModelConfig -> the family's own `{arch}.*` metadata an export writes; raises
+      `ExportError` for a config llama.cpp would run differently from featherweight.
     """
 
     name: str
@@ -62,6 +73,8 @@ class Family:
     gguf_fused: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     gguf_permutes_qk: bool = False
     gguf_norm_offset: float = 0.0
+    gguf_options: Callable[[GGUFGet, dict[str, int]], dict[str, Any]] = _no_gguf_options
+    gguf_metadata: Callable[[Any], dict[str, Any]] = _no_extras
 
 
 def layer_types(hf: HFConfig, num_layers: int, default: Callable[[int], bool]) -> tuple[bool, ...]:

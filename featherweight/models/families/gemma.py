@@ -13,7 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from featherweight.models.families.base import Family, HFConfig, layer_types, sliding_options
+from featherweight.errors import ExportError
+from featherweight.models.families.base import (
+    Family,
+    GGUFGet,
+    HFConfig,
+    layer_types,
+    sliding_options,
+)
 
 _SANDWICH_HF = {
     "mlp_norm": "pre_feedforward_layernorm.weight",
@@ -27,12 +34,14 @@ _SANDWICH_GGUF = {
 }
 
 
+# The layer every Gemma runs: (1 + w) norms, sandwich norms, sqrt(D)-scaled embeddings, GeGLU.
+_GEMMA_LAYER = {"norm_offset": 1.0, "sandwich_norms": True, "embed_scale": True}
+
+
 def _common(hf: HFConfig, pattern: int) -> dict[str, Any]:
     sliding = layer_types(hf, hf["num_hidden_layers"], lambda index: bool((index + 1) % pattern))
     return {
-        "norm_offset": 1.0,
-        "sandwich_norms": True,
-        "embed_scale": True,
+        **_GEMMA_LAYER,
         "activation": hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
         "query_scale": float(hf["query_pre_attn_scalar"]) ** -0.5,
         "attn_softcap": _cap(hf.get("attn_logit_softcapping")),
@@ -42,7 +51,7 @@ def _common(hf: HFConfig, pattern: int) -> dict[str, Any]:
 
 
 def _cap(value: Any) -> float | None:
-    return None if value is None else float(value)
+    return None if not value else float(value)
 
 
 def _gemma2_options(hf: HFConfig, source: str) -> dict[str, Any]:
@@ -57,10 +66,110 @@ def _gemma3_options(hf: HFConfig, source: str) -> dict[str, Any]:
     }
 
 
+# What llama.cpp hard-codes for Gemma (llama-model.cpp): queries scaled by head_dim^-1/2, or by
+# (hidden / heads)^-1/2 for the 27B models, which it knows by their layer count; the sliding
+# pattern (Gemma 2: every 2nd layer global, Gemma 3: every 6th); Gemma 3's sliding layers' RoPE
+# base 10000; Gemma 2's softcaps default to 50 and 30, and its window to 4096.
+_LLAMA_CPP_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_LLAMA_CPP_PATTERN = {"gemma2": 2, "gemma3": 6}
+_LLAMA_CPP_LOCAL_ROPE_THETA = 10000.0
+
+
+def _llama_cpp_query_scale(name: str, shape: dict[str, int]) -> float:
+    if shape["num_layers"] == _LLAMA_CPP_27B_LAYERS[name]:
+        return float(shape["hidden_size"] // shape["num_heads"]) ** -0.5
+    return float(shape["head_dim"]) ** -0.5
+
+
+def _gguf_common(name: str, shape: dict[str, int], window: Any) -> dict[str, Any]:
+    pattern = _LLAMA_CPP_PATTERN[name]
+    sliding = tuple(bool((index + 1) % pattern) for index in range(shape["num_layers"]))
+    return {
+        **_GEMMA_LAYER,
+        "activation": "gelu_pytorch_tanh",
+        "query_scale": _llama_cpp_query_scale(name, shape),
+        **sliding_options(int(window) or None, sliding),
+    }
+
+
+def _gemma2_gguf(get: GGUFGet, shape: dict[str, int]) -> dict[str, Any]:
+    return {
+        **_gguf_common("gemma2", shape, get("attention.sliding_window", 4096)),
+        "attn_softcap": _cap(get("attn_logit_softcapping", 50.0)),
+        "final_softcap": _cap(get("final_logit_softcapping", 30.0)),
+    }
+
+
+def _gemma3_gguf(get: GGUFGet, shape: dict[str, int]) -> dict[str, Any]:
+    return {
+        **_gguf_common("gemma3", shape, get("attention.sliding_window", 0)),
+        "qk_norm": True,
+        "final_softcap": _cap(get("final_logit_softcapping", 0.0)),
+        "local_rope_theta": _LLAMA_CPP_LOCAL_ROPE_THETA,
+    }
+
+
+def _check_llama_cpp_runs(config: Any, name: str) -> None:
+    """Refuse a config llama.cpp would run otherwise than featherweight (see above)."""
+    shape = {
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "num_heads": config.num_heads,
+        "head_dim": config.head_dim,
+    }
+    expected = _gguf_common(name, shape, config.sliding_window or 0)
+    problems = []
+    if abs(config.attention_scale - expected["query_scale"]) > 1e-6 * expected["query_scale"]:
+        problems.append(
+            f"query_pre_attn_scalar {config.attention_scale**-2:g} (llama.cpp uses "
+            f"{expected['query_scale'] ** -2:g})"
+        )
+    if config.sliding_window is not None and config.sliding_layers != expected["sliding_layers"]:
+        problems.append(
+            f"sliding layers {config.layer_types()} (llama.cpp: every "
+            f"{_LLAMA_CPP_PATTERN[name]}th layer global)"
+        )
+    if name == "gemma2" and None in (config.attn_softcap, config.final_softcap):
+        problems.append("no softcap (llama.cpp always caps Gemma 2's scores and logits)")
+    if name == "gemma3" and config.attn_softcap is not None:
+        problems.append(f"attention softcap {config.attn_softcap:g} (llama.cpp has none)")
+    local = config.local_rope_theta
+    if name == "gemma3" and config.windows != "none" and local != _LLAMA_CPP_LOCAL_ROPE_THETA:
+        problems.append(f"rope_local_base_freq {local:g} (llama.cpp uses 10000)")
+    if problems:
+        raise ExportError(
+            f"llama.cpp would run this {name} model differently: {'; '.join(problems)}; export "
+            "it as Hugging Face weights instead (--format merged)"
+        )
+
+
+def _gemma2_metadata(config: Any) -> dict[str, Any]:
+    _check_llama_cpp_runs(config, "gemma2")
+    return {
+        "attn_logit_softcapping": config.attn_softcap,
+        "final_logit_softcapping": config.final_softcap,
+        "attention.sliding_window": config.sliding_window or 0,
+    }
+
+
+def _gemma3_metadata(config: Any) -> dict[str, Any]:
+    _check_llama_cpp_runs(config, "gemma3")
+    return {
+        "final_logit_softcapping": config.final_softcap,
+        "attention.sliding_window": config.sliding_window or 0,
+    }
+
+
+def _query_pre_attn_scalar(query_scale: float) -> int | float:
+    """transformers 5 types `query_pre_attn_scalar` as an int, and refuses 16.0."""
+    scalar = query_scale**-2
+    return round(scalar) if abs(scalar - round(scalar)) < 1e-6 * scalar else scalar
+
+
 def _extras(config: Any) -> dict[str, Any]:
     return {
         "hidden_activation": config.activation,
-        "query_pre_attn_scalar": config.query_scale**-2,
+        "query_pre_attn_scalar": _query_pre_attn_scalar(config.query_scale),
         "attn_logit_softcapping": config.attn_softcap,
         "final_logit_softcapping": config.final_softcap,
         "sliding_window": config.sliding_window,
@@ -106,6 +215,8 @@ GEMMA2 = Family(
     hf_layer_names=_SANDWICH_HF,
     gguf_layer_names=_SANDWICH_GGUF,
     gguf_norm_offset=1.0,
+    gguf_options=_gemma2_gguf,
+    gguf_metadata=_gemma2_metadata,
 )
 GEMMA3 = Family(
     name="gemma3",
@@ -131,4 +242,6 @@ GEMMA3 = Family(
         "k_norm": "attn_k_norm.weight",
     },
     gguf_norm_offset=1.0,
+    gguf_options=_gemma3_gguf,
+    gguf_metadata=_gemma3_metadata,
 )
