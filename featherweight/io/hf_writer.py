@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from featherweight.io.atomic import atomic_directory
 from featherweight.io.interrupts import raise_if_interrupted
-from featherweight.io.names import StoredTensor, TensorKey, stored_tensors
+from featherweight.io.names import StoredTensor, TensorKey, composition, stored_tensors
 from featherweight.io.output_paths import resolved
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
@@ -57,10 +57,13 @@ def iter_tensors(
 
 
 def join_stored(
-    layout: list[StoredTensor], tensors: Iterable[tuple[TensorKey, np.ndarray]]
+    layout: list[StoredTensor],
+    tensors: Iterable[tuple[TensorKey, np.ndarray]],
+    compose: Callable[[str], Callable | None] = lambda name: None,
 ) -> Iterator[tuple[str, np.ndarray]]:
     """The keyed tensors under their stored names (`names.stored_tensors`), the parts of a fused
-    one concatenated along their rows once all have come (only those are held back), an MoE
+    one concatenated along their rows (or made by `compose(name)` when it gives a function)
+    once all have come (only those are held back), an MoE
     layer's expert stack one tensor per expert where the name has "{e}"."""
     stored_as = {parts[-1]: (name, parts) for name, parts in layout}
     pending: dict[TensorKey, np.ndarray] = {}
@@ -73,11 +76,13 @@ def join_stored(
             for expert, part in enumerate(tensor):
                 yield name.format(e=expert), part
             continue
-        if len(parts) == 1:
-            yield name, tensor
-            continue
         pending[key] = tensor
-        yield name, np.concatenate([pending.pop(part) for part in parts], axis=0)
+        joined = [pending.pop(part) for part in parts]
+        function = compose(name)
+        if function is not None:
+            yield name, function(*joined)
+        else:
+            yield name, joined[0] if len(joined) == 1 else np.concatenate(joined, axis=0)
 
 
 def hf_named(
@@ -85,7 +90,7 @@ def hf_named(
 ) -> Iterator[tuple[str, np.ndarray]]:
     """The keyed tensors under their Hugging Face names, the ones the family stores fused
     (Phi-3's `qkv_proj`) concatenated (`join_stored`)."""
-    return join_stored(stored_tensors(config), tensors)
+    return join_stored(stored_tensors(config), tensors, lambda name: composition(config, name))
 
 
 def iter_hf_tensors(

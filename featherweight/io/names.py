@@ -109,6 +109,12 @@ def language_model_name(name: str) -> str:
     return "lm_head.weight" if name == _HF_LANGUAGE_HEAD else name
 
 
+def hf_layer_part(name: str) -> tuple[int, str] | None:
+    """(layer index, name within the layer) of a Hugging Face layer tensor, or None."""
+    match = _HF_LAYER_RE.match(language_model_name(name))
+    return None if match is None else (int(match.group(1)), match.group(2))
+
+
 def hf_expert_part(name: str, config: ModelConfig) -> tuple[TensorKey, int] | None:
     """(key, expert index) of one expert's tensor of an MoE layer (a family name with "{e}"),
     or None for any other name."""
@@ -178,7 +184,9 @@ def stored_tensors(config: ModelConfig, gguf: bool = False) -> list[StoredTensor
     with a fused tensor where its last part comes -- the order a writer streaming keyed tensors
     can write them in."""
     family = family_of(config.model_type)
-    fused = family.gguf_fused if gguf else family.hf_fused
+    fused = dict(family.gguf_fused if gguf else family.hf_fused)
+    if not gguf:  # a composed tensor (gpt-oss's interleaved experts) stands where a fused one would
+        fused.update({stored: parts for stored, (parts, _) in family.hf_composed.items()})
     spell = gguf_name if gguf else hf_name
     group_of = {part: spelled for spelled, parts in fused.items() for part in parts}
     stored: list[StoredTensor] = []
@@ -192,6 +200,16 @@ def stored_tensors(config: ModelConfig, gguf: bool = False) -> list[StoredTensor
             joined = tuple((part, layer) for part in parts)
             stored.append((f"{prefix}.{layer}.{group_of[name]}", joined))
     return stored
+
+
+def composition(config: ModelConfig, stored_name: str):
+    """The numpy function that makes the Hugging Face tensor `stored_name` from its keys'
+    tensors (`Family.hf_composed`), or None: the parts are concatenated along their rows."""
+    layer_part = hf_layer_part(stored_name)
+    composed = family_of(config.model_type).hf_composed
+    if layer_part is None or layer_part[1] not in composed:
+        return None
+    return composed[layer_part[1]][1]
 
 
 def expected_shapes(config: ModelConfig) -> dict[TensorKey, tuple[int, ...]]:

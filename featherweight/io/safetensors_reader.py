@@ -27,12 +27,15 @@ from featherweight.io.names import (
     TensorKey,
     hf_expert_part,
     hf_fused_parts,
+    hf_layer_part,
     hf_name,
     parse_hf_name,
     validate_tensors,
 )
 from featherweight.io.tokenizer import Tokenizer, load_hf_tokenizer
 from featherweight.models.config import read_hf_config
+from featherweight.models.families import family_of
+from featherweight.models.shapes import layer_shapes
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -165,8 +168,14 @@ class SafetensorsSource:
         shapes: dict[TensorKey, tuple[int, ...]] = {}
         unknown: list[str] = []
         experts: dict[TensorKey, dict[int, tuple[Path, TensorEntry]]] = {}
+        sources: dict[tuple[int, str], tuple[Path, TensorEntry]] = {}
+        derived_from = {n for ways in self._family.hf_derived.values() for w in ways for n in w[0]}
         for path in safetensors_files(self.path):
             for name, entry in read_safetensors_header(path).items():
+                layer_part = hf_layer_part(name)
+                if layer_part is not None and layer_part[1] in derived_from:
+                    sources[layer_part] = (path, entry)  # read whole, then derived from
+                    continue
                 expert = hf_expert_part(name, self.config)
                 if expert is not None:
                     _check_float(path, name, entry)
@@ -184,6 +193,7 @@ class SafetensorsSource:
                     shapes[key] = part.shape
         for key, parts in experts.items():
             shapes[key] = self._stack_experts(key, parts)
+        self._derived = self._derivations(sources, shapes)
         validate_tensors(self.config, shapes, unknown, str(self.path), spell=hf_name)
         self.shapes = shapes
 
@@ -213,6 +223,26 @@ class SafetensorsSource:
             for key, first, stop in parts
         ]
 
+    @property
+    def _family(self):
+        return family_of(self.config.model_type)
+
+    def _derivations(self, sources, shapes) -> dict[TensorKey, tuple]:
+        """The keys the family derives from tensors stored in another form (gpt-oss's
+        interleaved or MXFP4 experts): for each layer, the first way whose tensors are all
+        here -> {key: (function, stored parts)}; their shapes go into `shapes`."""
+        derived = {}
+        expected = layer_shapes(self.config)
+        for name, ways in self._family.hf_derived.items():
+            for layer in range(self.config.num_layers):
+                for stored, function in ways:
+                    if all((layer, part) in sources for part in stored):
+                        parts = [sources[(layer, part)] for part in stored]
+                        derived[(name, layer)] = (function, parts)
+                        shapes[(name, layer)] = expected[name]
+                        break
+        return derived
+
     def _stack_experts(self, key: TensorKey, parts: dict[int, tuple[Path, TensorEntry]]):
         """Record an MoE layer's per-expert tensors as one [E, ...] key -> its shape."""
         count = self.config.num_experts
@@ -230,6 +260,8 @@ class SafetensorsSource:
         return list(self._where)
 
     def stored_dtype(self, key: TensorKey) -> np.dtype:
+        if key in self._derived:
+            return np.dtype(np.float32)
         return self._where[key][0][1].dtype
 
     def read(self, key: TensorKey) -> np.ndarray:
@@ -239,6 +271,21 @@ class SafetensorsSource:
     def read_into(self, key: TensorKey, out: np.ndarray) -> np.ndarray:
         """Read the tensor into `out` (cast to its dtype); with the stored dtype, no other copy.
         An MoE layer's experts are read one after another into their slices of `out`."""
+        if key in self._derived:  # read the stored tensors whole, then derive this one
+            function, stored = self._derived[key]
+            arrays = [
+                self._read_part(key, part, np.empty(part[1].shape, part[1].dtype))
+                for part in stored
+            ]
+            values = np.asarray(function(*arrays))
+            if values.shape != out.shape:
+                raise TensorShapeError(
+                    f"{self.path}: {hf_name(key, self.config)!r} derives to shape {values.shape}, "
+                    f"expected {out.shape} from the config; the checkpoint and config.json do "
+                    "not match"
+                )
+            np.copyto(out, values, casting="unsafe")
+            return out
         parts = self._where[key]
         if len(parts) > 1:
             for index, part in enumerate(parts):

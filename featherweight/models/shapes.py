@@ -30,6 +30,16 @@ def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(
             router=(experts, d), gate=(experts, f, d), up=(experts, f, d), down=(experts, d, f)
         )
+    if config.output_bias:
+        shapes.update(o_bias=(d,))
+    if config.attention_sinks:
+        shapes.update(sinks=(config.num_heads,))
+    if config.expert_bias:
+        experts = config.num_experts
+        shapes.update(
+            router_bias=(experts,), gate_bias=(experts, f), up_bias=(experts, f),
+            down_bias=(experts, d),
+        )  # fmt: skip
     if config.qk_norm:
         shapes.update(q_norm=(config.head_dim,), k_norm=(config.head_dim,))
     if config.sandwich_norms:

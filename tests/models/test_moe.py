@@ -53,13 +53,32 @@ CASES = {
         transformers.MixtralConfig,
         dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
     ),
+    "gpt-oss-sinks-yarn": (  # attention sinks, alternating windows, YaRN, clamped SwiGLU, biases
+        transformers.GptOssConfig,
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=16,
+            sliding_window=8,
+            intermediate_size=32,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 10000.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        ),
+    ),
 }
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     config_class, settings = CASES[request.param]
-    config = config_class(**_SMALL, **settings)
+    config = config_class(**{**_SMALL, **settings})
     config._attn_implementation = "eager"
     hf_model = random_hf_model(config)
     directory = save_hf(hf_model, tmp_path_factory.mktemp(request.param))
@@ -83,6 +102,11 @@ def test_logits_and_greedy_generation_equal_transformers(case):
         "num_experts", settings.get("num_local_experts")
     )
     assert model.config.experts_per_token == settings["num_experts_per_tok"]
+    if name.startswith("gpt-oss"):
+        config = model.config
+        assert config.attention_sinks and config.rope_scaling.rope_type == "yarn"
+        assert config.windows == "some" and config.activation == "clamped_swiglu"
+        assert config.routing == "topk_softmax" and config.expert_bias
 
 
 def test_the_router_decides_the_output(case):
@@ -165,3 +189,62 @@ def test_only_the_routed_experts_are_computed():
     assert abs(flops - (active + router)) <= 0.1 * (active + router), (flops, active + router)
     block = moe.block_rows(tokens * 2, config.num_experts)
     assert moe.padded_rows(tokens * 2, config.num_experts, block) <= 1.07 * tokens * 2
+
+
+def _mxfp4_encode(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Random-free test encoder: each block of 32 values of [..., in] -> (blocks [..., G, 16]
+    uint8, scales [..., G] uint8), the nearest e2m1 code under a power-of-two scale."""
+    from featherweight.models.families.gpt_oss import FP4_VALUES
+
+    grouped = values.reshape(*values.shape[:-1], -1, 32)
+    exponents = np.ceil(np.log2(np.abs(grouped).max(-1) / 6.0 + 1e-30)).astype(np.int32)
+    scaled = grouped / np.ldexp(1.0, exponents)[..., None]
+    codes = np.abs(scaled[..., None] - FP4_VALUES).argmin(-1).astype(np.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    # contiguous: safetensors writes an array's memory as it lies
+    return np.ascontiguousarray(blocks, np.uint8), np.ascontiguousarray(exponents + 127, np.uint8)
+
+
+def test_gpt_oss_mxfp4_experts_load_as_transformers_decodes_them(tmp_path):
+    """OpenAI's checkpoints store the experts in MXFP4: decoded on load, they give the logits of
+    the transformers model holding transformers' own decoding of the same blocks
+    (`convert_moe_packed_tensors`), and a merged export written back in the dense layout loads in
+    transformers with those logits too."""
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from featherweight.io.convert import convert
+
+    config_class, settings = CASES["gpt-oss-sinks-yarn"]
+    config = config_class(**{**_SMALL, **settings})
+    config._attn_implementation = "eager"
+    hf_model = random_hf_model(config)
+    dense = save_hf(hf_model, tmp_path / "dense")
+    tensors = load_file(str(dense / "model.safetensors"))
+    with torch.no_grad():
+        for name in [
+            n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        ]:
+            out_in = np.swapaxes(tensors.pop(name), -1, -2)  # [E, out, in]
+            blocks, scales = _mxfp4_encode(out_in)
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+            decoded = convert_moe_packed_tensors(
+                torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32
+            )  # transformers' [E, in, out]
+            hf_model.get_parameter(name).copy_(decoded)
+    packed = tmp_path / "mxfp4"
+    packed.mkdir()
+    (packed / "config.json").write_text((dense / "config.json").read_text())
+    save_file(tensors, str(packed / "model.safetensors"), metadata={"format": "pt"})
+    expected = hf_logits_of(hf_model)
+    model = load_model(packed, dtype="float32")
+    assert np.abs(np.asarray(logits(model, TOKENS)) - expected).max() <= 1e-4
+    written = convert(packed, tmp_path / "merged")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(written, dtype=torch.float32)
+    reloaded.config._attn_implementation = "eager"
+    assert np.abs(hf_logits_of(reloaded.eval()) - expected).max() <= 1e-4
+
+
+def hf_logits_of(hf_model) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.as_tensor(TOKENS)).logits.numpy()

@@ -8,13 +8,14 @@ from __future__ import annotations
 from featherweight.errors import UnsupportedModelError
 from featherweight.models.families.base import Family
 from featherweight.models.families.gemma import GEMMA2, GEMMA3
+from featherweight.models.families.gpt_oss import GPT_OSS
 from featherweight.models.families.llama import LLAMA, MINISTRAL, MISTRAL, QWEN2
 from featherweight.models.families.moe import MIXTRAL, QWEN3_MOE
 from featherweight.models.families.phi3 import PHI3
 from featherweight.models.families.qwen3 import QWEN3
 
 FAMILIES: tuple[Family, ...] = (
-    LLAMA, MISTRAL, MINISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL,
+    LLAMA, MISTRAL, MINISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL, GPT_OSS,
 )  # fmt: skip
 
 BY_MODEL_TYPE: dict[str, Family] = {

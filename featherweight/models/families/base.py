@@ -16,6 +16,8 @@ from typing import Any
 from featherweight.errors import ModelConfigError
 
 HFConfig = dict[str, Any]
+# (the tensors it reads, by their names within a layer; the numpy function of them)
+Derivation = tuple[tuple[str, ...], Callable[..., Any]]
 # A GGUF file's `{arch}.<suffix>` metadata: (suffix, default) -> value.
 GGUFGet = Callable[[str, Any], Any]
 
@@ -58,6 +60,12 @@ class Family:
       reads from the file and what it hard-codes: Gemma 3's sliding pattern and local RoPE base).
     gguf_metadata: ModelConfig -> the family's own `{arch}.*` metadata an export writes; raises
       `ExportError` for a config llama.cpp would run differently from featherweight.
+    hf_derived: a layer key computed from tensors stored in another form -> its ways to read it,
+      the first whose tensors the checkpoint holds wins: (the stored names within the layer,
+      numpy function of those tensors -> the key's tensor). gpt-oss's experts: gate and up
+      interleaved in one [E, in, 2F] tensor, or MXFP4 blocks and scales.
+    hf_composed: a stored name within the layer an export writes -> (the keys it is made of,
+      numpy function of those tensors -> the stored tensor): `hf_derived`'s inverse.
     """
 
     name: str
@@ -75,6 +83,8 @@ class Family:
     gguf_norm_offset: float = 0.0
     gguf_options: Callable[[GGUFGet, dict[str, int]], dict[str, Any]] = _no_gguf_options
     gguf_metadata: Callable[[Any], dict[str, Any]] = _no_extras
+    hf_derived: Mapping[str, tuple[Derivation, ...]] = dataclasses.field(default_factory=dict)
+    hf_composed: Mapping[str, Derivation] = dataclasses.field(default_factory=dict)
 
 
 def layer_types(hf: HFConfig, num_layers: int, default: Callable[[int], bool]) -> tuple[bool, ...]:
