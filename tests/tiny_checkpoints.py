@@ -78,6 +78,16 @@ def save_hf(model: torch.nn.Module, directory: Path, max_shard_size: str | None 
     return Path(directory)
 
 
+def reference_and_loaded(config: transformers.PretrainedConfig, directory: Path):
+    """(a random float32 transformers model of `config` with eager attention, featherweight's
+    float32 load of it saved in `directory`): the pair every family's parity test compares."""
+    from featherweight.io.loader import load_model
+
+    config._attn_implementation = "eager"
+    hf_model = random_hf_model(config)
+    return hf_model, load_model(save_hf(hf_model, directory), dtype="float32")
+
+
 def hf_logits(model: torch.nn.Module, token_ids: np.ndarray) -> np.ndarray:
     """Float32 logits [B, S, V] from transformers."""
     with torch.no_grad():

@@ -16,10 +16,9 @@ import torch
 import transformers
 
 from featherweight.inference.generate import generate_ids, logits
-from featherweight.io.loader import load_model
 from featherweight.models.llama import attention_inputs, block
 from featherweight.step.layer_grad import layer_forward, layer_vjp
-from tests.tiny_checkpoints import TOKENS, random_hf_model, save_hf
+from tests.tiny_checkpoints import TOKENS, reference_and_loaded
 
 TOLERANCE = 1e-4
 WINDOW = 8  # shorter than TOKENS' 48 positions and the generation's prompt
@@ -108,10 +107,8 @@ def case(request, tmp_path_factory):
     """(name, transformers model, loaded float32 model) of one case."""
     config_class, settings, _ = CASES[request.param]
     config = config_class(**{**_SMALL, **settings})
-    config._attn_implementation = "eager"
-    hf_model = random_hf_model(config)
-    directory = save_hf(hf_model, tmp_path_factory.mktemp(request.param))
-    return request.param, hf_model, load_model(directory, dtype="float32")
+    directory = tmp_path_factory.mktemp(request.param)
+    return (request.param, *reference_and_loaded(config, directory))
 
 
 def test_logits_equal_transformers(case):

@@ -28,7 +28,7 @@ from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.reference import build_reference_step
 from featherweight.step.streamed import build_streamed_step
-from tests.tiny_checkpoints import TOKENS, random_hf_model, save_hf
+from tests.tiny_checkpoints import TOKENS, random_hf_model, reference_and_loaded, save_hf
 
 _SMALL = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -79,10 +79,8 @@ CASES = {
 def case(request, tmp_path_factory):
     config_class, settings = CASES[request.param]
     config = config_class(**{**_SMALL, **settings})
-    config._attn_implementation = "eager"
-    hf_model = random_hf_model(config)
-    directory = save_hf(hf_model, tmp_path_factory.mktemp(request.param))
-    return request.param, hf_model, load_model(directory, dtype="float32")
+    directory = tmp_path_factory.mktemp(request.param)
+    return (request.param, *reference_and_loaded(config, directory))
 
 
 def test_logits_and_greedy_generation_equal_transformers(case):
