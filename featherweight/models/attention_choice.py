@@ -11,7 +11,10 @@ refused with the reason, before anything is built; the planner plans the same ch
 "auto" is cuDNN's fused kernel wherever it masks exactly what the rows need
 (`cudnn_refusal` finds nothing against it): rows of one document by their lengths on any
 cuDNN GPU ("cudnn_padded"), packed rows by cuDNN's packed layout on Hopper and later ("cudnn"),
-and blockwise otherwise. Pallas is never chosen by "auto": it has not been timed on a GPU here,
+and blockwise otherwise. A family's scores decide too (`ScoreForm`, `score_form`): neither fused
+kernel takes a softcap (Gemma 2), Pallas takes no sliding window, and cuDNN's packed layout
+(jax's private API) none either; the public cuDNN call takes a window (`local_window_size`), so
+plain and padded rows keep cuDNN on Mistral's or Gemma 3's windows. Pallas is never chosen by "auto": it has not been timed on a GPU here,
 and jax#24934 reports it slower than cuDNN on Hopper; name it to use it.
 """
 
@@ -27,7 +30,8 @@ from typing import NamedTuple
 import jax
 
 from featherweight.errors import StepConfigError
-from featherweight.models.attention import ATTENTION_CHOICES
+from featherweight.models.attention import ATTENTION_CHOICES, PLAIN, ScoreForm
+from featherweight.models.config import ModelConfig
 from featherweight.models.fused_attention import Rows, cudnn_packed_refusal
 
 
@@ -96,6 +100,22 @@ def _nvidia_refusal(target: AttentionTarget, kernel: str) -> str | None:
     return None
 
 
+def score_form(config: ModelConfig) -> ScoreForm:
+    """How `config`'s family forms its attention scores, as far as a kernel must take it: the
+    scale, the softcap, and the window when any layer slides."""
+    window = None if config.windows == "none" else config.sliding_window
+    return ScoreForm(config.attention_scale, config.attn_softcap, window)
+
+
+def _softcap_refusal(form: ScoreForm, kernel: str) -> str | None:
+    if form.softcap is None:
+        return None
+    return (
+        f"{kernel} takes no softcap on the attention scores (this model caps them at "
+        f"{form.softcap:g}: attn_logit_softcapping)"
+    )
+
+
 def cudnn_refusal(
     target: AttentionTarget,
     dtype: str,
@@ -103,13 +123,15 @@ def cudnn_refusal(
     rows: Rows,
     backward: bool = True,
     check_library: bool = True,
+    form: ScoreForm = PLAIN,
 ) -> str | None:
     """Why cuDNN's fused attention cannot run this call exactly (None when it can): an NVIDIA GPU,
     bf16 or fp16, head dim a multiple of 8 and <= 128 (<= 256 on Hopper and later; Ampere/Ada's
-    backward stops at 128), causal; packed rows only on Hopper and later, through a jax whose
-    private cuDNN API takes the packed layout; and (`check_library`) cuDNN's library loadable
-    here, for the call to be built at all."""
-    refusal = _nvidia_refusal(target, "cuDNN")
+    backward stops at 128), causal, scores without a softcap (`form`); packed rows only on Hopper
+    and later, through a jax whose private cuDNN API takes the packed layout, and without a
+    sliding window (that API takes none); and (`check_library`) cuDNN's library loadable here,
+    for the call to be built at all."""
+    refusal = _nvidia_refusal(target, "cuDNN") or _softcap_refusal(form, "cuDNN's fused attention")
     if refusal:
         return refusal
     if dtype not in ("bfloat16", "float16"):
@@ -132,16 +154,25 @@ def cudnn_refusal(
         )
     if rows == "packed" and cudnn_packed_refusal():
         return cudnn_packed_refusal()
+    if rows == "packed" and form.window is not None:
+        return (
+            f"cuDNN's packed layout (jax's private API) takes no sliding window (this model's is "
+            f"{form.window}); set data.pack: false (one document per row) or use blockwise"
+        )
     return cudnn_library_refusal() if check_library else None
 
 
-def pallas_refusal(target: AttentionTarget, head_dim: int) -> str | None:
+def pallas_refusal(target: AttentionTarget, head_dim: int, form: ScoreForm = PLAIN) -> str | None:
     """Why jax's Pallas Triton flash attention cannot run on `target` (None when it can): an
-    NVIDIA GPU (elsewhere it runs only in interpret mode, for tests) and a head dim that is a
-    power of two from 16 (the kernel's tiles are powers of two)."""
-    refusal = _nvidia_refusal(target, "the Pallas (Triton) attention kernel")
+    NVIDIA GPU (elsewhere it runs only in interpret mode, for tests), a head dim that is a
+    power of two from 16 (the kernel's tiles are powers of two), and scores with neither a
+    softcap nor a sliding window (`form`: the kernel takes neither)."""
+    kernel = "the Pallas (Triton) attention kernel"
+    refusal = _nvidia_refusal(target, kernel) or _softcap_refusal(form, kernel)
     if refusal:
         return refusal
+    if form.window is not None:
+        return f"{kernel} takes no sliding window (this model's is {form.window})"
     try:
         from jax.experimental.pallas.ops.gpu import attention
     except ImportError as error:
@@ -163,8 +194,10 @@ def choose_attention(
     rows: Rows,
     backward: bool = True,
     check_library: bool = True,
+    form: ScoreForm = PLAIN,
 ) -> str:
-    """The implementation `choice` means on `target` for batches of `rows`: "auto" is cuDNN where
+    """The implementation `choice` means on `target` for batches of `rows` of a model whose
+    scores are formed as `form` (`score_form`): "auto" is cuDNN where
     `cudnn_refusal` finds nothing against it and blockwise otherwise; an explicit choice is
     kept (cudnn as "cudnn_padded" for rows of one document), or refused with the reason when it
     cannot run (`StepConfigError`). `check_library=False` decides for the target alone, as if
@@ -180,11 +213,13 @@ def choose_attention(
         )
     cudnn = "cudnn_padded" if rows == "padded" else "cudnn"
     if choice == "auto":
-        refusal = cudnn_refusal(target, dtype, head_dim, rows, backward, check_library)
+        refusal = cudnn_refusal(target, dtype, head_dim, rows, backward, check_library, form)
         return "blockwise" if refusal else cudnn
     refusal = {
-        "cudnn": lambda: cudnn_refusal(target, dtype, head_dim, rows, backward, check_library),
-        "pallas": lambda: pallas_refusal(target, head_dim),
+        "cudnn": lambda: cudnn_refusal(
+            target, dtype, head_dim, rows, backward, check_library, form
+        ),
+        "pallas": lambda: pallas_refusal(target, head_dim, form),
     }.get(choice, lambda: None)()
     if refusal:
         raise StepConfigError(f"memory.attention={choice} cannot run: {refusal}")

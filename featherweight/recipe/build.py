@@ -17,7 +17,12 @@ import optax
 from jax.sharding import Mesh
 
 from featherweight.errors import ConfigError
-from featherweight.models.attention_choice import AttentionTarget, choose_attention, cudnn_refusal
+from featherweight.models.attention_choice import (
+    AttentionTarget,
+    choose_attention,
+    cudnn_refusal,
+    score_form,
+)
 from featherweight.models.config import ModelConfig
 from featherweight.models.fused_attention import DEFAULT_PACKED_SLOTS
 from featherweight.models.linear import LINEAR_NAMES, LoraSpec, Params
@@ -178,13 +183,14 @@ def attention_implementation(
     a step is built for, `AttentionTarget.current`), from `memory.attention` and the rows the run's batches hold:
     several documents each (`data.pack: true`) or one document and padding
     (`models.attention_choice.choose_attention`: "auto" is cuDNN where it masks those rows
-    exactly, blockwise otherwise)."""
+    exactly and forms the model's scores, blockwise otherwise)."""
     return choose_attention(
         config.memory.attention,
         target or AttentionTarget.current(),
         config.model.dtype,
         model_config.head_dim,
         rows="packed" if config.data.pack else "padded",
+        form=score_form(model_config),
     )
 
 
@@ -202,7 +208,9 @@ def attention_note(config: TrainConfig, model_config: ModelConfig) -> str | None
     if config.memory.attention != "auto" or target.platform != "gpu":
         return None
     rows = "packed" if config.data.pack else "padded"
-    refusal = cudnn_refusal(target, config.model.dtype, model_config.head_dim, rows)
+    refusal = cudnn_refusal(
+        target, config.model.dtype, model_config.head_dim, rows, form=score_form(model_config)
+    )
     return (
         None if refusal is None else f"memory.attention: auto is blockwise on {target}: {refusal}"
     )

@@ -33,6 +33,7 @@ from featherweight.models.registry import builtin_config
 from featherweight.parallel.backend import cuda_plugin_installed
 from featherweight.recipe.schema import parse_config
 from tests.conftest import tiny_config
+from tests.tiny_families import tiny_family
 
 MODEL = tiny_config(max_position_embeddings=4096)
 # the planner's accuracy on temporaries (tests/memory/test_calibration.py: held-out worst case)
@@ -265,3 +266,19 @@ def test_cudnn_slots_are_the_packers_limit_and_default_to_a_lean_four(monkeypatc
     assert "M = 4 packed slots" in attention(default).formula
     saved = slots[32].device_bytes - default.device_bytes  # the chunks follow the room, too
     assert H200_PEAKS[2, 2048] - saved <= DEFAULTS_PEAK_BEFORE_CUDNN
+
+
+def test_a_softcapped_model_plans_blockwise_on_an_h100_and_says_why_in_one_line():
+    # Gemma 2 caps its scores: cuDNN cannot, so auto is blockwise and the plan notes it once;
+    # an explicit cudnn is refused before anything is planned
+    gemma2 = tiny_family("gemma2")
+    settings = {"method": "lora", "batch_size": 1, "model": {"dtype": "bfloat16"},
+                "data": {"seq_len": 64}}  # fmt: skip
+    with attention_choice.compiling_for(AttentionTarget("gpu", "9.0")):
+        plan = plan_one_device(resolve(parse_config(settings), gemma2), gemma2)
+        notes = [w for w in plan.warnings if "auto is blockwise" in w]
+        assert plan.settings["attention"] == "blockwise"
+        assert len(notes) == 1 and "no softcap" in notes[0] and "\n" not in notes[0]
+        explicit = parse_config({**settings, "memory": {"attention": "cudnn"}})
+        with pytest.raises(StepConfigError, match=r"cannot run: .*no softcap"):
+            plan_one_device(resolve(explicit, gemma2), gemma2)

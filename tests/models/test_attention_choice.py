@@ -5,7 +5,9 @@ import pytest
 
 from featherweight.errors import StepConfigError
 from featherweight.models import attention_choice
-from featherweight.models.attention_choice import AttentionTarget, choose_attention
+from featherweight.models.attention import ScoreForm
+from featherweight.models.attention_choice import AttentionTarget, choose_attention, score_form
+from tests.tiny_families import WINDOW, tiny_family
 
 CPU = AttentionTarget("cpu")
 TPU = AttentionTarget("tpu")
@@ -112,3 +114,42 @@ def test_pallas_is_refused_when_this_jaxs_kernel_lacks_what_it_is_called_with(mo
     monkeypatch.setattr(attention, "mha", older_mha)
     with pytest.raises(StepConfigError, match="lacks segment_ids"):
         choose_attention("pallas", H100, "bfloat16", 128, "packed")
+
+
+SOFTCAPPED = ScoreForm(softcap=50.0)  # Gemma 2's attn_logit_softcapping
+WINDOWED = ScoreForm(window=4096)  # Mistral's, Gemma 3's sliding layers
+
+
+@pytest.mark.parametrize("rows", ["plain", "padded", "packed"])
+def test_auto_runs_a_softcapped_model_blockwise_and_an_explicit_fused_kernel_is_refused(rows):
+    # neither fused kernel takes a softcap: auto falls back, an explicit choice says why
+    auto = choose_attention("auto", H100, "bfloat16", 256, rows, False, False, SOFTCAPPED)
+    assert auto == "blockwise"
+    for choice in ("cudnn", "pallas"):
+        with pytest.raises(StepConfigError, match=r"no softcap.*50") as error:
+            choose_attention(choice, H100, "bfloat16", 256, rows, False, False, SOFTCAPPED)
+        assert "\n" not in str(error.value)
+
+
+def test_a_window_keeps_public_cudnn_but_not_the_packed_layout_nor_pallas():
+    # the public call takes `local_window_size`; jax's private packed API and Pallas do not
+    args = (H100, "bfloat16", 128)
+    assert choose_attention("auto", *args, "padded", False, False, WINDOWED) == "cudnn_padded"
+    assert choose_attention("auto", *args, "plain", False, False, WINDOWED) == "cudnn"
+    assert choose_attention("auto", *args, "packed", False, False, WINDOWED) == "blockwise"
+    with pytest.raises(StepConfigError, match=r"packed layout.*no sliding window.*4096"):
+        choose_attention("cudnn", *args, "packed", False, False, WINDOWED)
+    with pytest.raises(StepConfigError, match=r"Pallas.*no sliding window"):
+        choose_attention("pallas", *args, "padded", form=WINDOWED)
+
+
+@pytest.mark.parametrize(
+    "family,form",
+    [
+        ("gemma2", ScoreForm(64**-0.5, 50.0, WINDOW)),  # query_pre_attn_scalar, softcap
+        ("gemma3", ScoreForm(48**-0.5, None, WINDOW)),  # no softcap; sliding layers
+        ("qwen3", ScoreForm(48**-0.5, None, None)),  # head_dim 48, not hidden / heads = 32
+    ],
+)
+def test_a_models_score_form_is_what_its_family_sets(family, form):
+    assert score_form(tiny_family(family)) == pytest.approx(form)
