@@ -102,8 +102,11 @@ def _nvidia_refusal(target: AttentionTarget, kernel: str) -> str | None:
 
 def score_form(config: ModelConfig) -> ScoreForm:
     """How `config`'s family forms its attention scores, as far as a kernel must take it: the
-    scale, the softcap, and the window when any layer slides."""
-    window = None if config.windows == "none" else config.sliding_window
+    scale, the softcap, and the window when any layer slides and it is shorter than the model's
+    context (Phi-3.5-mini's 262,144 over 131,072 positions masks nothing)."""
+    window = config.sliding_window
+    if config.windows == "none" or window >= config.max_position_embeddings:
+        window = None
     return ScoreForm(config.attention_scale, config.attn_softcap, window)
 
 

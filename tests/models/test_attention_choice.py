@@ -153,3 +153,9 @@ def test_a_window_keeps_public_cudnn_but_not_the_packed_layout_nor_pallas():
 )
 def test_a_models_score_form_is_what_its_family_sets(family, form):
     assert score_form(tiny_family(family)) == pytest.approx(form)
+
+
+def test_a_window_no_shorter_than_the_context_is_no_window():
+    # Phi-3.5-mini slides 262,144 positions over a 131,072 context: cuDNN's packed rows stay
+    assert score_form(tiny_family("phi3", sliding_window=4096)).window is None
+    assert score_form(tiny_family("phi3", sliding_window=4095)).window == 4095

@@ -19,6 +19,12 @@ from featherweight.models.registry import BUILTIN_MODELS, builtin_config, is_bui
         ("meta-llama/Meta-Llama-3.1-8B-Instruct", "Llama-3.1-8B"),
         ("mistralai/Mistral-7B-Instruct-v0.3", "Mistral-7B-v0.3"),
         ("llama-3.2-1b", "Llama-3.2-1B"),
+        ("google/gemma-3-27b-it", "Gemma-3-27B"),
+        ("google/gemma-3-1b-pt", "Gemma-3-1B"),
+        ("Qwen/Qwen3-14B-Base", "Qwen3-14B"),
+        ("microsoft/Phi-3.5-mini-instruct", "Phi-3.5-mini"),
+        ("microsoft/phi-4", "Phi-4"),
+        ("mistralai/Mistral-Small-24B-Instruct-2501", "Mistral-Small-24B"),
     ],
 )
 def test_variants_resolve_to_their_base_shapes(name, base):
@@ -37,3 +43,30 @@ def test_plan_help_lists_the_built_in_names():
     assert result.exit_code == 0
     text = " ".join(result.output.split())
     assert all(name in text for name in BUILTIN_MODELS) and "demo" in text
+
+
+def test_the_families_built_in_shapes_are_their_config_jsons():
+    # the fields that fix each family's shapes and attention, as published (registry comments)
+    qwen = builtin_config("Qwen3-14B")
+    assert (qwen.hidden_size, qwen.num_layers, qwen.num_heads, qwen.num_kv_heads) == (
+        5120,
+        40,
+        40,
+        8,
+    )
+    assert (qwen.head_dim, qwen.intermediate_size, qwen.vocab_size) == (128, 17408, 151936)
+    assert qwen.qk_norm and qwen.windows == "none"
+    gemma = builtin_config("Gemma-3-27B")
+    assert (gemma.hidden_size, gemma.num_layers, gemma.num_heads, gemma.num_kv_heads) == (
+        5376, 62, 32, 16,
+    )  # fmt: skip
+    assert (gemma.head_dim, gemma.intermediate_size, gemma.sliding_window) == (128, 21504, 1024)
+    assert gemma.attention_scale == pytest.approx(168**-0.5) and gemma.qk_norm
+    assert gemma.vocab_size == 262208 and builtin_config("Gemma-3-1B").vocab_size == 262144
+    assert gemma.layer_types()[:6] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert gemma.rope_scaling.factor == 8.0 and gemma.local_rope_theta == 10000.0
+    gemma2 = builtin_config("Gemma-2-9B")
+    assert (gemma2.attn_softcap, gemma2.final_softcap, gemma2.sliding_window) == (50.0, 30.0, 4096)
+    phi = builtin_config("Phi-3.5-mini")
+    assert phi.rope_scaling.rope_type == "longrope" and len(phi.rope_scaling.long_factor) == 48
+    assert builtin_config("Mistral-Small-24B").head_dim == 128  # 5120 / 32 would be 160
