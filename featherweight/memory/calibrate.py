@@ -52,6 +52,7 @@ from featherweight.memory import working_set
 from featherweight.memory.components import DEQUANTIZED_WEIGHTS, HOST, REBUILT_ON_HOST
 from featherweight.memory.defaults import resolve
 from featherweight.memory.device_plan import plan_one_device
+from featherweight.memory.family_terms import FAMILY_TERMS
 from featherweight.memory.measure import measure_for_target
 from featherweight.memory.report import percent_difference
 from featherweight.memory.targets import Target, get_target
@@ -91,6 +92,7 @@ FIXED = {
         "attention_blockwise",
         "dequantized_layer",
         "saved_layer_from_host",
+        *(name for name, (phase, _) in FAMILY_TERMS.items() if phase == "backward"),
     ),
     "loss": (
         "embedding_gradient",
@@ -99,6 +101,7 @@ FIXED = {
         "head_rows_from_host",
         "head_rows_copy",
         "top_state_on_device",
+        *(name for name, (phase, _) in FAMILY_TERMS.items() if phase == "loss"),
     ),
     "head_update": ("embedding_gradient",),
     "embedding": ("embedding_gradient",),

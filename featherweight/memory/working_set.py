@@ -98,6 +98,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from featherweight.errors import ConfigError
+from featherweight.memory.family_terms import FAMILY_TERMS, family_terms
 from featherweight.memory.state_bytes import (
     compute_itemsize,
     host_base_bytes,
@@ -260,6 +261,14 @@ def blockwise_tiles(seq_len: int, compiler: str | None = None) -> int:
     return LONE_TILE_TILES.get(compiler or target_compiler(), BLOCKWISE_TILES)
 
 
+def _lone_tile_bytes(shapes: StepShapes) -> int:
+    """Blockwise attention's float32 tile, B x H x S x S x 4, when the step runs it as one lone
+    tile (S <= its block); 0 otherwise."""
+    if shapes.attention != "blockwise" or shapes.seq > block_size(shapes.seq):
+        return 0
+    return 4 * shapes.batch * shapes.heads * shapes.seq * shapes.seq
+
+
 def dequantized_layer_bytes(config: TrainConfig, shapes: StepShapes) -> int:
     """XLA:GPU, QLoRA: the bytes by which the backward's MLP moment exceeds its attention moment.
 
@@ -381,6 +390,13 @@ def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
         * shapes.head_dim,
         "attention_scores": attention_bytes(shapes)[0],
         "attention_blockwise": attention_bytes(shapes)[1],
+        **family_terms(
+            model_config,
+            target_compiler(),
+            shapes.tokens,
+            logits_bytes=4 * shapes.batch * shapes.loss_chunk * shapes.vocab_rows,
+            lone_softcap_tile_bytes=_lone_tile_bytes(shapes),
+        ),
         "embedding_gradient": head_like if trained_table else 0,
         "logits": 4 * shapes.batch * shapes.loss_chunk * shapes.vocab_rows,
         "head_gradient": head_like if shapes.full and not shapes.tied else 0,
@@ -502,6 +518,7 @@ def _layer_backward(
             f"{shapes.intermediate} + {counts['activations_attention']} x {attention_width})",
         ),
         _attention_buffer(shapes, terms, counts),
+        *_family_buffers(terms, "backward"),
     ]
 
 
@@ -546,7 +563,16 @@ def _loss_phase(
         ),
     )
     loss += [WorkingBuffer(name, terms[term], text) for name, term, text in optional if terms[term]]
-    return loss
+    return loss + _family_buffers(terms, "loss")
+
+
+def _family_buffers(terms: dict[str, int], phase: str) -> list[WorkingBuffer]:
+    """The buffers a model family adds to `phase` (`memory/family_terms.py`), those it has."""
+    return [
+        WorkingBuffer(name, terms[name], formula)
+        for name, (where, formula) in FAMILY_TERMS.items()
+        if where == phase and terms[name]
+    ]
 
 
 def _update_buffer(

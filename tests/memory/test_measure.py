@@ -5,15 +5,19 @@ copies of bf16 weight stacks and matmul operands, which would measure CPU artifa
 Host-placed residuals count in CPU temp (one memory), so totals compare planned device + host.
 """
 
+import functools
+
 import pytest
 
 from featherweight.errors import ConfigError
+from featherweight.memory import working_set
 from featherweight.memory.measure import MEASURED_COMPONENTS, measure_compiled, measure_device_peak
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import comparable_total, percent_difference
 from featherweight.models.registry import builtin_config
 from featherweight.recipe.schema import parse_config
 from tests.conftest import tiny_config
+from tests.tiny_families import tiny_family
 
 SHAPES = {
     "tiny": (tiny_config(), 64),
@@ -113,6 +117,42 @@ def test_host_residuals_leave_the_device_in_the_plan_only(grid):
     assert host_plan.device_bytes == device_plan.device_bytes - host_plan.host_bytes
     assert host_plan.host_bytes == host_plan.bytes_of("residual_stream") > 0
     assert comparable_total(host_plan, host_measured) == device_plan.device_bytes
+
+
+# one LoRA step per family beside Llama (tests/tiny_families.py: QK-norm, softcaps, sandwich
+# norms, windows on some layers or all), b2 x 1024 (the attention in loops), float32; planned
+# against XLA:CPU's compile (2026-11-28, jax 0.10.2): qwen3 -2.0%, gemma2 -8.1% (-15.2% before
+# its sandwich norms were planned), gemma3 +2.8%, phi3 -1.8%, qwen2-mixed -4.4%
+FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3", "qwen2-mixed")
+
+
+def family_config(family: str):
+    settings = {"method": "lora", "batch_size": 2, "model": {"dtype": "float32"},
+                "data": {"seq_len": 1024}}  # fmt: skip
+    return parse_config(settings), tiny_family(family)
+
+
+@functools.cache
+def family_compiled(family: str):
+    return measure_compiled(*family_config(family))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_familys_plan_is_within_10_percent_of_its_compile(family):
+    config, model = family_config(family)
+    plan, measured = plan_for_config(config, model), family_compiled(family)
+    difference = percent_difference(comparable_total(plan, measured), measured.total_bytes)
+    assert abs(difference) <= TOTAL_BOUND, difference
+
+
+def test_a_plan_blind_to_the_familys_buffers_misses_gemmas_compile(monkeypatch):
+    # negative control: Gemma 2 planned as if its layer were Llama's
+    blind = functools.partial(dict.fromkeys, working_set.FAMILY_TERMS, 0)
+    monkeypatch.setattr(working_set, "family_terms", lambda *args, **kwargs: blind())
+    config, model = family_config("gemma2")
+    plan, measured = plan_for_config(config, model), family_compiled("gemma2")
+    difference = percent_difference(comparable_total(plan, measured), measured.total_bytes)
+    assert difference < -TOTAL_BOUND, difference
 
 
 def test_device_peak_needs_an_accelerator():
