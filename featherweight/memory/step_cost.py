@@ -41,6 +41,8 @@ from featherweight.memory.state_bytes import (
     host_embedding_bytes,
     optimizer_state_bytes,
 )
+from featherweight.models.attention import block_size
+from featherweight.models.attention_choice import score_form
 from featherweight.models.config import ModelConfig
 from featherweight.models.shapes import layer_shapes
 from featherweight.quant.nf4 import nf4_nbytes
@@ -234,7 +236,6 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
     projections = _projection_flops(config, model_config)
     linear = sum(base for base, _ in projections.values())
     adapters = sum(adapter for _, adapter in projections.values())
-    attention = _attention_forward_flops(config, model_config)
     saved = _not_recomputed(config)
     shapes = layer_shapes(m)
     remat = sum(
@@ -248,7 +249,6 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
     per_layer = (
         linear + adapters + remat  # forward, remat
         + linear + adapters + trained_linear + adapters  # d_input, d_weight
-        + 4 * attention  # forward, remat, and the two operands' gradients of both matmuls
     )  # fmt: skip
     head_forward = 2 * tokens * _head_rows_per_sweep(config, m) * m.hidden_size
     head_trained = config.method == "full"
@@ -256,7 +256,9 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
     vocab_chunk = config.memory.vocab_chunk
     chunked_vocab = vocab_chunk is not None and vocab_chunk < m.vocab_size
     recompute = head_forward if chunked_vocab and head_trained else 0  # a frozen head: one sweep
-    return StepFlops(m.num_layers * per_layer, head, recompute)
+    # attention: forward, remat, and the two operands' gradients of both matmuls
+    layers = m.num_layers * per_layer + attention_flops(config, model_config)
+    return StepFlops(layers, head, recompute)
 
 
 def _not_recomputed(config: TrainConfig) -> set[str]:
@@ -269,16 +271,23 @@ def _not_recomputed(config: TrainConfig) -> set[str]:
 
 
 def _attention_forward_flops(config: TrainConfig, model_config: ModelConfig) -> int:
-    """One layer's attention matmuls in the forward: the scores and the weighted sum, 2 x 2 B H
-    S^2 h (the whole square)."""
-    m = model_config
-    return 2 * 2 * config.batch_size * m.num_heads * config.data.seq_len**2 * m.head_dim
+    """Every layer's attention matmuls in the forward: the scores and the weighted sum, 2 x 2 B H
+    S x keys x h, the keys a query is scored against: the whole sequence (the whole square) on
+    a global layer, the window's min(S, W) on a sliding one (blockwise attention visits only
+    the tiles in reach: O(S x W)) -- unless blockwise attention runs as one lone tile (S <= its
+    block), which computes the whole square and masks it."""
+    m, seq = model_config, config.data.seq_len
+    window = score_form(m).window
+    lone_tile = seq <= block_size(seq) and attention_implementation(config, m) == "blockwise"
+    sliding = sum(m.sliding_layers) if window is not None and not lone_tile else 0
+    keys = (m.num_layers - sliding) * seq + sliding * min(seq, window or seq)
+    return 2 * 2 * config.batch_size * m.num_heads * seq * keys * m.head_dim
 
 
 def attention_flops(config: TrainConfig, model_config: ModelConfig) -> int:
     """The attention's matmul FLOPs in a step, every layer: the forward's, the remat forward's
     and the backward's two operand gradients of each (4 x `_attention_forward_flops`)."""
-    return 4 * _attention_forward_flops(config, model_config) * model_config.num_layers
+    return 4 * _attention_forward_flops(config, model_config)
 
 
 def blockwise_attention_seconds(
