@@ -169,7 +169,7 @@ def _query_pre_attn_scalar(query_scale: float) -> int | float:
 def _extras(config: Any) -> dict[str, Any]:
     return {
         "hidden_activation": config.activation,
-        "query_pre_attn_scalar": _query_pre_attn_scalar(config.query_scale),
+        "query_pre_attn_scalar": _query_pre_attn_scalar(config.attention_scale),
         "attn_logit_softcapping": config.attn_softcap,
         "final_logit_softcapping": config.final_softcap,
         "sliding_window": config.sliding_window,
