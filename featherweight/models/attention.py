@@ -418,11 +418,10 @@ def attention_mask(
 ) -> jax.Array:
     """Boolean [B or 1, 1, T, S]: causal (within the window when given), and within one segment
     when segments are given."""
-    q_pos = jnp.arange(query_len)[:, None] + (key_len - query_len)
-    k_pos = jnp.arange(key_len)[None, :]
-    causal = k_pos <= q_pos
+    causal = jnp.tril(jnp.ones((query_len, key_len), dtype=bool), key_len - query_len)
     if window is not None:
-        causal = causal & (q_pos - k_pos < window)
+        q_pos = jnp.arange(query_len)[:, None] + (key_len - query_len)
+        causal = causal & (q_pos - jnp.arange(key_len)[None, :] < window)
     if segment_ids is None:
         return causal[None, None]
     same_segment = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
@@ -478,6 +477,8 @@ def attend(
     if implementation == "blockwise":
         return blockwise_attention(q, k, v, segment_ids, form=form, sinks=sinks)
     if implementation == "materialized":
+        if segment_ids is None and form == PLAIN and sinks is None:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
         mask = attention_mask(segment_ids, q.shape[1], k.shape[1], window)
         return materialized_attention(q, k, v, mask, form, sinks)
     if sinks is not None:
