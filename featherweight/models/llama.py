@@ -305,9 +305,19 @@ def mlp_in(
     lora: LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
 ) -> tuple:
-    """The MLP's hidden state from the normed residual a [B, S, D]: its two input projections
+    """The MLP's hidden state from the residual a [B, S, D], normed: its two input projections
     gate and up [B, S, F] -- of the routed rows, with their `moe.Routing`, in an MoE layer."""
-    normed = norm(config, a, layer["mlp_norm"])
+    return mlp_hidden(layer, norm(config, a, layer["mlp_norm"]), config, lora, dropout_key)
+
+
+def mlp_hidden(
+    layer: Params,
+    normed: jax.Array,
+    config: ModelConfig,
+    lora: LoraSpec | None = None,
+    dropout_key: jax.Array | None = None,
+) -> tuple:
+    """`mlp_in` of an input already normed."""
     if config.num_experts:
         return moe.experts_in(layer, normed, config, lora, dropout_key)
     with jax.named_scope("mlp"):
@@ -335,19 +345,28 @@ def mlp_out(
     lora: LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
 ) -> jax.Array:
-    """The residual stream after the MLP: a + down(act(gate) * up) of `mlp_in`'s hidden state
-    (each token's experts summed by their weights in an MoE layer; normed first with sandwich
-    norms)."""
+    """The residual stream after the MLP: a + `mlp_output` of `mlp_in`'s hidden state."""
+    return a + mlp_output(layer, hidden, config, lora, dropout_key).reshape(a.shape)
+
+
+def mlp_output(
+    layer: Params,
+    hidden: tuple,
+    config: ModelConfig,
+    lora: LoraSpec | None = None,
+    dropout_key: jax.Array | None = None,
+) -> jax.Array:
+    """down(act(gate) * up) of the MLP's hidden state (each token's experts summed by their
+    weights in an MoE layer: [N, D]), normed after with sandwich norms."""
     if config.num_experts:
         out = moe.experts_out(layer, hidden, config, gated, lora, dropout_key)
-        out = out.reshape(a.shape)
     else:
         gate, up = hidden
         with jax.named_scope("mlp"):
             out = linear(layer, "down", gated(config, gate, up), lora, dropout_key)
     if config.sandwich_norms:
         out = norm(config, out, layer["post_mlp_norm"])
-    return a + out
+    return out
 
 
 def mlp_residual(
@@ -360,9 +379,10 @@ def mlp_residual(
 ) -> jax.Array:
     """The MLP's residual block, `mlp_out(mlp_in(a))`: [B, S, D] -> [B, S, D].
 
-    With `seq_chunk`, the sequence is cut into chunks run one after another, each rematerialized:
-    the [B, S, F] hidden activations never exist, only [B, seq_chunk, F] (long context; every
-    operation of the block is per position). With LoRA dropout each chunk draws its own mask.
+    With `seq_chunk`, the normed sequence is cut into chunks run one after another, each
+    rematerialized: the [B, S, F] hidden activations never exist, only [B, seq_chunk, F] (long
+    context; every operation between the norm and the residual add is per position). With LoRA
+    dropout each chunk draws its own mask.
     """
     batch, seq, width = a.shape
     if seq_chunk is None or seq_chunk >= seq:
@@ -372,15 +392,17 @@ def mlp_residual(
     if seq % seq_chunk:
         raise ValueError(f"mlp seq_chunk {seq_chunk} must divide the sequence length {seq}")
     count = seq // seq_chunk
-    chunks = jnp.moveaxis(a.reshape(batch, count, seq_chunk, width), 1, 0)
+    normed = norm(config, a, layer["mlp_norm"])
+    chunks = jnp.moveaxis(normed.reshape(batch, count, seq_chunk, width), 1, 0)
 
     def one_chunk(args):
         index, chunk = args
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
-        return mlp_residual(layer, chunk, config, lora, key)
+        hidden = mlp_hidden(layer, chunk, config, lora, key)
+        return mlp_output(layer, hidden, config, lora, key).reshape(chunk.shape)
 
     outputs = jax.lax.map(jax.checkpoint(one_chunk), (jnp.arange(count), chunks))
-    return jnp.moveaxis(outputs, 0, 1).reshape(batch, seq, -1)
+    return a + jnp.moveaxis(outputs, 0, 1).reshape(batch, seq, -1)
 
 
 def split_dropout_key(dropout_key: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
