@@ -238,7 +238,12 @@ class GGUFSource:
             model_type=self.family.model_types[0],
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(self._get(f"{arch}.feed_forward_length")),
+            intermediate_size=int(
+                # an MoE's experts' width; llama.cpp fills feed_forward_length with the dense MLP's
+                self._get(f"{arch}.expert_feed_forward_length")
+                or self._get(f"{arch}.feed_forward_length")
+            ),
+            **self._experts(),
             num_layers=shape["num_layers"],
             num_heads=num_heads,
             num_kv_heads=int(self._get(f"{arch}.attention.head_count_kv", num_heads)),
@@ -253,6 +258,14 @@ class GGUFSource:
             **options,
         )
         return dataclasses.replace(config, rope_scaling=self._rope_scaling(config))
+
+    def _experts(self) -> dict[str, int]:
+        """An MoE file's expert count and experts per token, or nothing."""
+        count = self._get(f"{self.architecture}.expert_count")
+        if not count:
+            return {}
+        used = self._get(f"{self.architecture}.expert_used_count")
+        return {"num_experts": int(count), "experts_per_token": int(used)}
 
     def _rope_scaling(self, config: ModelConfig) -> RopeScaling | None:
         """Linear rope scaling (`rope.scaling.type`, Gemma 3's global layers), or Llama 3's,

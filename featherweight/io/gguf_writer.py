@@ -125,6 +125,10 @@ def add_hyperparameters(writer: GGUFWriter, config: ModelConfig) -> None:
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if config.num_experts:  # llama.cpp's expert keys (the experts' width is intermediate_size)
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.experts_per_token)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
     scaling = config.rope_scaling
     if scaling is not None and scaling.rope_type == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)

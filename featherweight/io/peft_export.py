@@ -10,6 +10,14 @@ A family that stores projections fused (Phi-3's `qkv_proj`, `gate_up_proj`) has 
 featherweight trains one adapter per part; the parts' adapters are exported as one LoRA of rank
 k r on the fused module (`stored_adapters`): A their A's stacked, B block-diagonal, so B A is
 each part's B A in its own rows; PEFT's `rank_pattern` / `alpha_pattern` keep the scale.
+
+An MoE layer's experts are one 3-D parameter per projection in transformers (5): `gate_up_proj`
+[E, 2F, D] (gate's rows, then up's; gpt-oss: [E, D, 2F], the two interleaved) and `down_proj`,
+which PEFT adapts with `target_parameters` (its `ParamWrapper`: lora_A [E r, in], expert by
+expert; lora_B [out, r E], rank-major). featherweight's per-expert adapters are written in that
+form (`expert_adapters`), gate and up as one block LoRA per expert. PEFT refuses dropout on such
+a parameter, so an adapter with expert targets records `lora_dropout` 0 (it only acts in
+training).
 """
 
 from __future__ import annotations
@@ -116,6 +124,16 @@ def export_merged(
     )
 
 
+# transformers' fused expert parameters of each MoE family: name within the layer -> (the keys
+# whose adapters it takes, along its rows; rows interleaved rather than concatenated)
+EXPERT_PARAMETERS = {
+    "qwen3_moe": {"mlp.experts.gate_up_proj": (("gate", "up"), False)},
+    "mixtral": {"mlp.experts.gate_up_proj": (("gate", "up"), False)},
+    "gpt_oss": {"mlp.experts.gate_up_proj": (("gate", "up"), True)},
+}
+EXPERT_MODULE = "mlp.experts"
+
+
 class StoredAdapter(NamedTuple):
     """A LoRA on one tensor as a file stores it: A [L, k r, in], B [L, out, k r], from k adapters."""
 
@@ -154,15 +172,68 @@ def stored_adapters(
     return result
 
 
+def expert_adapters(
+    stacks: dict[str, dict[str, np.ndarray]], model_config: ModelConfig
+) -> dict[str, StoredAdapter]:
+    """The expert adapters (a [L, E, r, in], b [L, E, out, r]) on transformers' fused expert
+    parameters, by name within the layer ("mlp.experts.gate_up_proj"), in PEFT's `ParamWrapper`
+    layout: A [L, E k r, in], B [L, out, k r E] -- k parts as one block LoRA per expert."""
+    if not model_config.num_experts:
+        return {}
+    layout = {
+        **EXPERT_PARAMETERS[model_config.model_type],
+        f"{EXPERT_MODULE}.down_proj": (("down",), False),
+    }
+    result = {}
+    for name, (parts, interleaved) in layout.items():
+        targeted = [part for part in parts if part in stacks]
+        if not targeted:
+            continue
+        a = np.concatenate([stacks[part]["a"] for part in targeted], axis=2)  # [L, E, k r, in]
+        layers, experts, ranks, _ = a.shape
+        rank, rows = ranks // len(targeted), stacks[targeted[0]]["b"].shape[2]
+        b = np.zeros((layers, experts, rows * len(parts), ranks), a.dtype)
+        for index, part in enumerate(parts):
+            if part in stacks:
+                span = (
+                    slice(index, None, len(parts))
+                    if interleaved
+                    else slice(index * rows, (index + 1) * rows)
+                )
+                column = targeted.index(part) * rank
+                b[:, :, span, column : column + rank] = stacks[part]["b"]
+        result[name] = StoredAdapter(
+            a.reshape(layers, experts * ranks, -1),
+            b.transpose(0, 2, 3, 1).reshape(layers, -1, ranks * experts),
+            len(targeted),
+        )
+    return result
+
+
+def peft_modules(experts: dict[str, StoredAdapter]) -> dict[str, StoredAdapter]:
+    """The expert adapters by the module PEFT saves each under: one `ParamWrapper` per targeted
+    parameter, nested in the order the experts module registers them (gate_up_proj innermost),
+    each inner one a `base_layer` deeper."""
+    names = list(experts)
+    return {
+        EXPERT_MODULE + ".base_layer" * (len(names) - 1 - index): experts[name]
+        for index, name in enumerate(names)
+    }
+
+
 def peft_adapter_config(
     lora_config: LoraConfig,
     base_model_name_or_path: str | None,
     adapters: dict[str, StoredAdapter],
+    experts: dict[str, StoredAdapter] | None = None,
 ) -> dict[str, object]:
     """The `adapter_config.json` PEFT reads for these settings (unlisted fields: its defaults):
-    a block LoRA of k parts gets rank k r and the alpha that keeps alpha / r (or / sqrt r)."""
+    a block LoRA of k parts gets rank k r and the alpha that keeps alpha / r (or / sqrt r);
+    `experts` (`expert_adapters`) are PEFT's `target_parameters`."""
+    experts = experts or {}
     modules = {
-        name.removesuffix(".weight").split(".")[-1]: adapter for name, adapter in adapters.items()
+        name.removesuffix(".weight").split(".")[-1]: adapter
+        for name, adapter in {**adapters, **experts}.items()
     }
     blocks = {module: adapter.parts for module, adapter in modules.items() if adapter.parts > 1}
     growth = (lambda parts: parts**0.5) if lora_config.rslora else (lambda parts: parts)
@@ -172,9 +243,10 @@ def peft_adapter_config(
         "base_model_name_or_path": base_model_name_or_path,
         "r": lora_config.rank,
         "lora_alpha": lora_config.alpha,
-        "lora_dropout": lora_config.dropout,
+        "lora_dropout": 0.0 if experts else lora_config.dropout,
         "use_rslora": lora_config.rslora,
-        "target_modules": list(modules),
+        "target_modules": [name.removesuffix(".weight").split(".")[-1] for name in adapters],
+        "target_parameters": list(experts),
         "rank_pattern": {module: parts * lora_config.rank for module, parts in blocks.items()},
         "alpha_pattern": {
             module: growth(parts) * lora_config.alpha for module, parts in blocks.items()
@@ -197,6 +269,11 @@ def peft_tensors(adapters: dict[str, StoredAdapter]) -> dict[str, np.ndarray]:
             tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(adapter.a[layer])
             tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(adapter.b[layer])
     return tensors
+
+
+def _experts_of(model_config: ModelConfig) -> tuple[str, ...]:
+    """The targets that are expert stacks in this model (none in a dense one)."""
+    return ("gate", "up", "down") if model_config.num_experts else ()
 
 
 BASE_DIR = "base"  # a GGUF base, written as an HF directory inside the adapter's export
@@ -265,11 +342,19 @@ def export_peft(
         if write_base is not None:
             write_base(staging / BASE_DIR)
             base_model_name_or_path = str(final / BASE_DIR)
-        adapters_on_disk = stored_adapters(stacks, model_config)
-        config = peft_adapter_config(lora_config, base_model_name_or_path, adapters_on_disk)
+        experts = expert_adapters(stacks, model_config)
+        dense = {
+            target: stack
+            for target, stack in stacks.items()
+            if target not in _experts_of(model_config)
+        }
+        adapters_on_disk = stored_adapters(dense, model_config)
+        config = peft_adapter_config(
+            lora_config, base_model_name_or_path, adapters_on_disk, experts
+        )
         (staging / "adapter_config.json").write_text(json.dumps(config, indent=2))
         save_file(
-            peft_tensors(adapters_on_disk),
+            peft_tensors({**adapters_on_disk, **peft_modules(experts)}),
             str(staging / "adapter_model.safetensors"),
             metadata={"format": "pt"},
         )

@@ -10,7 +10,11 @@ Rules, each a function `(path, leaf, mesh) -> PartitionSpec`:
 
 - parameters (`parameter_spec`): one axis over "fsdp" -- the largest one that divides, never the
   leading layer axis of a stacked layer tensor (the streamed step slices layer l with a dynamic
-  index; a sharded layer axis would move whole layers between devices). A frozen or fully trained
+  index; a sharded layer axis would move whole layers between devices). An MoE layer's expert
+  stack [L, E, out, in] (and its per-expert LoRA adapters [L, E, r, in] / [L, E, out, r]: every
+  rank-4 layer tensor) shards E when fsdp divides it, so each device holds whole experts; else
+  the largest axis that divides, as for any tensor. The router [L, E, D] and the expert biases
+  [L, E, F] follow the general rule. A frozen or fully trained
   weight with no divisible axis is refused (`ShardingError` naming the tensor and a mesh that
   works); LoRA adapters that do not divide stay replicated (they are small).
 - NF4 weights: each field is flat per tensor, and its blocks must stay whole on one shard (the
@@ -18,7 +22,9 @@ Rules, each a function `(path, leaf, mesh) -> PartitionSpec`:
   `codes` [.., n/2] is sharded only when each shard holds whole 64-value blocks, `absmax` [.., n/64]
   only when each shard holds whole 256-absmax groups (double quantization), `absmax_scale` when it
   divides; otherwise that field is replicated. Shard k of `codes` then covers exactly the blocks of
-  shard k of `absmax`: dequantization needs no communication.
+  shard k of `absmax`: dequantization needs no communication. An NF4 expert stack (stack axes
+  [L, E]: each expert quantized on its own) shards every field on E when fsdp divides it -- each
+  device holds whole experts' codes with their absmax, scales and offsets.
 - optimizer state (`optimizer_state_spec`) follows its parameter: a state leaf is placed by the
   same shape rule, so a moment of a parameter's shape gets the parameter's spec; what does not
   divide (counts, factored or blockwise statistics) is replicated.
@@ -199,6 +205,20 @@ def _divisible_axis(shape: tuple[int, ...], first: int, shards: int) -> int | No
     return max(candidates, key=lambda axis: (shape[axis], -axis), default=None)
 
 
+def _expert_axis(shape: tuple[int, ...], stack_axes: int, shards: int) -> int | None:
+    """1 -- E -- for a layer tensor stacked over [L, E] (`stack_axes` 2) when `shards` divides
+    E, else None."""
+    return 1 if stack_axes == 2 and shape[1] % shards == 0 else None
+
+
+def _weight_axis(shape: tuple[int, ...], first: int, shards: int) -> int | None:
+    """The axis a (non-NF4) tensor shards on: E of an expert stack (a rank-4 layer tensor:
+    [L, E, out, in], its adapters and their moments) when `shards` divides it, else the largest
+    axis from `first` on that divides."""
+    expert = _expert_axis(shape, 2 if first and len(shape) == 4 else first, shards)
+    return _divisible_axis(shape, first, shards) if expert is None else expert
+
+
 def _stack_axes(names: tuple[str, ...]) -> int:
     """1 for tensors stacked over layers (and their optimizer states), else 0."""
     return 1 if LAYERS_KEY in names else 0
@@ -210,6 +230,9 @@ def _nf4_field_spec(field: str, leaf: Any, stack_axes: int, shards: int) -> Part
         unit = ABSMAX_BLOCK_SIZE if jnp.dtype(leaf.dtype) == jnp.uint8 else 1
     else:
         unit = NF4_FIELD_UNITS[field]
+    own_axes = 0 if field == "absmax_offset" else 1  # the offset is one scalar per tensor
+    if stack_axes and _expert_axis(leaf.shape, leaf.ndim - own_axes, shards) is not None:
+        return _axis_spec(1)
     if unit == 0 or leaf.ndim <= stack_axes or leaf.shape[-1] % (unit * shards):
         return PartitionSpec()
     return _axis_spec(leaf.ndim - 1)
@@ -230,7 +253,7 @@ def parameter_spec(path: tuple, leaf: Any, mesh: Mesh) -> PartitionSpec:
         return PartitionSpec()
     if names[-1] in (*NF4_FIELD_UNITS, "absmax"):
         return _nf4_field_spec(names[-1], leaf, first, shards)
-    axis = _divisible_axis(leaf.shape, first, shards)
+    axis = _weight_axis(leaf.shape, first, shards)
     if axis is None and ADAPTER_KEY not in names:
         fsdp = _suggest_fsdp(leaf.shape, first, mesh.size)
         raise ShardingError(
@@ -248,7 +271,7 @@ def optimizer_state_spec(path: tuple, leaf: Any, mesh: Mesh) -> PartitionSpec:
     first = _stack_axes(_names(path))
     if shards == 1 or leaf.ndim <= first:
         return PartitionSpec()
-    return _axis_spec(_divisible_axis(leaf.shape, first, shards))
+    return _axis_spec(_weight_axis(leaf.shape, first, shards))
 
 
 def check_batch_size(global_batch: int, mesh: Mesh) -> None:

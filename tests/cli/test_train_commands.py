@@ -10,6 +10,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import transformers
+import yaml
 from typer.testing import CliRunner
 
 from featherweight.cli.main import app
@@ -19,6 +21,7 @@ from featherweight.recipe.schema import parse_config
 from featherweight.train import export_check, loop
 from featherweight.train.loop import train
 from tests.conftest import run_settings
+from tests.tiny_checkpoints import random_hf_model, save_byte_level_tokenizer, save_hf
 
 
 def _result(step, start_step, loss, eval_loss, steps=4):
@@ -183,3 +186,48 @@ def test_the_readme_config_trains_is_interrupted_and_resumes(demo_data, tmp_path
     run = tmp_path / "runs" / "my-run"
     assert f"resuming {run} at step 2" in resumed.output
     assert "done: step 3 of 3, loss " in resumed.output
+
+
+# --- mixture-of-experts models -----------------------------------------------------------------
+
+MOE_SIZES = dict(
+    vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+    num_hidden_layers=2, num_experts_per_tok=2, max_position_embeddings=256,
+)  # fmt: skip
+MOE_FAMILIES = {
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(num_experts=4, moe_intermediate_size=32)),
+    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, intermediate_size=32)),
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        dict(num_local_experts=4, intermediate_size=32, head_dim=16, sliding_window=8),
+    ),
+}
+
+
+# QLoRA of an MoE stops in the planner: memory/step_cost.dequantization_seconds reads the dense
+# MLP's "gate"/"up"/"down" from the moved bytes, which an MoE layer lacks (KeyError: 'gate')
+PLANNER_MOE_QLORA = pytest.mark.xfail(
+    strict=True, reason="step_cost.dequantization_seconds: KeyError 'gate' for MoE QLoRA"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["lora", pytest.param("qlora", marks=PLANNER_MOE_QLORA)])
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_each_moe_family_trains_lora_and_qlora_on_its_experts(family, method, tmp_path):
+    """`featherweight train` on a tiny checkpoint of each MoE family, adapters on attention and
+    every expert (the router is no LoRA target: frozen), two steps: it finishes with a loss."""
+    config_class, settings = MOE_FAMILIES[family]
+    model_dir = save_hf(random_hf_model(config_class(**MOE_SIZES, **settings)), tmp_path / "m")
+    save_byte_level_tokenizer(model_dir)
+    data = tmp_path / "train.jsonl"  # plain text: the byte-level tokenizer has no chat template
+    data.write_text(
+        "".join(f'{{"text": "record {i}: the experts route tokens"}}\n' for i in range(20))
+    )
+    values = run_settings(model_dir, data, tmp_path / "run", method=method, steps=2)
+    values["lora"]["targets"] = ["q", "v", "gate", "up", "down"]
+    values.pop("checkpoint")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(values))
+    result = CliRunner().invoke(app, ["train", str(tmp_path / "config.yaml")])
+    assert result.exit_code == 0, result.output
+    assert "done: step 2 of 2, loss " in result.output

@@ -1,5 +1,6 @@
 """Data parallel and FSDP over 8 virtual CPU devices: the streamed step on a mesh gives the
-one-device result, holds an eighth of the arguments per device, and keeps NF4 blocks whole."""
+one-device result, holds an eighth of the arguments per device, and keeps NF4 blocks whole; an
+MoE model's experts shard whole over fsdp."""
 
 import math
 
@@ -34,22 +35,27 @@ from featherweight.step.streamed import build_streamed_step
 from tests.conftest import tiny_config, training_case
 
 CONFIG = tiny_config()
+# Qwen3-MoE: 8 experts, each [F=32, D=64] -- D is the largest axis, E the one the rule picks
+MOE = tiny_config(
+    model_type="qwen3_moe", intermediate_size=32, qk_norm=True, num_experts=8,
+    experts_per_token=2, norm_topk_prob=True,
+)  # fmt: skip
 STEPS = 3
 FSDP8 = MeshSettings(data=1, fsdp=8)
 
 
-def _case(method):
+def _case(method, config=CONFIG):
     """(trainable, frozen, lora spec) of a tiny float32 model: full, LoRA, QLoRA."""
-    return training_case(CONFIG, method, rank=8)
+    return training_case(config, method, rank=8)
 
 
 BATCH = batch_from_tokens(jax.random.randint(jax.random.PRNGKey(3), (8, 17), 0, CONFIG.vocab_size))
 
 
-def _train(method, mesh_settings, optimizer, steps=STEPS):
+def _train(method, mesh_settings, optimizer, steps=STEPS, config=CONFIG):
     """Losses, final trainable (numpy) and the compiled step's memory analysis of `steps` donated
     steps, on one device (mesh_settings None) or on a mesh of the 8 devices."""
-    trainable, frozen, lora = _case(method)
+    trainable, frozen, lora = _case(method, config)
     state = init_streamed_opt_state(optimizer, trainable)
     batch, shardings = BATCH, None
     if mesh_settings is not None:
@@ -58,7 +64,7 @@ def _train(method, mesh_settings, optimizer, steps=STEPS):
         trainable, frozen = (shard_tree(t, mesh, parameter_spec) for t in (trainable, frozen))
         state = shard_tree(state, mesh, optimizer_state_spec)
         batch = place_batch(BATCH, mesh)
-    step = build_streamed_step(CONFIG, optimizer, trainable, frozen, lora, shardings=shardings)
+    step = build_streamed_step(config, optimizer, trainable, frozen, lora, shardings=shardings)
     compiled = step.lower(trainable, state, frozen, batch, jax.random.PRNGKey(0)).compile()
     losses, layouts = [], jax.tree.map(lambda x: x.sharding, (trainable, state))
     for index in range(steps):
@@ -97,6 +103,39 @@ def test_fsdp_over_8_devices_equals_one_device(one_device, method):
     assert sharded.argument_size_in_bytes <= single.argument_size_in_bytes / 8 * 1.1
     # the state keeps its layout, so donation still aliases all of it, shard by shard
     assert sharded.alias_size_in_bytes >= 0.99 * single.alias_size_in_bytes / 8
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        pytest.param("full", marks=pytest.mark.slow),
+        pytest.param("lora", marks=pytest.mark.slow),
+        "qlora",
+    ],
+)
+def test_moe_experts_shard_whole_and_fsdp_equals_one_device(method):
+    """Qwen3-MoE with 8 experts on fsdp=8: every expert stack, its NF4 fields and its adapters
+    shard on E (one whole expert per device); the router trains only in full fine-tuning; the
+    sharded step gives the one-device losses and parameters from an eighth of the arguments."""
+    trainable, frozen, _ = _case(method, MOE)
+    specs = tree_specs({"t": trainable, "f": frozen}, make_mesh(FSDP8), parameter_spec)
+    if method == "full":
+        assert specs["t"]["layers"]["gate"] == P(None, "fsdp")  # [L, E, F, D]: E, not D
+        assert "router" in trainable["layers"]
+    else:
+        assert "router" not in trainable["layers"]["lora"]
+        assert specs["t"]["layers"]["lora"]["down"] == {"a": P(None, "fsdp"), "b": P(None, "fsdp")}
+    if method == "qlora":
+        nf4 = specs["f"]["layers"]["up"]
+        assert (nf4.codes, nf4.absmax, nf4.absmax_scale, nf4.absmax_offset) == (
+            P(None, "fsdp"),
+        ) * 4
+    losses, params, single = _train(method, None, SGD, config=MOE)
+    fsdp_losses, fsdp_params, sharded = _train(method, FSDP8, SGD, config=MOE)
+    np.testing.assert_allclose(fsdp_losses, losses, rtol=1e-5)
+    assert _max_relative(params, fsdp_params) <= 1e-5
+    assert _max_relative(_case(method, MOE)[0], fsdp_params) > 1e-3  # the steps did train
+    assert sharded.argument_size_in_bytes <= single.argument_size_in_bytes / 8 * 1.1
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from featherweight.models.families.base import Family, HFConfig, layer_types, sliding_options
+from featherweight.errors import ExportError, UnsupportedModelError
+from featherweight.models.families.base import (
+    Family,
+    GGUFGet,
+    HFConfig,
+    layer_types,
+    sliding_options,
+)
 
 # e2m1: the sixteen values a 4-bit MXFP4 code stands for (OCP Microscaling spec)
 FP4_VALUES = np.array(
@@ -88,6 +95,19 @@ def _interleave_bias(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return joined
 
 
+def _no_gguf_export(config: Any) -> dict[str, Any]:
+    raise ExportError(
+        "GGUF export of gpt-oss is not supported (llama.cpp's gpt-oss: MXFP4 experts, sinks, "
+        "YaRN); export it as Hugging Face weights (--format merged)"
+    )
+
+
+def _no_gguf_import(get: GGUFGet, shape: dict[str, int]) -> dict[str, Any]:
+    raise UnsupportedModelError(
+        "gpt-oss GGUF files are not read; load the model's Hugging Face safetensors instead"
+    )
+
+
 _GATE_UP = "mlp.experts.gate_up_proj"
 _DOWN = "mlp.experts.down_proj"
 
@@ -99,6 +119,8 @@ GPT_OSS = Family(
     defaults={"head_dim": 64, "sliding_window": 128},
     layer_options=_options,
     hf_extras=_extras,
+    gguf_options=_no_gguf_import,
+    gguf_metadata=_no_gguf_export,
     hf_layer_names={
         "o_bias": "self_attn.o_proj.bias",
         "sinks": "self_attn.sinks",

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from featherweight.errors import ModelConfigError, UnsupportedModelError
-from featherweight.models.families.base import Family, HFConfig
+from featherweight.errors import ExportError, ModelConfigError, UnsupportedModelError
+from featherweight.models.families.base import Family, GGUFGet, HFConfig
 from featherweight.models.families.llama import _mistral_options, _window_extras
 from featherweight.models.families.qwen3 import QWEN3
 
@@ -68,6 +68,21 @@ def _qwen3_moe_extras(config: Any) -> dict[str, Any]:
     }
 
 
+def _qwen3_moe_gguf_metadata(config: Any) -> dict[str, Any]:
+    """llama.cpp's qwen3moe always renormalizes the top-k weights (the expert keys themselves
+    are written for every MoE: `gguf_writer.add_hyperparameters`)."""
+    if not config.norm_topk_prob:
+        raise ExportError(
+            "llama.cpp's qwen3moe renormalizes each token's top-k expert weights, and this model "
+            "does not (norm_topk_prob=false); export it as Hugging Face weights (--format merged)"
+        )
+    return QWEN3.gguf_metadata(config)
+
+
+def _qwen3_moe_gguf_options(get: GGUFGet, shape: dict[str, int]) -> dict[str, Any]:
+    return {**QWEN3.gguf_options(get, shape), "norm_topk_prob": True}
+
+
 def _mixtral_extras(config: Any) -> dict[str, Any]:
     return {
         **_window_extras(config),
@@ -99,6 +114,8 @@ QWEN3_MOE = Family(
         "up": "ffn_up_exps.weight",
         "down": "ffn_down_exps.weight",
     },
+    gguf_options=_qwen3_moe_gguf_options,
+    gguf_metadata=_qwen3_moe_gguf_metadata,
 )
 MIXTRAL = Family(
     name="mixtral",
