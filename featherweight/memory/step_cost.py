@@ -44,6 +44,7 @@ from featherweight.memory.state_bytes import (
 from featherweight.models.attention import block_size
 from featherweight.models.attention_choice import score_form
 from featherweight.models.config import ModelConfig
+from featherweight.models.linear import LINEAR_NAMES
 from featherweight.models.shapes import layer_shapes
 from featherweight.quant.nf4 import nf4_nbytes
 from featherweight.recipe.build import attention_implementation
@@ -505,7 +506,8 @@ def dequantization_seconds(
     if config.method != "qlora":
         return 0.0
     memory, itemsize = config.memory, compute_itemsize(config)
-    sizes = {name: math.prod(s) for name, s in layer_shapes(model_config).items() if len(s) == 2}
+    shapes = layer_shapes(model_config)  # an MoE layer's expert stacks count whole: each expert
+    sizes = {name: math.prod(shapes[name]) for name in LINEAR_NAMES}  # is dequantized once a pass
     moved = {name: nf4_nbytes(size) + size * itemsize for name, size in sizes.items()}
     layer = sum(moved.values())  # one layer's weights dequantized once
     dense = sum(sizes.values()) * itemsize

@@ -12,7 +12,8 @@ renormalized to sum to one where the family does it (`norm_topk_prob`; Mixtral a
 Grouped matmuls (`grouped_linear`): the N x k (token, expert) pairs are sorted by expert, and
 each expert's group is padded to whole blocks of `block` rows, so every block belongs to one
 expert. A scan over the blocks multiplies each by its expert's weight (an NF4 expert is
-dequantized there, one expert at a time: a layer's experts are never dense at once). So the work
+dequantized when its first block comes and carried while its blocks last: one expert dense at a
+time, each dequantized once; a layer's experts are never dense at once). So the work
 is the routed rows' -- N x k + at most E x (block - 1) padding rows -- never a dense pass of
 every token through every expert, and nothing is dropped (no capacity factor). `jax.lax.ragged_dot`
 would express the same products, but XLA:CPU lowers it to a masked dense product over all E
@@ -118,20 +119,32 @@ def grouped_linear(layer, name: str, rows: jax.Array, block_expert: jax.Array, l
     weight, bias = layer[name], layer.get(f"{name}_bias")
     adapter = layer.get("lora", {}).get(name)
     blocks = rows.reshape(block_expert.shape[0], -1, rows.shape[-1])
+    nf4 = isinstance(weight, NF4Tensor)
 
-    def one_block(_, inputs):
+    def one_block(current, inputs):
         index, x, expert = inputs
-        y = jnp.einsum("mi,oi->mo", x, _expert(weight, expert, x.dtype))
+        if nf4:  # blocks come sorted by expert: an NF4 expert is dequantized once, when it starts
+            last, dense = current
+            dense = jax.lax.cond(
+                expert == last, lambda: dense, lambda: _expert(weight, expert, x.dtype)
+            )
+            current = (expert, dense)
+        else:
+            dense = _expert(weight, expert, x.dtype)
+        y = jnp.einsum("mi,oi->mo", x, dense)
         if bias is not None:
             y = y + jax.lax.dynamic_index_in_dim(bias, expert, keepdims=False).astype(y.dtype)
         if adapter is not None and lora is not None:
             pair = jax.tree.map(lambda leaf: leaf[expert], adapter)
             block_key = None if key is None else jax.random.fold_in(key, index)
             y = y + lora_update(x, pair, lora, name, block_key)
-        return None, y
+        return current, y
 
+    start = None
+    if nf4:
+        start = (jnp.int32(-1), jnp.zeros(weight.shape[-2:], rows.dtype))
     _, out = jax.lax.scan(
-        one_block, None, (jnp.arange(block_expert.shape[0]), blocks, block_expert)
+        one_block, start, (jnp.arange(block_expert.shape[0]), blocks, block_expert)
     )
     return out.reshape(rows.shape[0], -1)
 

@@ -204,15 +204,8 @@ MOE_FAMILIES = {
 }
 
 
-# QLoRA of an MoE stops in the planner: memory/step_cost.dequantization_seconds reads the dense
-# MLP's "gate"/"up"/"down" from the moved bytes, which an MoE layer lacks (KeyError: 'gate')
-PLANNER_MOE_QLORA = pytest.mark.xfail(
-    strict=True, reason="step_cost.dequantization_seconds: KeyError 'gate' for MoE QLoRA"
-)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["lora", pytest.param("qlora", marks=PLANNER_MOE_QLORA)])
+@pytest.mark.parametrize("method", ["lora", "qlora"])
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
 def test_each_moe_family_trains_lora_and_qlora_on_its_experts(family, method, tmp_path):
     """`featherweight train` on a tiny checkpoint of each MoE family, adapters on attention and
