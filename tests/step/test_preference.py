@@ -17,7 +17,7 @@ from featherweight.peft.lora import PEFT_MODULES, LoraConfig
 from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.preference import PreferenceObjective
-from featherweight.step.reference import build_reference_step, preference_model_loss
+from featherweight.step.reference import build_reference_step, objective_model_loss
 from featherweight.step.streamed import build_streamed_step
 from tests.conftest import relative_difference
 from tests.peft.lora_helpers import peft_model_with, random_adapters
@@ -172,7 +172,7 @@ def test_loss_and_adapter_gradients_equal_trl_formulas_in_pytorch(tiny, name, la
     expected_loss, expected_grads = torch_loss_and_grads(hf_model, adapters, objective)
 
     def loss_of(trainable):
-        return preference_model_loss(trainable, frozen, batch, config, objective, LORA.spec)
+        return objective_model_loss(trainable, frozen, batch, config, objective, LORA.spec)
 
     (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(adapters)
     np.testing.assert_allclose(float(loss), expected_loss, rtol=1e-5)
