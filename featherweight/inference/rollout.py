@@ -72,9 +72,9 @@ def nucleus(scaled_logits: jax.Array, top_p: jax.Array) -> jax.Array:
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the more probable tokens
     keep_sorted = before < top_p
-    keep = jnp.zeros_like(keep_sorted).at[
-        jnp.arange(order.shape[0])[:, None], order
-    ].set(keep_sorted)
+    keep = (
+        jnp.zeros_like(keep_sorted).at[jnp.arange(order.shape[0])[:, None], order].set(keep_sorted)
+    )
     return jnp.where(keep, scaled_logits, -jnp.inf)
 
 
@@ -166,16 +166,22 @@ def sample_rollouts(
     if generations < 1:
         raise ConfigError(f"num_generations={generations} must be >= 1")
     stops = jnp.asarray(sorted(set(stop_ids)), jnp.int32).reshape(-1)
+    settings = dict(
+        temperature=jnp.float32(max(sampling.temperature, 1e-30)),
+        top_p=jnp.float32(sampling.top_p),
+        stop_ids=stops,
+        config=config,
+        lora=lora,
+        generations=generations,
+        max_new=sampling.max_new_tokens,
+        greedy=sampling.temperature == 0,
+        use_top_p=sampling.top_p < 1,
+        dtype=jnp.dtype(dtype),
+    )
     parts = []
     for index, prompt in enumerate(prompts):
         check_positions(len(prompt), sampling.max_new_tokens, config.max_position_embeddings)
-        parts.append(
-            sample_group(
-                params, jnp.asarray(prompt, jnp.int32), jax.random.fold_in(key, index),
-                jnp.float32(max(sampling.temperature, 1e-30)), jnp.float32(sampling.top_p),
-                stops, config, lora, generations, sampling.max_new_tokens,
-                sampling.temperature == 0, sampling.top_p < 1, jnp.dtype(dtype),
-            )  # fmt: skip
-        )
+        prompt_ids = jnp.asarray(prompt, jnp.int32)
+        parts.append(sample_group(params, prompt_ids, jax.random.fold_in(key, index), **settings))
     tokens, logps, lengths, done = (np.concatenate(part) for part in zip(*jax.device_get(parts)))
     return Rollout(tokens, logps, lengths, ~done)

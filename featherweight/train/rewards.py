@@ -73,9 +73,7 @@ def load_reward(reference: str, base: Path, weight: float = 1.0) -> RewardFuncti
             ) from error
     function = getattr(module, attribute, None)
     if not callable(function):
-        raise RewardFunctionError(
-            f"reward {reference!r}: {location} has no function {attribute!r}"
-        )
+        raise RewardFunctionError(f"reward {reference!r}: {location} has no function {attribute!r}")
     return RewardFunction(getattr(function, "__name__", attribute), function, reference, weight)
 
 

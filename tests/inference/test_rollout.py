@@ -82,7 +82,9 @@ def test_a_stop_token_ends_its_row(policy):
     first = int(np.argmax(free.tokens[1] == stop))  # where row 1 first samples it
     assert stopped.lengths[1] == first + 1 and not stopped.truncated[1]
     np.testing.assert_array_equal(stopped.tokens[1, : first + 1], free.tokens[1, : first + 1])
-    assert (stopped.tokens[1, first + 1 :] == 0).all() and (stopped.logps[1, first + 1 :] == 0).all()
+    assert (stopped.tokens[1, first + 1 :] == 0).all() and (
+        stopped.logps[1, first + 1 :] == 0
+    ).all()
     for row in range(len(free.tokens)):  # each row ends at its own first stop token, or runs on
         hits = np.flatnonzero(free.tokens[row] == stop)
         assert stopped.lengths[row] == (hits[0] + 1 if len(hits) else NEW_TOKENS)
@@ -97,7 +99,11 @@ def test_the_nucleus_is_the_smallest_set_reaching_top_p():
 
 @pytest.mark.parametrize(
     ("sampling", "message"),
-    [(Sampling(-1.0), "temperature"), (Sampling(top_p=0.0), "top_p"), (Sampling(1.0, 1.0, 0), "max_")],
+    [
+        (Sampling(-1.0), "temperature"),
+        (Sampling(top_p=0.0), "top_p"),
+        (Sampling(1.0, 1.0, 0), "max_"),
+    ],
 )
 def test_settings_nothing_samples_with_are_refused(policy, sampling, message):
     with pytest.raises(ConfigError, match=message):

@@ -30,10 +30,7 @@ PROMPTS = [list(RNG.integers(0, VOCAB, n)) for n in (4, 6)]
 COMPLETIONS = [list(RNG.integers(0, VOCAB, n)) for n in (3, 7, 1, 5, 2, SEQ + 1 - 6)]
 REWARDS = np.asarray([1.0, 0.0, 0.5, 2.0, np.nan, 1.0], np.float32)  # one unscored
 OBJECTIVES = {
-    loss_type: GrpoObjective(
-        beta=0.04, epsilon=0.2, epsilon_high=0.28, loss_type=loss_type,
-        max_completion_length=12, temperature=TEMPERATURE,
-    )  # fmt: skip
+    loss_type: GrpoObjective(0.04, 0.2, 0.28, loss_type, 12, TEMPERATURE)
     for loss_type in ("grpo", "dr_grpo", "dapo")
 }
 

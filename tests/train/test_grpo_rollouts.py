@@ -65,7 +65,9 @@ def test_step_data_is_the_rollouts_scored_and_laid_out(model):
     assert batch.input_ids.shape == (rows, SEQ) and batch.advantages.shape == (rows,)
     tokenizer = ByteTokenizer()
     for row in range(rows):
-        prompt = tokenizer.encode(tokenizer.apply_chat_template(RECORDS[row // GENERATIONS]["prompt"]))
+        prompt = tokenizer.encode(
+            tokenizer.apply_chat_template(RECORDS[row // GENERATIONS]["prompt"])
+        )
         completion = tokenizer.encode(data.completions[row][0]["content"])
         counted = np.flatnonzero(batch.loss_mask[row])
         # the counted targets are exactly the completion, right after the prompt
@@ -88,7 +90,7 @@ def _fails(prompts, completions, **kwargs):
 
 def test_a_prompt_too_long_for_the_rows_is_refused_before_sampling(model):
     long = [{"prompt": "x" * (SEQ - NEW + 2), "wanted": "a"}]
-    with pytest.raises(DataError, match="raise data.seq_len to 33"):
+    with pytest.raises(DataError, match=r"raise data\.seq_len to 33"):
         step_data(_setup(), long, None, model.config, None, jax.random.PRNGKey(0), model.dtype)
 
 

@@ -1,5 +1,5 @@
 """Reward functions exactly as written for TRL (not featherweight): `think_format_reward` is
-TRL 1.16's `trl/rewards/format_rewards.py` verbatim; `reward_func` is the example of TRL's GRPO
+TRL 1.16's `trl/rewards/format_rewards.py` (only line-wrapped by our formatter); `reward_func` is the example of TRL's GRPO
 documentation (a dataset column, `ground_truth`, passed by name)."""
 
 import re
@@ -8,7 +8,9 @@ import re
 def think_format_reward(completions: list[list[dict[str, str]]], **kwargs) -> list[float]:
     pattern = r"^<think>(?!.*<think>)(.*?)</think>.*$"
     completion_contents = [completion[0]["content"] for completion in completions]
-    matches = [re.match(pattern, content, re.DOTALL | re.MULTILINE) for content in completion_contents]
+    matches = [
+        re.match(pattern, content, re.DOTALL | re.MULTILINE) for content in completion_contents
+    ]
     return [1.0 if match else 0.0 for match in matches]
 
 
