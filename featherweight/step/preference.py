@@ -22,7 +22,9 @@ The formulas are TRL's (`DPOTrainer`, `ORPOTrainer`), from the papers:
 
 Metrics carry TRL's names: rewards/chosen, rewards/rejected (beta x (pi - ref) for DPO and IPO,
 beta x pi for ORPO), rewards/accuracies (chosen reward above rejected), rewards/margins,
-logps/chosen, logps/rejected (the policy's, as the loss sees them: averaged for IPO and ORPO).
+logps/chosen, logps/rejected (the policy's, as the loss sees them: averaged for IPO and ORPO);
+ORPO adds nll_loss, log_odds_ratio (the mean log-sigmoid of the log odds: the term beta weighs)
+and log_odds_chosen (the mean log odds), as TRL's `ORPOTrainer` logs them.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ METRIC_NAMES = (
     "logps/chosen",
     "logps/rejected",
 )
-REPORTED_METRICS = (*METRIC_NAMES, "nll_loss", "log_odds_ratio")  # in metrics.jsonl and loggers
+# in metrics.jsonl and loggers; ORPO's as TRL names them: log_odds_ratio the mean log-sigmoid of
+# the log odds, log_odds_chosen the mean log odds
+REPORTED_METRICS = (*METRIC_NAMES, "nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
 class PreferenceObjective(NamedTuple):
@@ -150,7 +154,11 @@ def preference_loss(
         nll = -jnp.sum(jnp.where(valid, policy.logps[:, 0], 0.0)) / jnp.maximum(jnp.sum(chosen), 1)
         loss = nll - beta * _pair_mean(jax.nn.log_sigmoid(log_odds), valid)
         rewards = beta * jax.lax.stop_gradient(pi)
-        extra = {"nll_loss": nll, "log_odds_ratio": _pair_mean(log_odds, valid)}
+        extra = {
+            "nll_loss": nll,
+            "log_odds_ratio": _pair_mean(jax.nn.log_sigmoid(log_odds), valid),
+            "log_odds_chosen": _pair_mean(log_odds, valid),
+        }
     else:
         if reference is None:
             raise StepConfigError("DPO needs the reference model's log-probs")

@@ -1,7 +1,7 @@
 """Rollouts: a group sampled with the KV cache by the model with its adapters. Greedy (and a
 vanishing temperature) equals `generate_ids` row for row; the sampling log-probs equal the full
 forward pass's at the temperature; a stop token ends a row; a fixed key gives the same
-completions; the nucleus keeps the smallest set reaching top_p."""
+completions; the nucleus is transformers' top-p."""
 
 from pathlib import Path
 
@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
 
 from featherweight.errors import ConfigError
 from featherweight.inference.generate import generate_ids
@@ -20,7 +22,7 @@ from featherweight.peft.lora import LoraConfig
 from tests.peft.lora_helpers import random_adapters
 from tests.tiny_checkpoints import hf_config, random_hf_model, save_hf
 
-PROMPTS = [[3, 141, 59, 26, 53], [58, 97, 93]]
+PROMPTS = [[3, 141, 59, 26, 53], [58, 97, 93, 11, 40]]  # one length: one compile
 GENERATIONS, NEW_TOKENS = 4, 10
 LORA = LoraConfig(rank=4, alpha=8, targets=("q", "v", "down"))
 
@@ -78,7 +80,8 @@ def test_a_stop_token_ends_its_row(policy):
     sampling = Sampling(1.0, 1.0, NEW_TOKENS)
     free = _rollouts(policy, sampling, key=4)
     stop = int(free.tokens[1, 3])  # row 1's fourth token, made a stop token
-    stopped = _rollouts(policy, sampling, key=4, stop_ids=[stop])
+    # 0 too: the id a stopped row is padded with (SmolLM2's <|endoftext|> is both)
+    stopped = _rollouts(policy, sampling, key=4, stop_ids=[stop, 0])
     first = int(np.argmax(free.tokens[1] == stop))  # where row 1 first samples it
     assert stopped.lengths[1] == first + 1 and not stopped.truncated[1]
     np.testing.assert_array_equal(stopped.tokens[1, : first + 1], free.tokens[1, : first + 1])
@@ -86,15 +89,18 @@ def test_a_stop_token_ends_its_row(policy):
         stopped.logps[1, first + 1 :] == 0
     ).all()
     for row in range(len(free.tokens)):  # each row ends at its own first stop token, or runs on
-        hits = np.flatnonzero(free.tokens[row] == stop)
+        hits = np.flatnonzero(np.isin(free.tokens[row], [stop, 0]))
         assert stopped.lengths[row] == (hits[0] + 1 if len(hits) else NEW_TOKENS)
 
 
-def test_the_nucleus_is_the_smallest_set_reaching_top_p():
-    logits = jnp.log(jnp.asarray([[0.1, 0.5, 0.15, 0.25], [0.7, 0.1, 0.1, 0.1]]))
-    kept = np.isfinite(np.asarray(nucleus(logits, jnp.float32(0.7))))
-    np.testing.assert_array_equal(kept, [[False, True, False, True], [True, False, False, False]])
-    assert np.isfinite(np.asarray(nucleus(logits, jnp.float32(1.0)))).all()
+def test_the_nucleus_is_transformers_top_p():
+    logits = jax.random.normal(jax.random.PRNGKey(0), (64, 50)) * 3
+    for top_p in (0.3, 0.7, 0.95):
+        warper = transformers.TopPLogitsWarper(top_p)
+        expected = np.isfinite(warper(None, torch.tensor(np.asarray(logits))).numpy())
+        kept = np.isfinite(np.asarray(nucleus(logits, jnp.float32(top_p))))
+        np.testing.assert_array_equal(kept, expected)
+        assert 1 <= kept.sum(-1).min() < 50  # neither nothing nor everything
 
 
 @pytest.mark.parametrize(
