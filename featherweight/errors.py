@@ -128,6 +128,11 @@ class ModelChangedError(FeatherweightError):
     """The base model a run (or its checkpoint) was trained on is no longer the one at its path."""
 
 
+class RewardFunctionError(FeatherweightError):
+    """A GRPO reward function that cannot be loaded, raises, or returns the wrong number of
+    rewards (the function is named)."""
+
+
 class TrainingDivergedError(FeatherweightError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 

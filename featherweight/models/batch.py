@@ -19,7 +19,11 @@ class Batch(NamedTuple):
     Preference pairs (DPO, ORPO) add `sequence_ids` int32: the completion each target belongs
     to (pair p's chosen 2p, rejected 2p + 1, -1 none; `featherweight.step.preference`), and with
     precomputed reference log-probs `reference_logps` float32: the reference model's log-prob of
-    each target."""
+    each target.
+
+    GRPO's rows (one sampled completion each; `featherweight.step.grpo`) add `rollout_logps`
+    [B, S] float32, the log-prob each completion token was sampled with, and `advantages` [B]
+    float32, each completion's group-normalised advantage."""
 
     input_ids: jax.Array
     target_ids: jax.Array
@@ -28,6 +32,8 @@ class Batch(NamedTuple):
     segment_ids: jax.Array | None = None
     sequence_ids: jax.Array | None = None
     reference_logps: jax.Array | None = None
+    rollout_logps: jax.Array | None = None
+    advantages: jax.Array | None = None
 
 
 def batch_from_tokens(tokens: jax.Array) -> Batch:

@@ -39,7 +39,7 @@ from featherweight.recipe.placement import check_placements, opt_state_placement
 from featherweight.recipe.schema import TrainConfig, require_resolved
 from featherweight.step.opt_state import init_streamed_opt_state, per_tensor_clipping
 from featherweight.step.policy import DEQUANTIZED
-from featherweight.step.reference import build_reference_step, model_loss, preference_model_loss
+from featherweight.step.reference import build_reference_step, model_loss, objective_model_loss
 from featherweight.step.streamed import build_streamed_step
 
 ADAPTER_DTYPE = jnp.float32  # adapters train in float32 over a bf16 or NF4 base (as PEFT does)
@@ -314,7 +314,7 @@ def evaluation_fn(config: TrainConfig, model_config: ModelConfig) -> Callable:
 
     def evaluate(trainable, frozen, batch):
         if config.preference is not None:
-            loss, metrics = preference_model_loss(
+            loss, metrics = objective_model_loss(
                 trainable, frozen, batch, model_config, config.preference, spec,
                 chunks=(config.memory.loss_chunk, config.memory.vocab_chunk),
             )  # fmt: skip

@@ -61,19 +61,29 @@ def resolve_chunk_size(seq_len: int, chunk_size: int | None) -> int:
 
 class HeadForm(NamedTuple):
     """How the family's head turns the last hidden state into logits: the final RMSNorm's
-    epsilon and weight offset (Gemma: 1 + w), and the logits' tanh softcap (Gemma 2)."""
+    epsilon and weight offset (Gemma: 1 + w), the logits' tanh softcap (Gemma 2), and a
+    sampling temperature the logits are divided by (GRPO's log-probs are those of the
+    distribution it samples from, as TRL's are)."""
 
     eps: float
     offset: float = 0.0
     softcap: float | None = None
+    temperature: float = 1.0
 
     def norm(self, hidden: jax.Array, weight: jax.Array) -> jax.Array:
-        return rms_norm(hidden, weight, self.eps, self.offset)
+        """The normed hidden state, divided by the temperature: the logits are linear in it."""
+        normed = rms_norm(hidden, weight, self.eps, self.offset)
+        return normed if self.temperature == 1.0 else normed / self.temperature
 
 
-def head_form(config: ModelConfig) -> HeadForm:
-    """The `HeadForm` of a model."""
-    return HeadForm(config.rms_norm_eps, config.norm_offset, config.final_softcap)
+def head_form(config: ModelConfig, temperature: float = 1.0) -> HeadForm:
+    """The `HeadForm` of a model, its logits at `temperature`: softcap(l) / T is
+    (cap / T) tanh((l / T) / (cap / T)), so the cap is divided too and nothing else changes."""
+    cap = config.final_softcap
+    return HeadForm(
+        config.rms_norm_eps, config.norm_offset, None if cap is None else cap / temperature,
+        temperature,
+    )  # fmt: skip
 
 
 class _Chunks(NamedTuple):
@@ -448,15 +458,16 @@ def token_nll(
     config: ModelConfig,
     chunk_size: int | None = None,
     vocab_chunk: int | None = None,
+    temperature: float = 1.0,
 ) -> jax.Array:
-    """Each token's cross-entropy [B, S] float32, forward only, over the same sequence and
-    vocabulary chunks as the loss (at most B x chunk x vocab_chunk logits at a time): what the
-    preference objectives read before the weighted loss is differentiated."""
+    """Each token's cross-entropy [B, S] float32 (of the logits at `temperature`), forward only,
+    over the same sequence and vocabulary chunks as the loss (at most B x chunk x vocab_chunk
+    logits at a time): what the objectives read before the weighted loss is differentiated."""
     head = head_params.get("lm_head")
     head = head_params["embed"] if head is None else head
     seq, vocab = hidden.shape[1], head.shape[0]
     layout = _Chunks(
-        head_form(config),
+        head_form(config, temperature),
         resolve_chunk_size(seq, chunk_size),
         vocab if vocab_chunk is None else min(vocab_chunk, vocab),
     )

@@ -1,12 +1,8 @@
-"""Preference objectives (DPO, IPO, ORPO) as functions of per-token losses, and their token weights.
+"""Preference objectives (DPO, IPO, ORPO) as functions of per-token log-probs.
 
 Every objective here is a function of each completion's summed log-probability (and token count)
-under the policy -- and, for DPO, under the reference model. So its gradient with respect to the
-model is the gradient of a *weighted* token loss: with w_t = dL/d nll_t (the objective's gradient
-with respect to the per-token losses, a stop-gradient), dL/dtheta = sum_t w_t dnll_t/dtheta. The
-streamed step uses exactly that: it reads the per-token losses at the top of the stack, evaluates
-the objective and its weights here (`preference_weights`), and runs its usual chunked head VJP
-and layer-by-layer backward pass with the weights as the loss mask.
+under the policy -- and, for DPO, under the reference model; the steps train it as a weighted
+token loss (`objective.py`).
 
 Batch layout (`Batch.sequence_ids`, [B, S] int32): the completion each token's loss belongs to,
 numbered in the batch: pair p's chosen completion is 2p, its rejected one 2p + 1, and -1 marks a
@@ -26,17 +22,20 @@ The formulas are TRL's (`DPOTrainer`, `ORPOTrainer`), from the papers:
 
 Metrics carry TRL's names: rewards/chosen, rewards/rejected (beta x (pi - ref) for DPO and IPO,
 beta x pi for ORPO), rewards/accuracies (chosen reward above rejected), rewards/margins,
-logps/chosen, logps/rejected (the policy's, as the loss sees them: averaged for IPO and ORPO).
+logps/chosen, logps/rejected (the policy's, as the loss sees them: averaged for IPO and ORPO);
+ORPO adds nll_loss, log_odds_ratio (the mean log-sigmoid of the log odds: the term beta weighs)
+and log_odds_chosen (the mean log odds), as TRL's `ORPOTrainer` logs them.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from featherweight.errors import StepConfigError
+from featherweight.models.batch import Batch
 
 OBJECTIVES = ("dpo", "orpo")
 DPO_LOSSES = ("sigmoid", "ipo")
@@ -49,7 +48,9 @@ METRIC_NAMES = (
     "logps/chosen",
     "logps/rejected",
 )
-REPORTED_METRICS = (*METRIC_NAMES, "nll_loss", "log_odds_ratio")  # in metrics.jsonl and loggers
+# in metrics.jsonl and loggers; ORPO's as TRL names them: log_odds_ratio the mean log-sigmoid of
+# the log odds, log_odds_chosen the mean log odds
+REPORTED_METRICS = (*METRIC_NAMES, "nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
 class PreferenceObjective(NamedTuple):
@@ -78,6 +79,22 @@ class PreferenceObjective(NamedTuple):
     @property
     def needs_reference(self) -> bool:
         return self.kind == "dpo"
+
+    @property
+    def temperature(self) -> float:
+        return 1.0
+
+    def loss_of(
+        self, token_logps: jax.Array, batch: Batch, reference_logps: jax.Array | None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(loss, metrics) of the batch's pairs (`preference_loss`) from per-token log-probs."""
+        reference = (
+            None
+            if reference_logps is None
+            else pair_logps(reference_logps, batch.loss_mask, batch.sequence_ids)
+        )
+        policy = pair_logps(token_logps, batch.loss_mask, batch.sequence_ids)
+        return preference_loss(self, policy, reference)
 
     @property
     def averages(self) -> bool:
@@ -137,7 +154,11 @@ def preference_loss(
         nll = -jnp.sum(jnp.where(valid, policy.logps[:, 0], 0.0)) / jnp.maximum(jnp.sum(chosen), 1)
         loss = nll - beta * _pair_mean(jax.nn.log_sigmoid(log_odds), valid)
         rewards = beta * jax.lax.stop_gradient(pi)
-        extra = {"nll_loss": nll, "log_odds_ratio": _pair_mean(log_odds, valid)}
+        extra = {
+            "nll_loss": nll,
+            "log_odds_ratio": _pair_mean(jax.nn.log_sigmoid(log_odds), valid),
+            "log_odds_chosen": _pair_mean(log_odds, valid),
+        }
     else:
         if reference is None:
             raise StepConfigError("DPO needs the reference model's log-probs")
@@ -165,50 +186,3 @@ def preference_loss(
         **{name: jax.lax.stop_gradient(value) for name, value in extra.items()},
     }
     return loss, metrics
-
-
-def preference_weights(
-    objective: PreferenceObjective,
-    token_nll: jax.Array,
-    loss_mask: jax.Array,
-    sequence_ids: jax.Array,
-    reference_token_logps: jax.Array | None,
-) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """(loss, per-token weights [B, S] float32, metrics): the objective of the policy's per-token
-    losses `token_nll` [B, S] and its gradient with respect to them -- the weights whose weighted
-    token loss has the objective's gradient (module docstring)."""
-    reference = (
-        None
-        if reference_token_logps is None
-        else pair_logps(reference_token_logps, loss_mask, sequence_ids)
-    )
-
-    def objective_of(nll):
-        return preference_loss(objective, pair_logps(-nll, loss_mask, sequence_ids), reference)
-
-    (loss, metrics), weights = jax.value_and_grad(objective_of, has_aux=True)(
-        jax.lax.stop_gradient(token_nll).astype(jnp.float32)
-    )
-    return loss, weights, metrics
-
-
-def check_objective(
-    objective: PreferenceObjective | None, lora: Any, accumulation_steps: int
-) -> None:
-    """Refuse a preference objective a step cannot compute exactly (`StepConfigError`); `lora`
-    is the step's `LoraSpec` (None: full fine-tuning)."""
-    if objective is None:
-        return
-    objective.check()
-    if accumulation_steps > 1:
-        raise StepConfigError(
-            "preference objectives average over a batch's pairs, so accumulation_steps > 1 is "
-            "not supported with them; use memory.accumulation_steps: 1 (a smaller batch_size, "
-            "or memory.residuals: host, to fit)"
-        )
-    if objective.needs_reference and objective.reference == "same_step" and lora is None:
-        raise StepConfigError(
-            "DPO's reference model in the same step is the frozen base with the adapters off; "
-            "full fine-tuning has no frozen copy, so use dpo.reference: precomputed (reference "
-            "log-probs computed once before training) or method: lora / qlora"
-        )

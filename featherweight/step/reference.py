@@ -36,12 +36,7 @@ from featherweight.step.common import (
     squared_norm,
 )
 from featherweight.step.loss import head_loss, token_nll
-from featherweight.step.preference import (
-    PreferenceObjective,
-    check_objective,
-    pair_logps,
-    preference_loss,
-)
+from featherweight.step.objective import Objective, check_objective
 from featherweight.step.validate import check_optimizer
 
 
@@ -78,35 +73,37 @@ def model_loss(
 
 
 def _token_nll(
-    params: Params, hidden: jax.Array, target_ids: jax.Array, config, chunks
+    params: Params, hidden: jax.Array, target_ids: jax.Array, config, chunks, temperature: float
 ) -> jax.Array:
-    """Each token's cross-entropy [B, S]: from the whole logits (`chunks` None: the plain form),
-    or over (sequence, vocabulary) chunks, forward only (`loss.token_nll`: evaluation)."""
+    """Each token's cross-entropy [B, S] of the logits at `temperature`: from the whole logits
+    (`chunks` None: the plain form), or over (sequence, vocabulary) chunks, forward only
+    (`loss.token_nll`: evaluation)."""
     if chunks is not None:
         names = [name for name in head_param_names(config) if name in params]
         return token_nll(
-            {name: params[name] for name in names}, hidden, target_ids, config, *chunks
-        )
-    logits = head(params, hidden, config)
+            {name: params[name] for name in names}, hidden, target_ids, config, *chunks,
+            temperature,
+        )  # fmt: skip
+    logits = head(params, hidden, config) / temperature
     target = jnp.take_along_axis(logits, target_ids[..., None], axis=-1)[..., 0]
     return jax.nn.logsumexp(logits, axis=-1) - target
 
 
-def preference_model_loss(
+def objective_model_loss(
     trainable: Params,
     frozen: Params,
     batch: Batch,
     config: ModelConfig,
-    objective: PreferenceObjective,
+    objective: Objective,
     lora: LoraSpec | None = None,
     key: jax.Array | None = None,
     attention: str = "blockwise",
     chunks: tuple[int | None, int | None] | None = None,
     packed_slots: int = DEFAULT_PACKED_SLOTS,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(loss, metrics) of a preference objective, differentiated by `jax.grad` through the whole
-    model: the policy's per-token log-probs, summed per completion; DPO's reference is the same
-    frozen base with the adapters off (`lora=None`), or the batch's precomputed log-probs.
+    """(loss, metrics) of an objective (`step/objective.py`), differentiated by `jax.grad`
+    through the whole model: the policy's per-token log-probs; the reference model's are the
+    same frozen base with the adapters off (`lora=None`), or the batch's precomputed ones.
     `chunks` (loss chunk, vocabulary chunk) computes the log-probs chunk by chunk (evaluation)."""
     params = merge_params(frozen, trainable)
     inputs = attention_inputs(config, batch.positions, batch.segment_ids, attention, packed_slots)
@@ -114,18 +111,19 @@ def preference_model_loss(
     hidden = run_layers(
         params["layers"], embed(params, batch.input_ids, config), inputs, config, lora, True, keys
     )
-    policy_nll = _token_nll(params, hidden, batch.target_ids, config, chunks)
-    policy = pair_logps(-policy_nll, batch.loss_mask, batch.sequence_ids)
+    temperature = objective.temperature
+    policy_logps = -_token_nll(params, hidden, batch.target_ids, config, chunks, temperature)
     reference = None
     if objective.needs_reference and objective.reference == "precomputed":
-        reference = pair_logps(batch.reference_logps, batch.loss_mask, batch.sequence_ids)
+        reference = batch.reference_logps
     elif objective.needs_reference:
         base = run_layers(
             frozen["layers"], embed(params, batch.input_ids, config), inputs, config, None
         )
-        reference_nll = _token_nll(params, base, batch.target_ids, config, chunks)
-        reference = pair_logps(-reference_nll, batch.loss_mask, batch.sequence_ids)
-    return preference_loss(objective, policy, reference)
+        reference = -_token_nll(params, base, batch.target_ids, config, chunks, temperature)
+    if reference is not None:
+        reference = jax.lax.stop_gradient(reference)
+    return objective.loss_of(policy_logps, batch, reference)
 
 
 def _loss_and_grad(
@@ -134,7 +132,7 @@ def _loss_and_grad(
     chunk_size: int | None,
     remat: bool,
     attention: str,
-    objective: PreferenceObjective | None,
+    objective: Objective | None,
     packed_slots: int = DEFAULT_PACKED_SLOTS,
 ) -> Callable[..., tuple[jax.Array, Params, dict[str, jax.Array]]]:
     """`(trainable, frozen, batch, key, weight) -> (loss, grads, metrics)`: the cross-entropy, or
@@ -144,7 +142,7 @@ def _loss_and_grad(
     def loss_and_grad(trainable, frozen, batch, key, weight):
         def weighted(trainable):
             if objective is not None:
-                loss, extra = preference_model_loss(
+                loss, extra = objective_model_loss(
                     trainable, frozen, batch, config, objective, lora, key, attention,
                     packed_slots=packed_slots,
                 )  # fmt: skip
@@ -171,7 +169,7 @@ def build_reference_step(
     shardings: Any = None,
     accumulation_steps: int = 1,
     attention: str = "blockwise",
-    objective: PreferenceObjective | None = None,
+    objective: Objective | None = None,
     packed_slots: int = DEFAULT_PACKED_SLOTS,
 ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """A jitted `step(trainable, opt_state, frozen, batch, key) -> (trainable, opt_state, metrics)`.
@@ -184,8 +182,8 @@ def build_reference_step(
     micro-batch's activations. `metrics["grad_norm"]` is the gradient's global norm (before any
     clipping). `shardings` (`featherweight.parallel.sharding.StepShardings`) compiles for a
     device mesh; None for one device. `attention` names the implementation every layer calls
-    (`featherweight.models.attention`; "cudnn" with `packed_slots` documents a row). `objective` (a `PreferenceObjective`) differentiates
-    that objective instead of the cross-entropy; its metrics join the step's.
+    (`featherweight.models.attention`; "cudnn" with `packed_slots` documents a row). `objective` (an `Objective`) differentiates that
+    objective instead of the cross-entropy; its metrics join the step's.
     """
     check_optimizer(optimizer)
     if accumulation_steps < 1:

@@ -13,10 +13,11 @@ No `jax.grad` of the whole model. The step is, in one jitted and donated program
    embedding's gradient (a tied table adds the head's gradient of it) and the table is updated
    once.
 
-A preference objective (DPO, IPO, ORPO: `preference.py`) changes step 2 only: each token's loss is
-read first (forward only), the objective's per-token weights are its gradient with respect to
-them, and the head's VJP is that of the weighted token loss; DPO's reference log-probs come from
-the same frozen base run with the adapters off, or from the batch when precomputed.
+An objective (DPO, IPO, ORPO: `preference.py`; GRPO: `grpo.py`) changes step 2 only: each token's
+loss is read first (forward only, at the objective's temperature), the objective's per-token
+weights are its gradient with respect to them (`objective.py`), and the head's VJP is that of the
+weighted token loss; reference log-probs (DPO, GRPO's KL) come from the same frozen base run with
+the adapters off, or from the batch when precomputed.
 
 Frozen weights (bf16 or NF4) are closed over in every VJP, so no gradient of them is ever built.
 Any optax `GradientTransformation` works, applied per tensor (its state is initialised per layer
@@ -85,13 +86,9 @@ from featherweight.step.layer_loop import (
     update_sink,
 )
 from featherweight.step.loss import head_form, head_loss, token_losses_sum, token_nll
+from featherweight.step.objective import Objective, check_objective, token_weights
 from featherweight.step.opt_state import StreamedOptState
 from featherweight.step.policy import MemoryPolicy
-from featherweight.step.preference import (
-    PreferenceObjective,
-    check_objective,
-    preference_weights,
-)
 from featherweight.step.top_update import (
     embedding_gradient,
     embedding_squared_norm,
@@ -121,7 +118,7 @@ def gradient_mode(clip_norm: float | None, two_pass: bool, accumulation_steps: i
 class _StepModel:
     """The model as one step sees it: its configuration and memory policy, the trainable and
     frozen parameters (separate, so the frozen ones are only ever closed over), the objective
-    (None: next-token cross-entropy; else a `PreferenceObjective`), and the pass every gradient
+    (None: next-token cross-entropy; else an `Objective`), and the pass every gradient
     mode starts with -- one micro-batch's forward and the head's VJP."""
 
     def __init__(self, config, lora, policy, constrain, trainable, frozen, objective=None) -> None:
@@ -160,15 +157,17 @@ class _StepModel:
         head_frozen = {name: top[name] for name in head_names if name not in self.trainable}
         hidden = self.constrain(hidden)
         chunks = (self.policy.loss_chunk, self.policy.vocab_chunk)
+        temperature = 1.0 if self.objective is None else self.objective.temperature
         if self.objective is None:
             metrics, mask = {}, None
         else:  # the objective's token weights, then the weighted token loss's VJP
             head_params = {**head_frozen, **head_trainable}
-            nll = token_nll(head_params, hidden, batch.target_ids, self.config, *chunks)
-            loss, mask, metrics = preference_weights(
-                self.objective, nll, batch.loss_mask, batch.sequence_ids,
-                self.reference_logps(batch, top, context, head_params),
-            )  # fmt: skip
+            nll = token_nll(
+                head_params, hidden, batch.target_ids, self.config, *chunks, temperature
+            )
+            loss, mask, metrics = token_weights(
+                self.objective, nll, batch, self.reference_logps(batch, top, context, head_params)
+            )
 
         def head_fn(head_params, h):
             params = {**head_frozen, **head_params}
@@ -177,7 +176,7 @@ class _StepModel:
             head = params.get("lm_head", params.get("embed"))
             return token_losses_sum(
                 h, params["final_norm"], head, batch.target_ids, mask,
-                head_form(self.config), *chunks,
+                head_form(self.config, temperature), *chunks,
             )  # fmt: skip
 
         value, head_vjp = jax.vjp(head_fn, head_trainable, hidden)
@@ -186,10 +185,10 @@ class _StepModel:
         return loss, head_grads, cotangent, stored, context, metrics
 
     def reference_logps(self, batch: Batch, top, context: LayerContext, head_params):
-        """The reference model's log-prob of each target [B, S] for DPO (None for ORPO): read
-        from the batch when precomputed, else one forward pass of the frozen base with the
-        adapters off (`lora=None`: the same weights, no second copy), nothing kept for a
-        backward pass."""
+        """The reference model's log-prob of each target [B, S] (None when the objective reads
+        none): read from the batch when precomputed, else one forward pass of the frozen base
+        with the adapters off (`lora=None`: the same weights, no second copy), nothing kept for
+        a backward pass."""
         objective = self.objective
         if not objective.needs_reference:
             return None
@@ -200,7 +199,10 @@ class _StepModel:
             None, mlp_chunk=self.policy.mlp_chunk,
         )  # fmt: skip
         chunks = (self.policy.loss_chunk, self.policy.vocab_chunk)
-        nll = token_nll(head_params, self.constrain(hidden), batch.target_ids, self.config, *chunks)
+        nll = token_nll(
+            head_params, self.constrain(hidden), batch.target_ids, self.config, *chunks,
+            objective.temperature,
+        )  # fmt: skip
         return -jax.lax.stop_gradient(nll)
 
     def update_top(self, optimizer, ok, names, gradient_of, opt_state):
@@ -375,7 +377,7 @@ def build_streamed_step(
     two_pass: bool = False,
     donate: bool = True,
     shardings: Any = None,
-    objective: PreferenceObjective | None = None,
+    objective: Objective | None = None,
 ) -> Callable[..., tuple[Params, StreamedOptState, dict[str, jax.Array]]]:
     """A jitted `step(trainable, opt_state, frozen, batch, key) -> (trainable, opt_state, metrics)`.
 
@@ -389,9 +391,9 @@ def build_streamed_step(
     (`featherweight.parallel.sharding.StepShardings`) compiles for a device mesh: the arguments
     and results keep their layouts, and the residual stream and its cotangent stay split over
     the batch (so XLA gathers each layer's weights, FSDP-style, rather than resharding
-    activations); None compiles for one device. `objective` (a `PreferenceObjective`; None:
-    next-token cross-entropy) trains on preference pairs: its per-token weights become the loss
-    mask of the same backward pass, and the metrics gain TRL's rewards/* and logps/* names.
+    activations); None compiles for one device. `objective` (an `Objective`: preference pairs,
+    GRPO; None: next-token cross-entropy): its per-token weights become the loss mask of the same
+    backward pass, and its metrics (TRL's names) join the step's.
     """
     policy = policy or MemoryPolicy()
     check_objective(objective, lora, accumulation_steps)

@@ -17,7 +17,7 @@ from featherweight.peft.lora import PEFT_MODULES, LoraConfig
 from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.policy import MemoryPolicy
 from featherweight.step.preference import PreferenceObjective
-from featherweight.step.reference import build_reference_step, preference_model_loss
+from featherweight.step.reference import build_reference_step, objective_model_loss
 from featherweight.step.streamed import build_streamed_step
 from tests.conftest import relative_difference
 from tests.peft.lora_helpers import peft_model_with, random_adapters
@@ -115,7 +115,12 @@ def torch_loss_and_grads(hf_model, adapters, objective: PreferenceObjective):
         log_odds = (pc - pr) - (torch.log1p(-torch.exp(pc)) - torch.log1p(-torch.exp(pr)))
         nll = -logps[:, 0].sum() / lengths[:, 0].sum()
         loss = nll - (beta * F.logsigmoid(log_odds)).mean()
+        logged = {  # TRL's ORPOTrainer's names
+            "log_odds_ratio": float(F.logsigmoid(log_odds).mean()),
+            "log_odds_chosen": float(log_odds.mean()),
+        }
     else:
+        logged = {}
         with torch.no_grad(), model.disable_adapter():
             reference = torch.stack([_torch_logps(model, t, f)[0] for t, f, _ in _sequences()])
         reference = reference.reshape(-1, 2)
@@ -138,7 +143,7 @@ def torch_loss_and_grads(hf_model, adapters, objective: PreferenceObjective):
         }
         for target in LORA.targets
     }  # fmt: skip
-    return float(loss.detach()), {"layers": {"lora": grads}}
+    return float(loss.detach()), {"layers": {"lora": grads}}, logged
 
 
 def keep_gradient() -> optax.GradientTransformation:
@@ -169,10 +174,10 @@ LAYOUTS = {"padded": padded_batch, "packed": packed_batch}
 def test_loss_and_adapter_gradients_equal_trl_formulas_in_pytorch(tiny, name, layout):
     hf_model, frozen, config, adapters = tiny
     objective, batch = OBJECTIVES[name], LAYOUTS[layout]()
-    expected_loss, expected_grads = torch_loss_and_grads(hf_model, adapters, objective)
+    expected_loss, expected_grads, logged = torch_loss_and_grads(hf_model, adapters, objective)
 
     def loss_of(trainable):
-        return preference_model_loss(trainable, frozen, batch, config, objective, LORA.spec)
+        return objective_model_loss(trainable, frozen, batch, config, objective, LORA.spec)
 
     (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(adapters)
     np.testing.assert_allclose(float(loss), expected_loss, rtol=1e-5)
@@ -187,6 +192,8 @@ def test_loss_and_adapter_gradients_equal_trl_formulas_in_pytorch(tiny, name, la
     assert relative_difference(expected_grads, streamed) <= 1e-5
     for key in ("rewards/chosen", "rewards/margins", "logps/chosen", "logps/rejected"):
         np.testing.assert_allclose(streamed_metrics[key], metrics[key], rtol=1e-5, atol=1e-7)
+    for key, value in logged.items():
+        np.testing.assert_allclose(streamed_metrics[key], value, rtol=1e-5, atol=1e-6)
 
 
 def _reference_token_logps(config, frozen, batch):

@@ -104,7 +104,7 @@ def test_orpo_and_full_dpo_train_and_same_step_full_dpo_is_refused(tiny_model_di
     orpo["objective"] = "orpo"
     result = train(parse_config(orpo), console=Console(file=io.StringIO()))
     record = json.loads((result.output_dir / "metrics.jsonl").read_text().splitlines()[0])
-    assert {"nll_loss", "log_odds_ratio", *METRIC_NAMES} <= set(record)
+    assert {"nll_loss", "log_odds_ratio", "log_odds_chosen", *METRIC_NAMES} <= set(record)
     full = preference_settings(tiny_model_dir, pairs, tmp_path / "full", steps=2, method="full")
     assert parse_config(full).dpo.reference == "precomputed"  # auto: full has no frozen copy
     train(parse_config(full), console=Console(file=io.StringIO()))
