@@ -40,7 +40,7 @@ from featherweight.io.names import (
 from featherweight.io.tokenizer import Tokenizer, tokenizer_from_gguf_fields
 from featherweight.models.config import ModelConfig, RopeScaling
 from featherweight.models.families import BY_GGUF_ARCHITECTURE
-from featherweight.models.llama import rope_inverse_frequencies
+from featherweight.models.rotary import rope_inverse_frequencies
 
 SUPPORTED_ARCHITECTURES = tuple(BY_GGUF_ARCHITECTURE)
 CHUNK_VALUES = 1 << 18  # values dequantized at a time (1 MiB of float32)

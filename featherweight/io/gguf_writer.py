@@ -39,7 +39,7 @@ from featherweight.io.names import TensorKey, expected_shapes, stored_tensors
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.models.config import ModelConfig
 from featherweight.models.families import family_of
-from featherweight.models.llama import rope_inverse_frequencies
+from featherweight.models.rotary import rope_inverse_frequencies
 
 Q = GGMLQuantizationType
 GGUF_QUANTS = {

@@ -159,14 +159,12 @@ CASES = {
             good, tmp, architectures=["LlamaForSequenceClassification"]
         ),
         errors.UnsupportedModelError,
-        [r"LlamaForSequenceClassification", r"LlamaForCausalLM, MistralForCausalLM"],
+        [r"LlamaForSequenceClassification", r"supported for llama: LlamaForCausalLM"],
     ),
-    "sliding window": (
-        lambda good, tmp, model: _edit_config(
-            good, tmp, model_type="mistral", sliding_window=512, max_position_embeddings=4096
-        ),
+    "unsupported activation": (
+        lambda good, tmp, model: _edit_config(good, tmp, hidden_act="relu"),
         errors.UnsupportedModelError,
-        [r"config\.json: .*sliding_window=512", r"use a checkpoint without it"],
+        [r"hidden activation 'relu' is not supported", r"silu, gelu_pytorch_tanh"],
     ),
     "missing tensor": (
         lambda good, tmp, model: _edit_tensors(

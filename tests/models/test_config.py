@@ -123,8 +123,8 @@ def test_qwen2_sliding_window_slides_from_max_window_layers_on():
 
 def test_unsupported_rope_type_is_named():
     hf = hf_dict("llama2")
-    hf["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
-    with pytest.raises(UnsupportedModelError, match=r"'yarn'.*llama3, linear, longrope"):
+    hf["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    with pytest.raises(UnsupportedModelError, match=r"'dynamic'.*llama3, linear, longrope, yarn"):
         config_from_hf_dict(hf)
 
 

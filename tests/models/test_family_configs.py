@@ -12,7 +12,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from featherweight.errors import ModelConfigError, UnsupportedModelError
 from featherweight.models.config import config_from_hf_dict
-from featherweight.models.llama import rope_inverse_frequencies
+from featherweight.models.rotary import rope_inverse_frequencies
 
 GEMMA3_4B_TEXT = {  # google/gemma-3-4b-it config.json's text_config (transformers 4.50 spelling)
     "hidden_size": 2560,
@@ -108,11 +108,15 @@ def test_qwen3_config_as_the_hub_writes_it():
 @pytest.mark.parametrize(
     ("change", "error", "pattern"),
     [
-        ({"model_type": "qwen3_moe"}, UnsupportedModelError, "model_type 'qwen3_moe'"),
+        ({"model_type": "deepseek_v3"}, UnsupportedModelError, "model_type 'deepseek_v3'"),
         ({"hidden_act": "relu"}, UnsupportedModelError, "hidden activation 'relu'"),
         ({"layer_types": ["sliding_attention"]}, ModelConfigError, "layer_types"),
         ({"sliding_window": 0}, ModelConfigError, "sliding_window=0"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, UnsupportedModelError, "yarn"),
+        (
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+            UnsupportedModelError,
+            "dynamic",
+        ),
     ],
     ids=["moe", "activation", "layer-types", "window", "rope"],
 )

@@ -992,16 +992,23 @@ def gguf_integer_tensor(env: Env) -> Action:
     return lambda: load_model(path)
 
 
+@case("GRPO reward without a function name", r"reward 'rewards\.py' names no function")
+def reward_without_function(env: Env) -> Action:
+    from featherweight.train.rewards import load_reward
+
+    return lambda: load_reward("rewards.py", env.tmp)
+
+
 @case(
     "GGUF of an unsupported architecture",
-    r"GGUF architecture 'gemma3' is not supported",
-    r"supported: llama, qwen2",
+    r"GGUF architecture 'mamba' is not supported",
+    r"supported: llama, qwen2, qwen3",
 )
 def gguf_architecture(env: Env) -> Action:
     from tests.tiny_checkpoints import hf_config, random_hf_model, write_gguf
 
     model = random_hf_model(hf_config("llama2"))
-    path = write_gguf(env.tmp / "gemma.gguf", model, architecture="gemma3")
+    path = write_gguf(env.tmp / "mamba.gguf", model, architecture="mamba")
     return lambda: load_model(path)
 
 

@@ -116,6 +116,7 @@ data | line nested too deeply | a JSONL line 200,000 brackets deep | DataError |
 data | every line bad with --skip-bad | two bad lines and --skip-bad | DataError | all lines were skipped
 data | eval split larger than the data | one example and `eval_fraction: 0.5` | DataError | add examples or set eval_fraction to 0
 data | example longer than a row | `overflow: error` with `seq_len: 8` | DataError | names file:line and the lengths: raise seq_len, shorten, or truncate
+data | GRPO reward without a function name | `rewards: [rewards.py]` | RewardFunctionError | names it: write 'rewards.py:my_reward' or 'package.module:my_reward'
 budgets | budget that is not a size | `memory.budget: 8 gigs` | ConfigError | write a number and a unit, e.g. 8GiB
 budgets | batch larger than the device | `batch_size: 10000000` without a budget | BudgetError | names the planned and the available memory (before any weight is read): lower batch_size or seq_len, or set memory.budget
 budgets | budget nothing fits | `memory.budget: 1MiB` | BudgetError | names the shortfall and largest component, and what would fit
@@ -131,7 +132,7 @@ checkpoints | resume with fewer steps than the checkpoint | `steps: 2` for a run
 checkpoints | Hub model not in the cache while offline | `model.path: org/missing` with HF_HUB_OFFLINE=1 | HubModelError | names the model and the cache: unset HF_HUB_OFFLINE to download it, or give a local directory
 checkpoints | gated Hub model | `model.path: meta-llama/Llama-3.1-8B` without access | HubModelError | accept its license on the model's page and log in (hf auth login or HF_TOKEN)
 checkpoints | GGUF tensor type that cannot be dequantized | a weight stored as I32 | UnsupportedModelError | names the tensor, its type and the types supported: upgrade gguf or use another file
-checkpoints | GGUF of an unsupported architecture | `general.architecture: gemma3` | UnsupportedModelError | names the architecture and the supported ones (llama, qwen2)
+checkpoints | GGUF of an unsupported architecture | `general.architecture: mamba` | UnsupportedModelError | names the architecture and the supported ones (llama, qwen2, qwen3, ...)
 exports | PEFT export of a full fine-tune | `--format peft` on a `method: full` run | ExportError | use --format merged
 exports | merged export to an integer dtype | `--dtype int8` | ExportError | use float32 (the default), bfloat16 or float16
 exports | disk full while exporting | the disk fills while shards are written | DiskFullError | the partial copy is removed, nothing is written: free space and rerun
