@@ -107,6 +107,64 @@ def _gemma3(
     }
 
 
+def _qwen3_moe(
+    hidden: int, intermediate: int, moe_intermediate: int, layers: int, heads: int
+) -> dict[str, Any]:
+    """Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json: 128 experts, 8 a token,
+    renormalized; 4 K/V heads of 128; every layer sparse."""
+    return {
+        **_qwen3(hidden, intermediate, layers, heads, tied=False),
+        "model_type": "qwen3_moe",
+        "num_key_value_heads": 4,
+        "moe_intermediate_size": moe_intermediate,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+    }
+
+
+def _gpt_oss(layers: int, experts: int) -> dict[str, Any]:
+    """openai/gpt-oss-{20b,120b} config.json: windowed (128) and full layers alternating, YaRN
+    (x32 of 4,096 positions), 4 experts a token; the experts' MXFP4 `quantization_config` is
+    left out (`plan` counts the weights as the trainer loads them)."""
+    return {
+        "model_type": "gpt_oss",
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": experts,
+        "num_experts_per_tok": 4,
+        "experts_per_token": 4,
+        "attention_bias": True,
+        "swiglu_limit": 7.0,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "initial_context_length": 4096,
+        "max_position_embeddings": 131072,
+        "router_aux_loss_coef": 0.9,
+        "tie_word_embeddings": False,
+        "eos_token_id": 200002,
+        "pad_token_id": 199999,
+    }
+
+
 # microsoft/Phi-3.5-mini-instruct config.json's LongRoPE factors, one per rotated pair (48)
 _PHI35_LONG = (
     1.0800000429153442, 1.1100000143051147, 1.1399999856948853, 1.340000033378601,
@@ -310,6 +368,29 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     "SmolLM2-135M": _smollm2(576, 1536, layers=30, heads=9, kv_heads=3, theta=100000.0),
     "SmolLM2-360M": _smollm2(960, 2560, layers=32, heads=15, kv_heads=5, theta=100000.0),
     "SmolLM2-1.7B": _smollm2(2048, 8192, layers=24, heads=32, kv_heads=32, theta=130000.0),
+    "Qwen3-30B-A3B": _qwen3_moe(2048, 6144, 768, layers=48, heads=32),
+    "Qwen3-235B-A22B": _qwen3_moe(4096, 12288, 1536, layers=94, heads=64),
+    "Mixtral-8x7B-v0.1": {  # mistralai/Mixtral-8x7B-v0.1 config.json
+        "model_type": "mixtral",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "sliding_window": None,
+        "router_aux_loss_coef": 0.02,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "gpt-oss-20b": _gpt_oss(layers=24, experts=32),
+    "gpt-oss-120b": _gpt_oss(layers=36, experts=128),
 }
 
 BUILTIN_MODELS: tuple[str, ...] = tuple(HF_CONFIGS)
