@@ -53,6 +53,31 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
         "sliding_window": WINDOW,
         "layer_types": _MIXED,
     },
+    # mixtures of experts (models/moe.py): routed rows in blocks of 8 at the tests' sequences
+    "qwen3_moe": {
+        **_SHAPES,
+        "model_type": "qwen3_moe",
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 128,
+        "norm_topk_prob": True,
+    },
+    "mixtral": {
+        **_SHAPES,
+        "model_type": "mixtral",
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 384,
+    },
+    "gpt_oss": {  # sinks, YaRN-free, a window on every other layer, biases, clamped SwiGLU
+        **_SHAPES,
+        "model_type": "gpt_oss",
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 256,
+        "head_dim": 32,
+        "sliding_window": WINDOW,
+    },
 }
 
 

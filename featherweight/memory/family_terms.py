@@ -22,6 +22,15 @@ jax 0.10.2), and planned as:
                   phase the peak, V 16384: exactly one, LoRA and full fine-tuning); XLA's GPU
                   compiler fuses the cap (compiled for the H100: +0 bytes)
 
+  routed_block_weights  an MoE layer (`models/moe.py`): the scan over the routed rows' blocks
+                  keeps each block's expert weight for its backward -- sliced, or the NF4
+                  expert dequantized and carried -- so the MLP's backward holds gate's, up's and
+                  down's per-block copies at once: 3 x (R / block) x F x D x itemsize, R and the
+                  block of one MLP chunk's B x chunk x k routed rows (compiled on XLA:CPU, b2 x
+                  1024 float32, LoRA and QLoRA, the MLP chunk resolved: 3.5 and 3.1 copies for
+                  Qwen3-MoE, 2.6 and 2.4 for Mixtral, 1.9 and 0.3 for gpt-oss, whose peak is
+                  elsewhere; the plan before it: -45%, -48%, -32%, -36%, -33%, -5%)
+
 A sliding window adds nothing: it changes which tiles blockwise attention visits (O(S x window)
 work), not their size. Nor does the `lax.cond` of a model whose layers differ (Gemma, Qwen2's
 upper layers): both branches are compiled and it holds at most a fifth of an attention tile
@@ -32,6 +41,7 @@ at S 128 and 1024). Gemma's (1 + w) norms, scaled embeddings and GELU add nothin
 from __future__ import annotations
 
 from featherweight.models.config import ModelConfig
+from featherweight.models.moe import block_rows, padded_rows
 
 SANDWICH_NORM_BUFFERS = {"xla-cpu": 5}  # float32 D-wide buffers, by compiler (none elsewhere)
 # each term: (the phase it belongs to, its formula as the plan shows it)
@@ -40,6 +50,10 @@ FAMILY_TERMS = {
     "sandwich_norms": ("backward", "XLA:CPU: 5 x B x S x D x 4, the norms after attention and MLP"),
     "attention_softcap": ("backward", "XLA:CPU, a lone tile: B x H x S x S x 4, capped scores"),
     "logits_softcap": ("loss", "XLA:CPU: B x chunk x V x 4, the loss chunk's capped logits"),
+    "routed_block_weights": (
+        "backward",
+        "MoE: 3 x (R / block) x F x D x itemsize, each routed block's expert weight, kept",
+    ),
 }
 
 
@@ -49,10 +63,13 @@ def family_terms(
     tokens: int,
     logits_bytes: int,
     lone_softcap_tile_bytes: int,
+    mlp_tokens: int,
+    itemsize: int,
 ) -> dict[str, int]:
     """The working set's family terms in bytes (see the module docstring): `tokens` B x S of a
     micro-batch, `logits_bytes` one float32 logits chunk, `lone_softcap_tile_bytes` blockwise
-    attention's float32 tile when the step runs it as one lone tile (else 0)."""
+    attention's float32 tile when the step runs it as one lone tile (else 0), `mlp_tokens` the
+    tokens of one MLP chunk, `itemsize` the compute dtype's."""
     model = model_config
     qk_width = (model.num_heads + model.num_kv_heads) * model.head_dim
     sandwich = SANDWICH_NORM_BUFFERS.get(compiler, 0) if model.sandwich_norms else 0
@@ -63,4 +80,14 @@ def family_terms(
         "sandwich_norms": sandwich * 4 * tokens * model.hidden_size,
         "attention_softcap": lone_softcap_tile_bytes if capped_scores else 0,
         "logits_softcap": logits_bytes if model.final_softcap is not None and cpu else 0,
+        "routed_block_weights": _routed_block_weights(model, mlp_tokens, itemsize),
     }
+
+
+def _routed_block_weights(model: ModelConfig, mlp_tokens: int, itemsize: int) -> int:
+    if not model.num_experts:
+        return 0
+    pairs = mlp_tokens * model.experts_per_token
+    block = block_rows(pairs, model.num_experts)
+    blocks = padded_rows(pairs, model.num_experts, block) // block
+    return 3 * blocks * model.intermediate_size * model.hidden_size * itemsize

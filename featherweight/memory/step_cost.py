@@ -200,17 +200,26 @@ class StepFlops(NamedTuple):
 
 
 def _projection_flops(config: TrainConfig, model_config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """{linear: (forward FLOPs of its weight, of its LoRA adapter's two matmuls)} per layer."""
+    """{linear: (forward FLOPs of its weight, of its LoRA adapter's two matmuls)} per layer.
+
+    An MoE layer's expert stack [E, out, in] multiplies each token's k routed rows by one
+    expert's [out, in] (and its adapter): the active-parameter count, N k rows -- the compiled
+    program also multiplies the padding rows of each expert's last block (`models/moe.py`:
+    at most E x (block - 1), about a sixteenth more); its router [E, D] is a linear of every
+    token. Biases (gpt-oss's [E, out]) are no matmuls."""
     tokens = config.batch_size * config.data.seq_len
     rank = config.lora.rank if config.method != "full" else 0
     flops = {}
     for name, shape in layer_shapes(model_config).items():
-        if len(shape) == 2:
-            adapted = rank and name in config.lora.targets
-            flops[name] = (
-                2 * tokens * math.prod(shape),
-                2 * tokens * rank * (shape[0] + shape[1]) if adapted else 0,
-            )
+        if len(shape) < 2 or name.endswith("_bias"):
+            continue
+        rows = tokens * model_config.experts_per_token if len(shape) == 3 else tokens
+        out_in = shape[-2:]
+        adapted = rank and name in config.lora.targets
+        flops[name] = (
+            2 * rows * math.prod(out_in),
+            2 * rows * rank * sum(out_in) if adapted else 0,
+        )
     return flops
 
 
@@ -243,7 +252,7 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
         base + adapter
         if name not in saved
         # the adapter's first matmul (rank-wide) is needed for the second's gradient
-        else (2 * tokens * config.lora.rank * shapes[name][1] if adapter else 0)
+        else adapter * shapes[name][-1] // sum(shapes[name][-2:])
         for name, (base, adapter) in projections.items()
     )
     trained_linear = linear if config.method == "full" else 0

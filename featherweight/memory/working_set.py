@@ -396,6 +396,8 @@ def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
             shapes.tokens,
             logits_bytes=4 * shapes.batch * shapes.loss_chunk * shapes.vocab_rows,
             lone_softcap_tile_bytes=_lone_tile_bytes(shapes),
+            mlp_tokens=shapes.batch * shapes.mlp_seq,
+            itemsize=shapes.itemsize,
         ),
         "embedding_gradient": head_like if trained_table else 0,
         "logits": 4 * shapes.batch * shapes.loss_chunk * shapes.vocab_rows,

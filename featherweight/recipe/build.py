@@ -74,7 +74,9 @@ def abstract_split(config: TrainConfig, model_config: ModelConfig) -> tuple[Para
     layers: dict[str, Any] = {}
     for name, shape in layer_shapes(model_config).items():
         if config.method == "qlora" and name in LINEAR_NAMES:
-            layers[name] = abstract_nf4(shape, (model_config.num_layers,))
+            # stacked by layer, and an MoE layer's by expert: one NF4 tensor per expert, as
+            # `quantize_frozen_base` quantizes them
+            layers[name] = abstract_nf4(shape[-2:], (model_config.num_layers, *shape[:-2]))
         else:
             layers[name] = jax.ShapeDtypeStruct((model_config.num_layers, *shape), dtype)
     if config.method == "qlora" and config.model.quantize_head:

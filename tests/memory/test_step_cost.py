@@ -364,6 +364,18 @@ def test_each_familys_step_flops_equal_its_compiled_program(family):
     assert step_flops(config, model).total == hlo_dot_flops(step.lower(*arguments).compile())
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_an_moe_steps_flops_are_its_active_parameters(family):
+    # router + each token's k experts' three matmuls (and their adapters): the compiled program
+    # also multiplies each expert's padding rows (b2 x 256: 512 x k pairs in blocks of 8)
+    model = tiny_family(family)
+    settings = {"method": "lora", "batch_size": BATCH, "data": {"seq_len": 256}}
+    config = resolve(parse_config(settings), model)
+    step, arguments = abstract_step_arguments(config, model)
+    compiled = hlo_dot_flops(step.lower(*arguments).compile())
+    assert abs(step_flops(config, model).total - compiled) <= 0.1 * compiled
+
+
 def test_a_sliding_layers_attention_grows_linearly_in_the_sequence():
     # blockwise attention with the loops visits the window's tiles only: O(S x W) on a sliding
     # layer, O(S^2) on a global one (what the budget search weighs; the loops' trip counts are
