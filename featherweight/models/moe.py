@@ -112,41 +112,91 @@ def _expert(weight, index: jax.Array, dtype) -> jax.Array:
     return dequantize_nf4(one, dtype) if isinstance(one, NF4Tensor) else one.astype(dtype)
 
 
-def grouped_linear(layer, name: str, rows: jax.Array, block_expert: jax.Array, lora, key):
-    """rows [R, in] -> [R, out]: each block of rows times its expert's weight `layer[name]`
-    [E, out, in] (plus its bias [E, out] and its LoRA adapter when present), one block at a
-    time."""
-    weight, bias = layer[name], layer.get(f"{name}_bias")
-    adapter = layer.get("lora", {}).get(name)
-    blocks = rows.reshape(block_expert.shape[0], -1, rows.shape[-1])
+def _sweep(blocks: jax.Array, weight, block_expert: jax.Array, product) -> jax.Array:
+    """`product(block, expert's dense weight [out, in])` for each block [NB, m, ...] in turn.
+    Blocks come sorted by expert, so an NF4 expert is dequantized when its first block comes and
+    carried while its blocks last: one expert dense at a time, each dequantized once."""
     nf4 = isinstance(weight, NF4Tensor)
 
     def one_block(current, inputs):
-        index, x, expert = inputs
-        if nf4:  # blocks come sorted by expert: an NF4 expert is dequantized once, when it starts
-            last, dense = current
-            dense = jax.lax.cond(
-                expert == last, lambda: dense, lambda: _expert(weight, expert, x.dtype)
-            )
-            current = (expert, dense)
-        else:
-            dense = _expert(weight, expert, x.dtype)
-        y = jnp.einsum("mi,oi->mo", x, dense)
-        if bias is not None:
-            y = y + jax.lax.dynamic_index_in_dim(bias, expert, keepdims=False).astype(y.dtype)
-        if adapter is not None and lora is not None:
-            pair = jax.tree.map(lambda leaf: leaf[expert], adapter)
-            block_key = None if key is None else jax.random.fold_in(key, index)
-            y = y + lora_update(x, pair, lora, name, block_key)
-        return current, y
+        x, expert = inputs
+        if not nf4:
+            return current, product(x, _expert(weight, expert, x.dtype))
+        last, dense = current
+        dense = jax.lax.cond(
+            expert == last, lambda: dense, lambda: _expert(weight, expert, x.dtype)
+        )
+        return (expert, dense), product(x, dense)
 
-    start = None
-    if nf4:
-        start = (jnp.int32(-1), jnp.zeros(weight.shape[-2:], rows.dtype))
-    _, out = jax.lax.scan(
-        one_block, start, (jnp.arange(block_expert.shape[0]), blocks, block_expert)
-    )
+    start = (jnp.int32(-1), jnp.zeros(weight.shape[-2:], blocks.dtype)) if nf4 else None
+    return jax.lax.scan(one_block, start, (blocks, block_expert))[1]
+
+
+def _blocks(rows: jax.Array, block_expert: jax.Array) -> jax.Array:
+    return rows.reshape(block_expert.shape[0], -1, rows.shape[-1])
+
+
+@jax.custom_vjp
+def _grouped(rows: jax.Array, weight, block_expert: jax.Array) -> jax.Array:
+    """rows [R, in] -> [R, out]: each block of rows times its expert's weight [E, out, in]."""
+    out = _sweep(_blocks(rows, block_expert), weight, block_expert, lambda x, w: x @ w.T)
     return out.reshape(rows.shape[0], -1)
+
+
+def _grouped_fwd(rows, weight, block_expert):
+    return _grouped(rows, weight, block_expert), (rows, weight, block_expert)
+
+
+def _grouped_bwd(residuals, d_out):
+    """d rows from the same sweep (no expert's weight is kept from the forward pass: the scan's
+    own VJP would keep one copy per block); d weight, for trained dense experts, summed per
+    expert in a float32 buffer of the stack's shape."""
+    rows, weight, block_expert = residuals
+    d_blocks = _blocks(d_out, block_expert)
+    d_rows = _sweep(d_blocks, weight, block_expert, lambda g, w: g @ w.astype(g.dtype))
+    d_weight = None
+    if not isinstance(weight, NF4Tensor):
+
+        def add(buffer, inputs):
+            g, x, expert = inputs
+            part = jnp.einsum("mo,mi->oi", g, x, preferred_element_type=jnp.float32)
+            return buffer.at[expert].add(part), None
+
+        start = jnp.zeros(weight.shape, jnp.float32)
+        inputs = (d_blocks, _blocks(rows, block_expert), block_expert)
+        d_weight = jax.lax.scan(add, start, inputs)[0].astype(weight.dtype)
+    return d_rows.reshape(rows.shape), d_weight, None
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def grouped_linear(layer, name: str, rows: jax.Array, block_expert: jax.Array, lora, key):
+    """rows [R, in] -> [R, out]: each block of rows times its expert's weight `layer[name]`
+    [E, out, in] (`_grouped`), plus its bias [E, out] and its LoRA adapter when present (the
+    adapters' block products rematerialized in the backward pass: only the rows are kept)."""
+    weight, bias = layer[name], layer.get(f"{name}_bias")
+    out = _grouped(rows, weight, block_expert)
+    if bias is not None:
+        row_expert = jnp.repeat(block_expert, rows.shape[0] // block_expert.shape[0])
+        out = out + bias[row_expert].astype(out.dtype)
+    adapter = layer.get("lora", {}).get(name)
+    if adapter is None or lora is None:
+        return out
+
+    @jax.checkpoint
+    def one_block(index, x, expert):
+        pair = jax.tree.map(lambda leaf: leaf[expert], adapter)
+        block_key = None if key is None else jax.random.fold_in(key, index)
+        return lora_update(x, pair, lora, name, block_key)
+
+    def scan_block(_, inputs):
+        return None, one_block(*inputs)
+
+    count = block_expert.shape[0]
+    inputs = (jnp.arange(count), _blocks(rows, block_expert), block_expert)
+    update = jax.lax.scan(scan_block, None, inputs)[1]
+    return out + update.reshape(out.shape)
 
 
 def experts_in(layer, normed: jax.Array, config: ModelConfig, lora=None, key=None):
