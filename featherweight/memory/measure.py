@@ -120,9 +120,13 @@ def tree_nbytes(tree: Any) -> int:
 def abstract_batch(batch_size: int, seq_len: int, config: TrainConfig | None = None) -> Batch:
     """A `Batch` of shapes as the trainer's packed batches come: ids, targets, positions and
     segment ids int32 [B, S], loss mask float32 [B, S]; for a preference objective in `config`,
-    the completion ids int32 (and precomputed reference log-probs float32) [B, S] too."""
+    the completion ids int32 (and precomputed reference log-probs float32) [B, S] too; for GRPO,
+    padded rows (no segment ids) with the sampling log-probs float32 [B, S] and advantages [B]."""
     ids = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     mask = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)
+    if config is not None and config.objective == "grpo":
+        advantages = jax.ShapeDtypeStruct((batch_size,), jnp.float32)
+        return Batch(ids, ids, mask, ids, rollout_logps=mask, advantages=advantages)
     objective = None if config is None else config.preference
     if objective is None:
         return Batch(ids, ids, mask, ids, ids)

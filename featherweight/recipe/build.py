@@ -158,7 +158,7 @@ def build_train_step(
             model_config, step_optimizer(config, optimizer), lora=spec,
             chunk_size=policy.loss_chunk, shardings=shardings,
             accumulation_steps=accumulation_steps, attention=attention,
-            objective=config.preference, packed_slots=slots,
+            objective=config.step_objective, packed_slots=slots,
         )  # fmt: skip
         return step, init_opt_state
     clip_norm, two_pass = step_clipping(config)
@@ -173,7 +173,7 @@ def build_train_step(
         clip_norm=clip_norm,
         two_pass=two_pass,
         shardings=shardings,
-        objective=config.preference,
+        objective=config.step_objective,
     )
     return step, init_opt_state
 
@@ -191,9 +191,15 @@ def attention_implementation(
         target or AttentionTarget.current(),
         config.model.dtype,
         model_config.head_dim,
-        rows="packed" if config.data.pack else "padded",
+        rows=batch_rows(config),
         form=score_form(model_config),
     )
+
+
+def batch_rows(config: TrainConfig) -> str:
+    """What a batch row holds: several documents ("packed", `data.pack`) or one and padding
+    ("padded"; GRPO's rows are one prompt and its completion each)."""
+    return "packed" if config.data.pack and config.objective != "grpo" else "padded"
 
 
 def packed_slots(config: TrainConfig) -> int:
@@ -209,7 +215,7 @@ def attention_note(config: TrainConfig, model_config: ModelConfig) -> str | None
     target = AttentionTarget.current()
     if config.memory.attention != "auto" or target.platform != "gpu":
         return None
-    rows = "packed" if config.data.pack else "padded"
+    rows = batch_rows(config)
     refusal = cudnn_refusal(
         target, config.model.dtype, model_config.head_dim, rows, form=score_form(model_config)
     )
@@ -240,6 +246,37 @@ def check_method_settings(config: TrainConfig, model_config: ModelConfig) -> Non
         )
     check_clipping_and_accumulation(config)
     check_preference_settings(config)
+    check_grpo_settings(config)
+
+
+def check_grpo_settings(config: TrainConfig) -> None:
+    """Refuse GRPO settings the loop cannot train yet, as one line naming the config keys."""
+    if config.objective != "grpo":
+        return
+    memory = config.memory
+    if memory.accumulation_steps > 1:
+        raise ConfigError(
+            "objective: grpo averages over each batch's completions, so "
+            "memory.accumulation_steps > 1 is not supported; set it to 1 (a smaller batch_size "
+            "fits the memory instead)"
+        )
+    if config.mesh is not None or "host" in (memory.base, memory.embed):
+        raise ConfigError(
+            "objective: grpo samples its rollouts with the weights on one device; use mesh: "
+            "null, memory.base: device and memory.embed: device"
+        )
+    if config.grpo.beta > 0 and config.method == "full":
+        raise ConfigError(
+            "grpo.beta > 0 compares with the frozen base with the adapters off, and method: "
+            "full has no frozen copy; use grpo.beta: 0, or method: lora / qlora"
+        )
+    longest = config.data.seq_len + 1 - config.grpo.max_completion_length
+    if longest < 1:
+        raise ConfigError(
+            f"grpo.max_completion_length={config.grpo.max_completion_length} leaves no room "
+            f"for a prompt in rows of data.seq_len + 1 = {config.data.seq_len + 1} tokens; raise "
+            "data.seq_len (prompt + completion) or lower max_completion_length"
+        )
 
 
 def check_preference_settings(config: TrainConfig) -> None:

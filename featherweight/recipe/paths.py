@@ -128,6 +128,20 @@ def from_config_folder(
     return values
 
 
+def reward_files_from(values: dict[str, Any], base: Path, skip: set[str]) -> dict[str, Any]:
+    """`values` with each reward named as a relative "file.py:function" (grpo.rewards) read from
+    `base`, the config's folder: a missing file is refused when the rewards are loaded."""
+    grpo = values.get("grpo")
+    rewards = grpo.get("rewards") if isinstance(grpo, dict) else None
+    if "grpo.rewards" in skip or not isinstance(rewards, list):
+        return values
+    for index, reward in enumerate(rewards):
+        location, _, function = reward.rpartition(":") if isinstance(reward, str) else ("", "", "")
+        if location.endswith(".py") and not Path(location).expanduser().is_absolute():
+            rewards[index] = f"{path_from(base, location)}:{function}"
+    return values
+
+
 def _in_working_directory(value: str, base: Path) -> str:
     """A hint when the path a config names is where the working directory would have read it."""
     if not Path(value).expanduser().exists():

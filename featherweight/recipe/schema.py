@@ -31,7 +31,8 @@ from featherweight.data.sources import COLUMN_KEYS
 from featherweight.errors import ConfigError, check_input_file, read_input_text
 from featherweight.parallel.sharding import MeshSettings
 from featherweight.peft.lora import LoraConfig
-from featherweight.recipe.paths import from_config_folder
+from featherweight.recipe.paths import from_config_folder, reward_files_from
+from featherweight.step.grpo import GrpoObjective
 from featherweight.step.policy import SAVEABLE, MemoryPolicy
 from featherweight.step.preference import PreferenceObjective
 
@@ -334,6 +335,67 @@ class OrpoSettings(_Section):
     beta: float = Field(0.1, gt=0, description="weight of the odds-ratio term beside the NLL")
 
 
+class GrpoSettings(_Section):
+    """Group relative policy optimization (objective: grpo): TRL's GRPOConfig names and defaults.
+
+    Each step samples `num_generations` completions of `batch_size / num_generations` prompts
+    with the adapters being trained, scores them with the reward functions, and trains on the
+    group-normalised advantages (`step/grpo.py`)."""
+
+    rewards: tuple[str, ...] = Field(
+        (),
+        description=(
+            "reward functions with TRL's signature f(prompts, completions, **columns): "
+            "'file.py:function' (from the config's folder) or 'module:function'"
+        ),
+    )
+    reward_weights: tuple[float, ...] | None = Field(
+        None, description="one weight per reward (null: 1 each)"
+    )
+    num_generations: int = Field(8, ge=2, description="completions sampled per prompt")
+    max_completion_length: int = Field(256, ge=1, description="tokens per completion at most")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling (1: every token)")
+    beta: float = Field(0.0, ge=0, description="KL coefficient (0: no reference model)")
+    epsilon: float = Field(0.2, ge=0, lt=1, description="lower clip range of the ratio")
+    epsilon_high: float | None = Field(
+        None, ge=0, description="upper clip range (null: epsilon; DAPO: 0.28)"
+    )
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="divide advantages by the group's or the batch's std, or not"
+    )
+    log_completions_every: int = Field(
+        10, ge=0, description="steps between sample completions printed and logged (0: never)"
+    )
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _trl_booleans(cls, value: Any) -> Any:
+        """TRL's older spelling: true is "group", false is "none"."""
+        return (
+            {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
+        )
+
+    @model_validator(mode="after")
+    def _one_weight_per_reward(self) -> GrpoSettings:
+        weights = self.reward_weights
+        if weights is not None and len(weights) != len(self.rewards):
+            raise ValueError(
+                f"reward_weights has {len(weights)} weights for {len(self.rewards)} rewards; "
+                "give one weight per reward"
+            )
+        return self
+
+    @property
+    def objective(self) -> GrpoObjective:
+        """The step's loss settings."""
+        return GrpoObjective(
+            self.beta, self.epsilon, self.epsilon_high, self.loss_type,
+            self.max_completion_length, self.temperature,
+        )  # fmt: skip
+
+
 class CheckpointSettings(_Section):
     """When to save, and how many to keep."""
 
@@ -346,15 +408,17 @@ class TrainConfig(_Section):
 
     model: ModelSettings = ModelSettings()
     method: Method = "qlora"
-    objective: Literal["sft", "dpo", "orpo"] = Field(
+    objective: Literal["sft", "dpo", "orpo", "grpo"] = Field(
         "sft",
         description=(
             "sft: next-token cross-entropy on the targets; dpo, orpo: preference pairs "
-            "({prompt, chosen, rejected} records)"
+            "({prompt, chosen, rejected} records); grpo: prompts ({prompt, other columns} "
+            "records) answered by the model and scored by grpo.rewards"
         ),
     )
     dpo: DpoSettings = DpoSettings()
     orpo: OrpoSettings = OrpoSettings()
+    grpo: GrpoSettings = GrpoSettings()
     lora: LoraConfig = LoraConfig()
     data: DataSettings = DataSettings()
     optimizer: OptimizerSettings = OptimizerSettings()
@@ -400,6 +464,30 @@ class TrainConfig(_Section):
         if self.objective == "orpo":
             return PreferenceObjective("orpo", self.orpo.beta)
         return None
+
+    @property
+    def step_objective(self) -> PreferenceObjective | GrpoObjective | None:
+        """The objective the step trains (None: next-token cross-entropy)."""
+        return self.grpo.objective if self.objective == "grpo" else self.preference
+
+    @model_validator(mode="after")
+    def _grpo_needs_rewards(self) -> TrainConfig:
+        """GRPO without a reward, or with prompts that do not fill whole groups: refused here."""
+        if self.objective != "grpo":
+            return self
+        if not self.grpo.rewards:
+            raise ValueError(
+                "objective: grpo needs grpo.rewards, e.g. [rewards.py:my_reward] (a function "
+                "f(prompts, completions, **columns) -> list of floats)"
+            )
+        generations = self.grpo.num_generations
+        if self.batch_size % generations:
+            raise ValueError(
+                f"batch_size={self.batch_size} completions cannot be split into groups of "
+                f"grpo.num_generations={generations}; use a multiple of {generations}, e.g. "
+                f"{generations * max(1, self.batch_size // generations)}"
+            )
+        return self
 
     @field_validator("lora", mode="before")
     @classmethod
@@ -605,6 +693,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             )
         line_of = lambda key: f" ({key_lines[key]})" if key in key_lines else ""
         values = from_config_folder(loaded, path, set(overridden), line_of)
+        values = reward_files_from(values, path.resolve().parent, set(overridden))
     key_lines.update({key: f"--set {override}" for key, override in overridden.items()})
     values = apply_overrides(values, overrides)
     _refuse_steps_with_epochs(values, source, key_lines)

@@ -45,12 +45,14 @@ class GrpoSetup(NamedTuple):
 
 
 class StepData(NamedTuple):
-    """A step's batch, its metrics (TRL's names) and its prompts and completions as text."""
+    """A step's batch, its metrics (TRL's names), its prompts and completions as text, and each
+    completion's reward [N] (NaN: unscored)."""
 
     batch: Batch
     metrics: dict[str, float]
     prompts: list
     completions: list
+    rewards: np.ndarray
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
@@ -155,4 +157,4 @@ def step_data(
         **completion_metrics(rollout),
     }
     batch = rollout_batch(ids, rollout, np.asarray(advantages), setup.seq_len)
-    return StepData(batch, metrics, prompts, completions)
+    return StepData(batch, metrics, prompts, completions, scores.total)

@@ -7,6 +7,13 @@ The host reads the step's metrics every `log_every` steps (and before every chec
 evaluation), not every step: the device runs ahead in between. Every step still gets its line in
 metrics.jsonl (loss, learning rate, tokens, throughput over the interval, gradient norm).
 
+GRPO (objective: grpo): each step first samples its batch -- the step's prompts (in their
+resumable order), `grpo.num_generations` completions of each by the current adapters, their
+rewards and advantages (`grpo_rollouts.step_data`, keyed by the step, so a resumed run samples
+what an uninterrupted one would) -- then runs the same step on it; the rollouts' metrics (TRL's
+names) join the step's line, and every `grpo.log_completions_every` steps one sample completion
+is printed and written to completions.jsonl.
+
 On a device mesh each process reads its own rows and the global batch is assembled from them;
 with several processes only process 0 writes metrics, plots and progress (checkpoints are written
 by all of them, through orbax's multi-host support).
@@ -22,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
 
@@ -33,26 +41,31 @@ from featherweight.memory.measure import abstract_batch, measurement_of
 from featherweight.memory.plan import MemoryPlan
 from featherweight.memory.report import format_bytes, print_report
 from featherweight.models.batch import Batch
-from featherweight.models.llama import Params
+from featherweight.models.llama import Params, merge_params
 from featherweight.parallel.distributed import any_process, is_primary
 from featherweight.parallel.sharding import place_batch
-from featherweight.recipe.build import attention_implementation, evaluation_fn
+from featherweight.recipe.build import attention_implementation, evaluation_fn, lora_config_of
 from featherweight.recipe.optimizer import learning_rate_schedule
 from featherweight.recipe.schema import TrainConfig
+from featherweight.step.grpo import METRIC_NAMES as GRPO_METRICS
 from featherweight.step.preference import REPORTED_METRICS
 from featherweight.train import run_dir
 from featherweight.train.dataset import (
+    counted,
     data_summary,
     packed_slots_note,
     summary_lines,
     write_summary,
 )
+from featherweight.train.grpo_rollouts import StepData, step_data
 from featherweight.train.loggers import check_loggers, open_loggers
 from featherweight.train.metrics import MetricsLog, plot_loss_curve
 from featherweight.train.progress import training_progress
 from featherweight.train.run import PlannedRun, Run, plan_run, prepare_run
-from featherweight.train.run_dir import LOSS_PLOT, METRICS_FILE
+from featherweight.train.run_dir import COMPLETIONS_FILE, LOSS_PLOT, METRICS_FILE
 from featherweight.train.signals import StopRequest
+
+ROLLOUTS = 1  # GRPO's sampling key: the step's key folded with this, apart from its dropout
 
 
 @dataclasses.dataclass
@@ -137,6 +150,9 @@ def evaluate(run: Run, trainable: Params) -> float | None:
     return total / max(count, 1.0)
 
 
+REPORTED = (*REPORTED_METRICS, *GRPO_METRICS)  # the objectives' metrics a step's line carries
+
+
 class StepRecords:
     """The steps since the last host sync: their metrics stay on the device until `flush`.
 
@@ -147,26 +163,28 @@ class StepRecords:
     def __init__(self, run: Run) -> None:
         self.run = run
         self.schedule = learning_rate_schedule(run.config.optimizer, run.config.steps)
-        self.pending: list[tuple[int, dict, int]] = []
+        self.pending: list[tuple[int, dict, int, dict]] = []
         self.since = time.perf_counter()
 
-    def add(self, step: int, metrics: dict, batch_tokens: int) -> None:
-        self.pending.append((step, metrics, batch_tokens))
+    def add(self, step: int, metrics: dict, batch_tokens: int, host: dict | None = None) -> None:
+        """A step's device metrics, and those already on the host (GRPO's rollouts)."""
+        self.pending.append((step, metrics, batch_tokens, host or {}))
 
     def flush(self) -> list[dict[str, Any]]:
         """One record per pending step (host sync); a non-finite step raises TrainingDiverged."""
         if not self.pending:
             return []
-        steps = [step for step, _, _ in self.pending]
+        steps = [step for step, _, _, _ in self.pending]
         # the update of step s uses the schedule at count s - 1
         rates = np.broadcast_to(self.schedule(np.asarray(steps) - 1), (len(steps),))
-        host = jax.device_get([metrics for _, metrics, _ in self.pending])
+        host = jax.device_get([metrics for _, metrics, _, _ in self.pending])
         now = time.perf_counter()
-        tokens = sum(batch_tokens for _, _, batch_tokens in self.pending)
+        tokens = sum(batch_tokens for _, _, batch_tokens, _ in self.pending)
         speed = round(tokens / max(now - self.since, 1e-9), 1)
         memory = device_memory_in_use()
         records = []
-        for step, metrics, rate in zip(steps, host, rates, strict=True):
+        rollouts = [rollout for _, _, _, rollout in self.pending]
+        for step, metrics, rate, rollout in zip(steps, host, rates, rollouts, strict=True):
             loss = float(metrics["loss"])
             if not math.isfinite(loss) or not bool(metrics.get("params_finite", True)):
                 raise diverged(self.run, step, loss)
@@ -174,7 +192,8 @@ class StepRecords:
                 "step": step, "loss": loss, "learning_rate": float(rate),
                 "tokens": int(metrics["tokens"]), "tokens_per_second": speed,
                 "grad_norm": float(metrics.get("grad_norm", np.nan)), "device_bytes": memory,
-                **{name: float(metrics[name]) for name in REPORTED_METRICS if name in metrics},
+                **{name: float(metrics[name]) for name in REPORTED if name in metrics},
+                **rollout,
             })  # fmt: skip
         self.pending, self.since = [], now
         return records
@@ -211,6 +230,9 @@ class Reporter:
             if self.primary else []
         )  # fmt: skip
         self.progress = training_progress(console, config.steps, run.start_step)
+        self.console, self.samples = console, None
+        if self.primary and config.objective == "grpo" and config.grpo.log_completions_every:
+            self.samples = MetricsLog(run.output_dir / COMPLETIONS_FILE, run.start_step)
         if 0 < run.start_step < config.steps and self.metrics is not None:
             # a resume mark only where training goes on (a finished run re-run changes nothing)
             self.metrics.write({"step": run.start_step, "resumed": True})
@@ -226,7 +248,25 @@ class Reporter:
         elif show and records and records[-1].get("eval_loss") is not None:
             self.progress.evaluated(records[-1]["step"], records[-1]["eval_loss"])
 
+    def sample(self, step: int, data: StepData) -> None:
+        """One of the step's completions (the first), its prompt and reward: printed, and a line
+        in completions.jsonl."""
+        if self.samples is None:
+            return
+        prompt, completion = data.prompts[0], data.completions[0]
+        text = completion[0]["content"] if isinstance(completion, list) else completion
+        asked = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+        reward = float(data.rewards[0])
+        self.console.print(
+            f"step {step} sample: {asked!r} -> {text!r} (reward {reward:g})", highlight=False
+        )
+        self.samples.write(
+            {"step": step, "prompt": prompt, "completion": completion, "reward": reward}
+        )
+
     def close(self, output_dir: Path) -> None:
+        if self.samples is not None:
+            self.samples.close()
         for logger in self.loggers:
             logger.close()
         if self.metrics is not None:
@@ -237,6 +277,9 @@ class Reporter:
 def print_data_summary(run: Run, console: Console) -> None:
     """What the data became (records, skipped, split, tokens, rows, epochs): printed, and written
     to the run's data_summary.json."""
+    if run.config.objective == "grpo":
+        print_prompts_summary(run, console)
+        return
     summary = data_summary(run.config, run.dataset, run.data.steps_per_epoch, run.config.data.train)
     for line in summary_lines(summary):
         console.print(line, highlight=False)
@@ -246,6 +289,37 @@ def print_data_summary(run: Run, console: Console) -> None:
         console.print(note, highlight=False)
     if is_primary():
         write_summary(run.output_dir, summary)
+
+
+def print_prompts_summary(run: Run, console: Console) -> None:
+    """GRPO's data: the prompt records read (and skipped), and the epochs the steps make."""
+    config, prompts = run.config, run.dataset
+    per_step = config.batch_size // config.grpo.num_generations
+    skipped = f", {prompts.skipped:,} skipped" if prompts.skipped else ""
+    console.print(
+        f"data: {counted(len(prompts.train), 'prompt record')} read from {config.data.train}"
+        f"{skipped}; {per_step} prompts x {config.grpo.num_generations} completions a step",
+        highlight=False,
+    )
+    epochs = round(config.steps / run.data.steps_per_epoch, 3)
+    console.print(
+        f"steps: {config.steps:,} = {counted(epochs, 'epoch')} of "
+        f"{counted(run.data.steps_per_epoch, 'step')}",
+        highlight=False,
+    )
+
+
+def next_batch(run: Run, trainable: Params, key: jax.Array) -> tuple[Batch, StepData | None]:
+    """The step's batch: the data's next one, or GRPO's rollouts of the next prompts sampled by
+    the current adapters with `key` (and their data: metrics, texts, rewards)."""
+    if run.rollouts is None:
+        return global_batch(run, next(run.data)), None
+    lora = lora_config_of(run.config)
+    data = step_data(
+        run.rollouts, next(run.data), merge_params(run.frozen, trainable), run.model_config,
+        None if lora is None else lora.spec, key, jnp.dtype(run.config.model.dtype),
+    )  # fmt: skip
+    return data.batch, data
 
 
 def train(
@@ -307,11 +381,15 @@ def _train(config, overwrite, console, plan_fn, on_step, stop: StopRequest) -> T
     peak_shown = run.plan is None
     with reporter.progress:
         for step in steps:
-            batch = global_batch(run, next(run.data))
+            step_key = jax.random.fold_in(base_key, step)
+            batch, rollouts = next_batch(run, trainable, jax.random.fold_in(step_key, ROLLOUTS))
             trainable, opt_state, metrics = run.step_fn(
-                trainable, opt_state, run.frozen, batch, jax.random.fold_in(base_key, step)
+                trainable, opt_state, run.frozen, batch, step_key
             )
-            pending.add(step, metrics, int(batch.input_ids.size))
+            pending.add(step, metrics, int(batch.input_ids.size), rollouts and rollouts.metrics)
+            every = config.grpo.log_completions_every
+            if rollouts is not None and every and step % every == 0:
+                reporter.sample(step, rollouts)
             if on_step is not None:
                 on_step(step, trainable, opt_state, metrics)
             stopping = any_process(stop.requested)

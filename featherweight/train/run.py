@@ -23,8 +23,10 @@ from typing import Any, NamedTuple
 import jax
 import yaml
 
+from featherweight.data.chat_templates import with_chat_template
 from featherweight.data.demo_task import invented_world, write_training_data
 from featherweight.data.iterator import DataIterator
+from featherweight.data.prompts import PromptIterator, PromptSet, read_prompts
 from featherweight.data.records import Dataset
 from featherweight.errors import (
     ConfigError,
@@ -33,6 +35,7 @@ from featherweight.errors import (
     ModelConfigError,
     OutputExistsError,
 )
+from featherweight.inference.rollout import Sampling
 from featherweight.io.atomic import atomic_write_text, probe_writable
 from featherweight.io.embedded_model import cache_dir, require_demo_model
 from featherweight.io.hub import model_location, snapshot_revision
@@ -67,7 +70,9 @@ from featherweight.step.loss import resolve_chunk_size
 from featherweight.train import run_dir
 from featherweight.train.checkpoint import Checkpointer
 from featherweight.train.dataset import build_dataset, steps_from_epochs
+from featherweight.train.grpo_rollouts import GrpoSetup
 from featherweight.train.reference_logps import precompute_reference
+from featherweight.train.rewards import load_rewards
 from featherweight.train.run_dir import CHECKPOINT_DIR, CONFIG_FILE, RUN_FILE
 
 FINGERPRINT_BYTES = 1 << 20  # of a GGUF file: its header (metadata, tensor table) lies in here
@@ -93,6 +98,7 @@ class Run:
     plan: Any = None
     mesh: Any = None  # the device mesh (jax.sharding.Mesh), None on one device
     fit: Verdict | None = None  # the plan against this device (`memory.capacity`)
+    rollouts: GrpoSetup | None = None  # GRPO: what each step's rollouts need besides the model
 
 
 def _comparable(config: TrainConfig) -> dict[str, Any]:
@@ -372,10 +378,44 @@ def _read_data(
     """The dataset, its batch iterator, and the config with `epochs` turned into steps."""
     if tokenizer is None:
         raise DataError(f"{model_path} has no tokenizer; the trainer needs one to read the dataset")
+    if config.objective == "grpo":
+        return _read_prompts(config)
     dataset = build_dataset(config, tokenizer, resolve_data_path(config))
     data = _iterator(dataset, config)
     _refuse_batch_beyond_rows(config, len(dataset.train), dataset.train.group)
     return dataset, data, steps_from_epochs(config, data.steps_per_epoch)
+
+
+def _read_prompts(config: TrainConfig) -> tuple[PromptSet, PromptIterator, TrainConfig]:
+    """GRPO's prompt records, their resumable order, and the config with `epochs` as steps."""
+    if config.data.train == "demo":
+        raise DataError(
+            "objective: grpo needs prompt records ({prompt, other columns}); set data.train to "
+            "a file of them, e.g. examples/planet-colour-prompts.jsonl"
+        )
+    prompts = read_prompts(config.data.train, config.data.skip_bad, dict(config.data.columns))
+    per_step = config.batch_size // config.grpo.num_generations
+    if per_step > len(prompts.train):
+        raise DataError(
+            f"batch_size {config.batch_size} / grpo.num_generations "
+            f"{config.grpo.num_generations} = {per_step} prompts a step, more than the "
+            f"{len(prompts.train)} prompt records; lower batch_size or add prompts"
+        )
+    data = PromptIterator(prompts.train, per_step, config.data.shuffle_seed)
+    return prompts, data, steps_from_epochs(config, data.steps_per_epoch)
+
+
+def grpo_setup(config: TrainConfig, tokenizer: Tokenizer) -> GrpoSetup:
+    """The rewards (loaded, so a bad one is refused before any weight is read), the chat
+    template and the sampling settings of a GRPO run; reward files are read from the working
+    directory (a config file's are made absolute from its folder when it is loaded)."""
+    settings = config.grpo
+    rewards = load_rewards(settings.rewards, settings.reward_weights, Path.cwd())
+    sampling = Sampling(settings.temperature, settings.top_p, settings.max_completion_length)
+    return GrpoSetup(
+        with_chat_template(tokenizer, config.data.chat_template), rewards,
+        settings.num_generations, sampling, settings.scale_rewards, config.data.seq_len,
+    )  # fmt: skip
 
 
 def _refuse_batch_beyond_rows(config: TrainConfig, rows: int, group: int) -> None:
@@ -444,6 +484,7 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     )
     output_dir = directory.path
     dataset, data, config = _read_data(config, tokenizer, model_path)
+    rollouts = grpo_setup(config, tokenizer) if config.objective == "grpo" else None
     if directory.resuming:
         check_steps_ahead(config, output_dir)
 
@@ -478,5 +519,5 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
         start_step = int(metadata["step"])
     return Run(
         config, output_dir, model_config, tokenizer, model_path, dataset, data, trainable, frozen,
-        opt_state, step_fn, checkpointer, start_step, plan, mesh, fit,
+        opt_state, step_fn, checkpointer, start_step, plan, mesh, fit, rollouts,
     )  # fmt: skip

@@ -32,10 +32,11 @@ LOSS_PLOT = "loss.png"
 DATA_SUMMARY = "data_summary.json"
 TENSORBOARD_DIR = "tensorboard"  # event files (report_to: tensorboard)
 WANDB_DIR = "wandb"  # offline runs (report_to: wandb)
+COMPLETIONS_FILE = "completions.jsonl"  # GRPO: sample completions (grpo.log_completions_every)
 # what a run writes into its directory (the marker included)
 RUN_ENTRIES = (
     CONFIG_FILE, RUN_FILE, METRICS_FILE, CHECKPOINT_DIR, LOSS_PLOT, MARKER, DATA_SUMMARY,
-    TENSORBOARD_DIR, WANDB_DIR,
+    TENSORBOARD_DIR, WANDB_DIR, COMPLETIONS_FILE,
 )  # fmt: skip
 _TEMPORARY_PREFIXES = (TEMP_PREFIX, ".loss.png.tmp")
 _held: dict[Path, int] = {}  # directory -> the descriptor holding its lock, in this process
