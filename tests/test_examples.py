@@ -25,6 +25,7 @@ EXAMPLES = {
     "mesh.yaml": ("Llama-3.1-8B", "h100"),  # per device of the mesh
     "dpo-planet-colours.yaml": ("SmolLM2-135M", None),  # the demo model, on this machine
     "dpo-8b-24gb.yaml": ("Llama-3.1-8B", "rtx4090"),
+    "grpo-planet-colours.yaml": ("SmolLM2-135M", None),  # the demo model, on this machine
     "qwen3-14b-qlora.yaml": ("Qwen3-14B", "rtx4090"),
     "gemma3-27b-qlora-24gb.yaml": ("Gemma-3-27B", "rtx4090"),
 }

@@ -56,6 +56,7 @@ def _stop_after(step_to_stop):
     return observe
 
 
+@pytest.mark.slow
 def test_a_stopped_and_resumed_grpo_run_equals_an_uninterrupted_one(
     tiny_model_dir, prompt_file, tmp_path
 ):
@@ -87,6 +88,7 @@ def test_a_stopped_and_resumed_grpo_run_equals_an_uninterrupted_one(
     assert max(changed) > 0
 
 
+@pytest.mark.slow
 def test_grpo_metrics_and_samples_are_logged(tiny_model_dir, prompt_file, tmp_path):
     """TRL's names in every step's line; a sample completion every log_completions_every steps."""
     train(parse_config(_settings(tiny_model_dir, prompt_file, tmp_path / "run")))

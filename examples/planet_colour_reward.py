@@ -1,0 +1,23 @@
+"""Rewards for examples/grpo-planet-colours.yaml, in TRL's signature: f(prompts, completions,
+**columns) -> one float per completion. `colour` is the prompt record's column of that name."""
+
+from featherweight.data.demo_task import first_colour
+
+
+def _text(completion) -> str:
+    """A completion's text: a string, or TRL's [{"role": "assistant", "content": ...}]."""
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def planet_colour(prompts, completions, colour, **kwargs) -> list[float]:
+    """1.0 when the first colour the completion names is the planet's (the demo's invented world),
+    else 0.0."""
+    return [
+        float(first_colour(_text(c)) == want) for c, want in zip(completions, colour, strict=True)
+    ]
+
+
+def names_a_colour(prompts, completions, **kwargs) -> list[float]:
+    """1.0 when the completion names any colour at all: a shaping reward for a base model that
+    mostly answers without one."""
+    return [float(first_colour(_text(c)) is not None) for c in completions]
