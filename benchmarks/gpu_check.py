@@ -47,7 +47,7 @@ settings, after its own all-device reference (the smallest settings change numer
 with the residual stream on the host (it already ran on an H200); LoRA at defaults.
 
 "Smallest settings": every change the budget search makes for a budget nothing fits
-(`budget.smallest_settings`, as `benchmarks/memory_8b_h100.py` and the README define the row), with
+(`budget.smallest_settings`, as `benchmarks/memory_8b_h100.py` and docs/long-context.md define the row), with
 the batch kept at 2 (the search's last resort halves it; the row is b2 x 2048).
 
 Results: a JSON line per case in DIR/results.jsonl, flushed as each case ends (a time-out keeps

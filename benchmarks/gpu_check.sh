@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check (benchmarks/gpu_check.py) on a GPU machine without network, within 9 minutes in all.
 #
-# Before, on a machine with network, from the project root: ../shared/gpu-check/fetch-wheels.sh
-# (writes .whl/ and .whl-extra/: what the GPU image lacks; keep both out of git). Carry both with
-# the working tree, then run there, from anywhere:
+# Before, on a machine with network: benchmarks/gpu_fetch_wheels.sh (writes .whl/ and .whl-extra/
+# at the project root: what the GPU image lacks; git ignores both, so name them among what travels
+# with the working tree). Carry both, then run there, from anywhere:
 #     OUT=/path/for/results benchmarks/gpu_check.sh [gpu_check.py options, e.g. --cases qlora,lora]
 # It installs the carried wheels into a temporary site (skipped when there are none: the installed
 # packages are used), runs the check with the time left of GPU_CHECK_SECONDS (540) as its

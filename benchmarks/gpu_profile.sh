@@ -3,7 +3,7 @@
 # 8B QLoRA step (benchmarks/gpu_profile.py), then the XLA flag sets (benchmarks/gpu_flags.py).
 #
 # Carry the wheels as for benchmarks/gpu_check.sh (.whl/ and .whl-extra/, from
-# ../shared/gpu-check/fetch-wheels.sh), then run there, from anywhere:
+# benchmarks/gpu_fetch_wheels.sh), then run there, from anywhere:
 #     OUT=/path/for/results benchmarks/gpu_profile.sh [--settings fastest] [--case NAME]
 # (the options go to the profile). It installs the carried wheels into a temporary site (none:
 # the installed packages are used), profiles within PROFILE_SECONDS (200) and gives the flag sets

@@ -53,7 +53,7 @@ def _config(method: str, optimizer: str = "adamw"):
 
 
 def cases(model) -> list[tuple[str, object]]:
-    """(label, config): the README's rows."""
+    """(label, config): the rows of docs/long-context.md."""
     with calibration_for("xla-gpu"):  # every change that helps, the batch kept at 2
         smallest, _ = budget.smallest_settings(_config("qlora"), model)
     with calibration_for("xla-gpu"):

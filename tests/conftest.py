@@ -1,4 +1,13 @@
-"""Shared test setup: CPU with 8 virtual devices (for sharding tests), float32 matmuls, fixtures."""
+"""Shared test setup: CPU with 8 virtual devices (for sharding tests), float32 matmuls, fixtures.
+
+Under pytest-xdist (`scripts/test` runs one worker per core) torch computes on one thread per
+worker: its OpenMP pool would otherwise take every core and spin while the other worker needs one.
+XLA:CPU's pool is left as it is: jax 0.10.2's thunk runtime ignores --xla_cpu_multi_thread_eigen,
+and two workers' 2048^2 matmuls on this 2-core machine ran 4% slower free than pinned one core
+each, less than a pinned worker would lose once the other has finished. The settings are
+environment variables, so the subprocesses a test starts (the CLI, the GPU check's --tiny mode)
+inherit them.
+"""
 
 import os
 
@@ -6,6 +15,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -144,18 +144,25 @@ def _grouped(rows: jax.Array, weight, block_expert: jax.Array) -> jax.Array:
 
 
 def _grouped_fwd(rows, weight, block_expert):
-    return _grouped(rows, weight, block_expert), (rows, weight, block_expert)
+    """The product, and what its backward reads: the rows only where the weights are trained
+    (`symbolic_zeros`: a frozen stack gets no gradient, and no [E, out, in] buffer)."""
+    trained = any(leaf.perturbed for leaf in jax.tree.leaves(weight))
+    rows, weight, block_expert = (
+        jax.tree.map(lambda leaf: leaf.value, x) for x in (rows, weight, block_expert)
+    )
+    out = _grouped(rows, weight, block_expert)
+    return out, (rows if trained else None, weight, block_expert, rows.shape)
 
 
 def _grouped_bwd(residuals, d_out):
     """d rows from the same sweep (no expert's weight is kept from the forward pass: the scan's
     own VJP would keep one copy per block); d weight, for trained dense experts, summed per
     expert in a float32 buffer of the stack's shape."""
-    rows, weight, block_expert = residuals
+    rows, weight, block_expert, shape = residuals
     d_blocks = _blocks(d_out, block_expert)
     d_rows = _sweep(d_blocks, weight, block_expert, lambda g, w: g @ w.astype(g.dtype))
     d_weight = None
-    if not isinstance(weight, NF4Tensor):
+    if rows is not None and not isinstance(weight, NF4Tensor):
 
         def add(buffer, inputs):
             g, x, expert = inputs
@@ -165,10 +172,10 @@ def _grouped_bwd(residuals, d_out):
         start = jnp.zeros(weight.shape, jnp.float32)
         inputs = (d_blocks, _blocks(rows, block_expert), block_expert)
         d_weight = jax.lax.scan(add, start, inputs)[0].astype(weight.dtype)
-    return d_rows.reshape(rows.shape), d_weight, None
+    return d_rows.reshape(shape), d_weight, None
 
 
-_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+_grouped.defvjp(_grouped_fwd, _grouped_bwd, symbolic_zeros=True)
 
 
 def grouped_linear(layer, name: str, rows: jax.Array, block_expert: jax.Array, lora, key):
