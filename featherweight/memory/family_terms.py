@@ -22,14 +22,15 @@ jax 0.10.2), and planned as:
                   phase the peak, V 16384: exactly one, LoRA and full fine-tuning); XLA's GPU
                   compiler fuses the cap (compiled for the H100: +0 bytes)
 
-  routed_block_weights  an MoE layer (`models/moe.py`): the scan over the routed rows' blocks
-                  keeps each block's expert weight for its backward -- sliced, or the NF4
-                  expert dequantized and carried -- so the MLP's backward holds gate's, up's and
-                  down's per-block copies at once: 3 x (R / block) x F x D x itemsize, R and the
-                  block of one MLP chunk's B x chunk x k routed rows (compiled on XLA:CPU, b2 x
-                  1024 float32, LoRA and QLoRA, the MLP chunk resolved: 3.5 and 3.1 copies for
-                  Qwen3-MoE, 2.6 and 2.4 for Mixtral, 1.9 and 0.3 for gpt-oss, whose peak is
-                  elsewhere; the plan before it: -45%, -48%, -32%, -36%, -33%, -5%)
+  routed_block_weights  an MoE layer with dense (LoRA's frozen, or trained) experts
+                  (`models/moe.py`): its grouped products keep no expert weight for their
+                  backward (their own VJP; NF4 experts: the plan without the term is -2.0%,
+                  -1.6% and -0.1% of XLA:CPU's compile for Qwen3-MoE, Mixtral and gpt-oss, b2 x
+                  1024 float32 QLoRA), but with dense experts XLA:CPU still holds about
+                  0.75 x 3 x (R / block) x F x D x itemsize more -- R and the block of one MLP
+                  chunk's routed rows; a factor fitted on those three LoRA compiles (0.6, 1.07
+                  and 0.5 of the per-block weights), not explained: the plan without it was
+                  -22.8%, -27.1% and -21.2%
 
 A sliding window adds nothing: it changes which tiles blockwise attention visits (O(S x window)
 work), not their size. Nor does the `lax.cond` of a model whose layers differ (Gemma, Qwen2's
@@ -52,7 +53,7 @@ FAMILY_TERMS = {
     "logits_softcap": ("loss", "XLA:CPU: B x chunk x V x 4, the loss chunk's capped logits"),
     "routed_block_weights": (
         "backward",
-        "MoE: 3 x (R / block) x F x D x itemsize, each routed block's expert weight, kept",
+        "MoE, dense experts: 0.75 x 3 x (R / block) x F x D x itemsize (fitted on XLA:CPU)",
     ),
 }
 
@@ -65,11 +66,13 @@ def family_terms(
     lone_softcap_tile_bytes: int,
     mlp_tokens: int,
     itemsize: int,
+    dense_experts: bool = True,
 ) -> dict[str, int]:
     """The working set's family terms in bytes (see the module docstring): `tokens` B x S of a
     micro-batch, `logits_bytes` one float32 logits chunk, `lone_softcap_tile_bytes` blockwise
     attention's float32 tile when the step runs it as one lone tile (else 0), `mlp_tokens` the
-    tokens of one MLP chunk, `itemsize` the compute dtype's."""
+    tokens of one MLP chunk, `itemsize` the compute dtype's, `dense_experts` whether an MoE's
+    experts are dense (not QLoRA's NF4)."""
     model = model_config
     qk_width = (model.num_heads + model.num_kv_heads) * model.head_dim
     sandwich = SANDWICH_NORM_BUFFERS.get(compiler, 0) if model.sandwich_norms else 0
@@ -80,14 +83,16 @@ def family_terms(
         "sandwich_norms": sandwich * 4 * tokens * model.hidden_size,
         "attention_softcap": lone_softcap_tile_bytes if capped_scores else 0,
         "logits_softcap": logits_bytes if model.final_softcap is not None and cpu else 0,
-        "routed_block_weights": 0 * _routed_block_weights(model, mlp_tokens, itemsize),
+        "routed_block_weights": _routed_block_weights(model, mlp_tokens, itemsize, dense_experts),
     }
 
 
-def _routed_block_weights(model: ModelConfig, mlp_tokens: int, itemsize: int) -> int:
-    if not model.num_experts:
+def _routed_block_weights(
+    model: ModelConfig, mlp_tokens: int, itemsize: int, dense_experts: bool
+) -> int:
+    if not model.num_experts or not dense_experts:
         return 0
     pairs = mlp_tokens * model.experts_per_token
     block = block_rows(pairs, model.num_experts)
     blocks = padded_rows(pairs, model.num_experts, block) // block
-    return 3 * blocks * model.intermediate_size * model.hidden_size * itemsize
+    return int(0.75 * 3 * blocks * model.intermediate_size * model.hidden_size * itemsize)

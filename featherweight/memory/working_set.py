@@ -398,6 +398,7 @@ def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
             lone_softcap_tile_bytes=_lone_tile_bytes(shapes),
             mlp_tokens=shapes.batch * shapes.mlp_seq,
             itemsize=shapes.itemsize,
+            dense_experts=config.method != "qlora",
         ),
         "embedding_gradient": head_like if trained_table else 0,
         "logits": 4 * shapes.batch * shapes.loss_chunk * shapes.vocab_rows,

@@ -17,7 +17,8 @@ from featherweight.errors import QuantizationError
 from featherweight.io import loader
 from featherweight.io.loader import load_model, params_nbytes
 from featherweight.io.names import hf_name
-from featherweight.models.llama import LINEAR_NAMES, forward
+from featherweight.models.linear import LINEAR_NAMES
+from featherweight.models.llama import forward
 from featherweight.models.shapes import layer_shapes, parameter_count, top_level_shapes
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4, nf4_nbytes
 from tests.conftest import tiny_config
