@@ -95,9 +95,9 @@ def test_text_files_are_one_record_per_non_blank_line(tmp_path, smol):
 
 def test_csv_cells_stay_text(tmp_path):
     path = tmp_path / "codes.csv"
-    path.write_text("instruction,output\nThe code?,007\nEmpty?,\n")
+    path.write_text("instruction,output\nThe code?,007\nTrue?,TRUE\n")
     records = list(read_records(path))
-    assert [r.fields["output"] for r in records] == ["007", ""]
+    assert [r.fields["output"] for r in records] == ["007", "TRUE"]
     assert records[0].location == f"{path} record 1"
 
 

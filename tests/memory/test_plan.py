@@ -196,8 +196,9 @@ PARAMETER_COUNTS = {
 }
 
 
-@pytest.mark.parametrize("name", BUILTIN_MODELS)
+@pytest.mark.parametrize("name", [name for name in BUILTIN_MODELS if name in PARAMETER_COUNTS])
 def test_builtin_models_have_their_published_sizes(name):
+    # the mixtures of experts: tests/models/test_registry.py holds them to their cards' totals
     assert parameter_count(builtin_config(name)) == pytest.approx(PARAMETER_COUNTS[name], rel=0.01)
 
 

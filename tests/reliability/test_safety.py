@@ -61,7 +61,10 @@ def test_no_module_can_unpickle_or_run_loaded_code():
         for path in modules
         if (uses := _unsafe_uses(ast.parse(path.read_text())))
     }
-    assert found == {}
+    # GRPO's reward functions are code the user names in the config to be run: the one place
+    # that imports a module by name, and only the one the user gave (train/rewards.py)
+    assert found == {"train/rewards.py": found.get("train/rewards.py", [])}
+    assert set(found.get("train/rewards.py", [])) <= {"importlib.import_module()"}
 
 
 def test_the_scan_sees_what_it_looks_for():
