@@ -66,12 +66,12 @@ def checkpoint(tmp_path_factory) -> tuple:
     directory = tmp_path_factory.mktemp("lean")
     rng = np.random.default_rng(0)
     tensors = {
-        hf_name((name, None), config): rng.standard_normal(shape, dtype=np.float32)
+        hf_name((name, None), CONFIG): rng.standard_normal(shape, dtype=np.float32)
         for name, shape in top_level_shapes(CONFIG).items()
     }
     for layer in range(CONFIG.num_layers):
         for name, shape in layer_shapes(CONFIG).items():
-            tensors[hf_name((name, layer), config)] = rng.standard_normal(shape, dtype=np.float32)
+            tensors[hf_name((name, layer), CONFIG)] = rng.standard_normal(shape, dtype=np.float32)
     save_file(tensors, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(CONFIG.to_hf_dict()))
     return directory, (directory / "model.safetensors").stat().st_size
