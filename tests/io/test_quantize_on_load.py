@@ -43,7 +43,9 @@ def write_checkpoint(directory, config, seed=0):
             return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         return (rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32)
 
-    tensors = {hf_name((n, None), config): tensor(n, s) for n, s in top_level_shapes(config).items()}
+    tensors = {
+        hf_name((n, None), config): tensor(n, s) for n, s in top_level_shapes(config).items()
+    }
     for layer in range(config.num_layers):
         for name, shape in layer_shapes(config).items():
             tensors[hf_name((name, layer), config)] = tensor(name, shape)

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from featherweight.models.llama import embed
-from tests.conftest import tiny_config
 from featherweight.parallel.memory_kinds import (
     host_slice,
     host_table_rows,
@@ -20,6 +19,7 @@ from featherweight.parallel.memory_kinds import (
 )
 from featherweight.parallel.offload_rules import check_host_offload
 from featherweight.step.loss import HeadForm, token_losses_sum
+from tests.conftest import tiny_config
 
 HOST_SHARDING = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
 
