@@ -238,6 +238,22 @@ def attach_reference(packed: PackedRows, row_logps: Sequence[np.ndarray]) -> Pac
     return PackedRows(*packed[:-1], reference=tuple(values))
 
 
+def seq_len_hint(pairs: Sequence[PairExample], together: bool) -> str:
+    """What `data.seq_len` would keep the pairs whole. Packed (`together`), a row holds a pair:
+    seq_len counts both sequences, prompt + chosen and prompt + rejected (TRL's `max_length` counts
+    one); padded, each sequence has a row of its own."""
+    needs = sorted(
+        (len(p.chosen.ids) + len(p.rejected.ids) if together else max(len(p.chosen.ids),
+         len(p.rejected.ids))) - 1
+        for p in pairs
+    )  # fmt: skip
+    counted = "both sequences of a pair (data.pack: true)" if together else "one sequence"
+    return (
+        f"data.seq_len={needs[-1]} keeps every pair whole, {needs[(len(needs) - 1) // 2]} half of "
+        f"them (seq_len counts {counted}); raise data.seq_len"
+    )
+
+
 def prepare_preference_dataset(
     path: str | Path,
     tokenizer: Tokenizer,
@@ -263,7 +279,8 @@ def prepare_preference_dataset(
     if train_stats.pairs == 0:
         raise DataError(
             f"dataset {path}: no pair keeps a completion token within seq_len={seq_len} "
-            f"({train_stats.dropped_pairs} dropped: {NO_COMPLETION}); raise data.seq_len"
+            f"({train_stats.dropped_pairs} dropped: {NO_COMPLETION}); "
+            + seq_len_hint(train_pairs, pack_examples)
         )
     evaluation, eval_stats = pack_pairs(eval_pairs, *options) if eval_pairs else (None, None)
     reasons = tuple(

@@ -145,3 +145,19 @@ def test_max_per_row_counts_a_pair_as_two_examples(smol, tmp_path):
         prepare_preference_dataset(path, smol, 512, max_per_row=1)
     single = prepare_preference_dataset(path, smol, 512, pack_examples=False, max_per_row=1)
     assert single.train_stats.rows == 10  # unpacked: a pair in two rows, no limit to refuse
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
+def test_when_no_pair_fits_the_error_names_the_seq_len_that_would(smol, tmp_path, pack):
+    """A seq_len that holds no completion: the error says which seq_len keeps every pair whole,
+    counting both sequences of a packed pair (TRL's max_length counts one)."""
+    long_prompt = {**STRING, "prompt": "What colour is Velqua? " * 20}
+    path = write(tmp_path, [long_prompt, STRING])
+    with pytest.raises(DataError, match="no pair keeps a completion") as error:
+        prepare_preference_dataset(path, smol, 16, pack_examples=pack)
+    needed = int(error.value.args[0].split("data.seq_len=")[1].split()[0])
+    dataset = prepare_preference_dataset(path, smol, needed, pack_examples=pack, overflow="error")
+    assert dataset.train_stats.pairs == 2 and dataset.train_stats.truncated_pairs == 0
+    with pytest.raises(DataError):  # one token fewer cuts a pair
+        prepare_preference_dataset(path, smol, needed - 1, pack_examples=pack, overflow="error")
+    assert ("both sequences" in str(error.value)) == pack
