@@ -67,13 +67,21 @@ def strict(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def smoothed(values: list[float], weight: float = 0.9) -> list[float]:
-    """Exponential moving average with TensorBoard's debiasing (the first points are not pulled
-    toward zero): the trend of a noisy loss."""
-    average, out = 0.0, []
-    for count, value in enumerate(values, start=1):
-        average = weight * average + (1 - weight) * value
-        out.append(average / (1 - weight**count))
+def smoothed(values: list[float], window: int | None = None) -> list[float]:
+    """The trend of a noisy curve without lag: a centred moving average, `window` points wide
+    (odd; None: about a fifteenth of the run, at least 3), narrowed symmetrically near the ends
+    so every point stays centred on its step. An exponential average (TensorBoard's) trails a
+    falling loss by ~1/(1 - weight) steps, drawing it above the raw points for most of a short
+    run; a centred one follows a straight trend exactly."""
+    count = len(values)
+    if window is None:
+        window = max(3, count // 15)
+    half = max(0, window // 2)
+    out = []
+    for index in range(count):
+        reach = min(half, index, count - 1 - index)
+        span = values[index - reach : index + reach + 1]
+        out.append(sum(span) / len(span))
     return out
 
 
@@ -90,7 +98,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def loss_figure(records: list[dict[str, Any]]):
     """The loss plot of `records` (metrics.jsonl): train loss per step (raw, and smoothed), eval
-    loss where measured, resume marks, and the learning rate on a second axis. Steps are whole
+    loss where measured, resume marks, the learning rate on a second axis (from zero), and for a
+    preference or GRPO run its rewards in a panel below. Steps are whole
     numbers, so the step axis has whole-number ticks only (a 3-step run has no step 1.5)."""
     import matplotlib
 
@@ -103,9 +112,13 @@ def loss_figure(records: list[dict[str, Any]]):
     rates = [(r["step"], r["learning_rate"]) for r in records if "learning_rate" in r]
     resumes = [r["step"] for r in records if r.get("resumed")]
     rewards = [r for r in records if "rewards/accuracies" in r]
-    if rewards:  # a preference run: its rewards below the loss
+    sampled = [r for r in records if r.get("reward") is not None]
+    if rewards or sampled:  # a preference or GRPO run: its rewards below the loss
         figure, (axes, reward_axes) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-        _plot_rewards(reward_axes, rewards)
+        if rewards:
+            _plot_rewards(reward_axes, rewards)
+        else:
+            _plot_sampled_rewards(reward_axes, sampled)
     else:
         figure, axes = plt.subplots(figsize=(8, 4.5))
     if train:
@@ -118,13 +131,16 @@ def loss_figure(records: list[dict[str, Any]]):
         axes.axvline(step, color="gray", linestyle="--", label="resumed" if number == 0 else None)
     axes.set_xlabel("step")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set_ylabel("preference loss" if rewards else "cross-entropy")
+    axes.set_ylabel("preference loss" if rewards else "GRPO loss" if sampled else "cross-entropy")
     axes.grid(alpha=0.3)
     handles, labels = axes.get_legend_handles_labels()
     if rates:
         rate_axes = axes.twinx()
         rate_axes.plot(*zip(*rates, strict=True), color="tab:green", linewidth=1, label="lr")
         rate_axes.set_ylabel("learning rate")
+        # from zero: warmup and decay read as shares of the peak, and a constant rate is a flat
+        # line at its value (not one across an axis of 0.0019 to 0.0021)
+        rate_axes.set_ylim(0, 1.1 * max(rate for _, rate in rates) or 1.0)
         more_handles, more_labels = rate_axes.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
     if handles:
@@ -153,6 +169,26 @@ def _plot_rewards(axes, records: list[dict[str, Any]]) -> None:
     handles, labels = axes.get_legend_handles_labels()
     more_handles, more_labels = margin_axes.get_legend_handles_labels()
     axes.legend(handles + more_handles, labels + more_labels, loc="lower right")
+
+
+def _plot_sampled_rewards(axes, records: list[dict[str, Any]]) -> None:
+    """A GRPO run's reward (TRL's `reward`: the mean over the step's completions) with its spread
+    (`reward_std`) as a band."""
+    from matplotlib.ticker import MaxNLocator
+
+    steps = [r["step"] for r in records]
+    means = [r["reward"] for r in records]
+    spread = [r.get("reward_std") or 0.0 for r in records]
+    axes.fill_between(steps, [m - d for m, d in zip(means, spread, strict=True)],
+                      [m + d for m, d in zip(means, spread, strict=True)], color="tab:purple",
+                      alpha=0.12, label="reward_std")  # fmt: skip
+    axes.plot(steps, means, color="tab:purple", alpha=0.3)
+    axes.plot(steps, smoothed(means), color="tab:purple", label="reward")
+    axes.set_ylabel("reward")
+    axes.set_xlabel("step")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.grid(alpha=0.3)
+    axes.legend(loc="lower right")
 
 
 def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path:

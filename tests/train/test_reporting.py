@@ -137,3 +137,36 @@ def test_the_data_summary_counts_in_words():
     summary.update(records=1200, steps=3, epochs=1.5, steps_per_epoch=2)
     assert summary_lines(summary)[1] == "steps: 3 = 1.5 epochs of 2 steps (batch 2)"
     assert summary_lines(summary)[0] == "data: 1,200 records read from qa.csv"
+
+
+def test_the_smoothed_curve_follows_the_trend_without_lag():
+    """A falling loss with noise: the smoothed curve stays on the straight trend (an exponential
+    average trails it by ~1/(1 - weight) steps) and is calmer than the raw points."""
+    trend = [3.0 - 0.02 * step for step in range(60)]
+    noisy = [value + (0.1 if step % 2 else -0.1) for step, value in enumerate(trend)]
+    assert smoothed(trend) == pytest.approx(trend)
+    inner = zip(smoothed(noisy)[1:-1], trend[1:-1], strict=True)  # the ends are single points
+    assert max(abs(s - t) for s, t in inner) < 0.05
+    assert smoothed(noisy)[-1] == noisy[-1]  # the last point has nothing after it to centre on
+
+
+def test_a_constant_learning_rate_is_a_flat_line_on_an_axis_from_zero():
+    records = [
+        {"step": step, "loss": 3.0 - step / 10, "learning_rate": 2e-3} for step in range(1, 9)
+    ]
+    rate_axes = loss_figure(records).axes[-1]
+    bottom, top = rate_axes.get_ylim()
+    assert bottom == 0 and 2e-3 < top <= 2.5e-3
+
+
+def test_a_grpo_run_plots_its_reward_below_the_loss():
+    records = [{"step": step, "loss": 0.1, "reward": step / 10, "reward_std": 0.05,
+                "learning_rate": 1e-4} for step in range(1, 6)]  # fmt: skip
+    figure = loss_figure(records)
+    reward_axes = [a for a in figure.axes if a.get_ylabel() == "reward"]
+    assert len(reward_axes) == 1
+    lines = {line.get_label(): line for line in reward_axes[0].get_lines()}
+    assert list(lines["reward"].get_ydata()) == pytest.approx(
+        smoothed([s / 10 for s in range(1, 6)])
+    )
+    assert figure.axes[0].get_ylabel() == "GRPO loss"
