@@ -8,7 +8,7 @@ order of importance (the check, featherweight and torch at each shape, blockwise
 the longest-context search), each recorded as a JSON line in DIR/attention.jsonl as it ends:
 
 - `packed-rows`: every attention implementation that can run here against blockwise
-  (`models/attention_check.py`): packed rows of three documents of unequal length and a row of
+  (`dev/attention_check.py`): packed rows of three documents of unequal length and a row of
   padding (cudnn: cuDNN's packed layout; pallas; materialized), rows of one document
   (cudnn_padded); bf16, 32 query and 8 K/V heads, head dim 128. Records each one's largest
   differences from blockwise (forward and the q, k, v gradients, relative to blockwise's largest
@@ -49,11 +49,11 @@ import jax.numpy as jnp
 import numpy as np
 from gpu_check_cases import GPU, TIMED, TINY, Case, Scale, case_config, run_steps, set_up
 
+from featherweight.dev.attention_check import check_against_blockwise, packed_inputs
 from featherweight.errors import StepConfigError
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import format_bytes
 from featherweight.models.attention import attend
-from featherweight.models.attention_check import check_against_blockwise, packed_inputs
 from featherweight.models.attention_choice import AttentionTarget, choose_attention
 from featherweight.models.fused_attention import pallas_attention
 from featherweight.recipe.build import attention_implementation

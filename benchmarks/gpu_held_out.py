@@ -1,6 +1,6 @@
 """The held-out grid on XLA's GPU compiler: planned device bytes vs the step compiled for a GPU.
 
-The grid is the calibration's held-out grid (`featherweight.memory.calibrate.gpu_grid` with the
+The grid is the calibration's held-out grid (`featherweight.dev.calibrate.gpu_grid` with the
 held-out seed: real models 1B-8B, LoRA/QLoRA/full, AdamW and 8-bit AdamW, b1-4, S 512-4096, with
 and without each memory setting; and batch 1 at 32K-131K tokens, `calibrate.gpu_long_context`),
 never used by the fit. Each configuration is compiled for the
@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 from results_file import emit
 
-from featherweight.memory import calibrate
+from featherweight.dev import calibrate
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import format_bytes, percent_difference
 from featherweight.memory.targets import get_target

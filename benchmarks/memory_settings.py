@@ -5,7 +5,7 @@ LoRA r8 on every linear (and QLoRA, and full fine-tuning). Each variant is the t
 (`train.run.prepare_run`'s, via `memory.measure.abstract_step_arguments`), compiled once: its bytes are the
 compiled program's `memory_analysis()` (device bytes: temp + argument + output - alias, less the
 arguments placed in pinned host memory), its matmul FLOPs are counted in its optimized HLO
-(`memory.step_cost.hlo_dot_flops`). Times are paired ratios against the default measured in the
+(`dev.hlo_cost.hlo_dot_flops`). Times are paired ratios against the default measured in the
 same round, the variants interleaved round after round (a shared machine's load drifts hit all
 alike); the median over rounds of process CPU time (all threads) and of wall time are given.
 
@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from results_file import emit
 
+from featherweight.dev.hlo_cost import hlo_dot_flops
 from featherweight.memory.defaults import resolve
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.measure import (
@@ -44,12 +45,7 @@ from featherweight.memory.measure import (
     measure_for_target,
     measurement_of,
 )
-from featherweight.memory.step_cost import (
-    ACCELERATOR_RATES,
-    hlo_dot_flops,
-    step_flops,
-    step_seconds,
-)
+from featherweight.memory.step_cost import ACCELERATOR_RATES, step_flops, step_seconds
 from featherweight.memory.targets import get_target
 from featherweight.memory.working_set import calibration_for
 from featherweight.models.registry import builtin_config

@@ -16,7 +16,7 @@ fine-tuning). Three steps per method, on the same random tokens:
 Bytes: XLA:CPU `compiled.memory_analysis()` of each JAX program, temp + argument + output - alias
 (`memory.measure.measurement_of`, the same formula for both), split into frozen base, trainable
 weights, optimizer state, batch, temporaries and unaliased outputs. GFLOP: matmul FLOPs in each
-compiled program's optimized HLO (`memory.step_cost.hlo_dot_flops`, loops counted by their trip
+compiled program's optimized HLO (`dev.hlo_cost.hlo_dot_flops`, loops counted by their trip
 counts). Time: measured on this machine; the steps run interleaved, one round after another
 (featherweight, JAX peer, torch; then JAX peer, torch, featherweight; ...: the order rotates each
 round: in a fixed order featherweight always followed torch and measured 1.08x the JAX peer in
@@ -52,9 +52,9 @@ from peer_jax import build_peer_step
 from peer_torch import build_torch_step
 from results_file import emit
 
+from featherweight.dev.hlo_cost import hlo_dot_flops
 from featherweight.memory.defaults import resolve
 from featherweight.memory.measure import abstract_step_arguments, measurement_of
-from featherweight.memory.step_cost import hlo_dot_flops
 from featherweight.models.batch import Batch
 from featherweight.models.init import init_params
 from featherweight.models.registry import builtin_config

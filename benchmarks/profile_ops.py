@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from featherweight.memory.step_cost import _COMPUTATION, _INSTRUCTION, _shape_and_opcode
+from featherweight.dev.hlo_cost import _COMPUTATION, _INSTRUCTION, _shape_and_opcode
 
 # the step's named scopes (featherweight/models/llama.py, quant/nf4.py, step/loss.py,
 # step/layer_loop.py, parallel/memory_kinds.py; tests/step/test_named_scopes.py)

@@ -32,7 +32,9 @@ LAYERS = (
     "train",
     "demo",
     "cli",
+    "dev",
 )
+RUNTIME = LAYERS[: LAYERS.index("dev")]  # what a training run imports; never the dev area
 
 
 def _module_name(path: Path) -> str:
@@ -134,6 +136,19 @@ def test_imports_follow_the_layers():
 
 def test_every_package_has_a_layer():
     assert set(package_edges(module_imports())) <= set(LAYERS)
+
+
+def test_no_runtime_module_imports_the_development_area():
+    """`featherweight.dev` (calibration fitting, the HLO reader, the attention check) measures
+    featherweight; nothing a training run imports may import it, not even inside a function."""
+    wrong = [
+        f"{module} imports {target}"
+        for module, targets in module_imports().items()
+        if _package(module) in RUNTIME or module == "featherweight"
+        for target in targets
+        if _package(target) == "dev"
+    ]
+    assert not wrong, "; ".join(sorted(wrong))
 
 
 def test_the_finder_finds_a_cycle():

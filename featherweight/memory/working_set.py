@@ -74,7 +74,7 @@ the forward pass stores, per phase, from shapes and calibrated buffer counts.
 is high by their bytes).
 The buffer counts c_* are how many such buffers XLA keeps alive at once. They are data, not code:
 `calibration.json` holds them per compiler and dtype together with the compiled measurements they
-were fitted on and their provenance; `python -m featherweight.memory.calibrate` measures a fit grid
+were fitted on and their provenance; `python -m featherweight.dev.calibrate` measures a fit grid
 and a held-out grid, fits them (non-negative least squares on the relative error of temp) and
 writes the file; tests/memory/test_calibration.py checks the fit and the held-out error.
 
@@ -171,13 +171,13 @@ def calibration_key(config: TrainConfig) -> str:
 @functools.lru_cache(maxsize=8)
 def calibration_counts(key: str = DEFAULT_CALIBRATION) -> dict[str, float]:
     """The buffer counts fitted for a compiler and dtype (`calibration.json`, written by
-    `python -m featherweight.memory.calibrate` together with the measurements it fitted)."""
+    `python -m featherweight.dev.calibrate` together with the measurements it fitted)."""
     calibrations = json.loads(CALIBRATION_FILE.read_text())["calibrations"]
     if key not in calibrations:
         raise ConfigError(
             f"no working-set calibration {key!r} in {CALIBRATION_FILE.name}; known: "
             f"{', '.join(sorted(calibrations))} (fit one with python -m "
-            "featherweight.memory.calibrate)"
+            "featherweight.dev.calibrate)"
         )
     return dict(calibrations[key]["counts"])
 

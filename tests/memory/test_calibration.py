@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from featherweight.memory import calibrate, working_set
+from featherweight.dev import calibrate
+from featherweight.memory import working_set
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.measure import measure_compiled, measure_for_target
 from featherweight.memory.report import percent_difference

@@ -8,6 +8,8 @@ import re
 import jax
 import pytest
 
+from featherweight.dev import hlo_cost
+from featherweight.dev.hlo_cost import hlo_dot_flops, hlo_dot_operand_bytes
 from featherweight.memory import step_cost
 from featherweight.memory.defaults import resolve
 from featherweight.memory.measure import abstract_step_arguments
@@ -18,8 +20,6 @@ from featherweight.memory.step_cost import (
     blockwise_attention_seconds,
     dequantization_seconds,
     head_matmul_bytes,
-    hlo_dot_flops,
-    hlo_dot_operand_bytes,
     host_base_estimate,
     host_transfer_bytes,
     layer_weight_bytes,
@@ -236,13 +236,13 @@ def _fused_computations(text: str) -> tuple[set[str], dict[str, str]]:
     """(computations holding a dequantization's final multiply, each computation's root opcode)."""
     dequantizing, roots, current = set(), {}, None
     for line in text.splitlines():
-        header = step_cost._COMPUTATION.match(line)
+        header = hlo_cost._COMPUTATION.match(line)
         current = header.group(1) if header else current
         if current and _DEQUANTIZED.search(line):
             dequantizing.add(current)
         if current and line.lstrip().startswith("ROOT "):
-            rest = step_cost._INSTRUCTION.match(line).group(2)
-            roots[current] = step_cost._shape_and_opcode(rest)[1]
+            rest = hlo_cost._INSTRUCTION.match(line).group(2)
+            roots[current] = hlo_cost._shape_and_opcode(rest)[1]
     return dequantizing, roots
 
 
@@ -256,17 +256,17 @@ def _hlo_weight_traffic(compiled, shapes: set[tuple[int, ...]], layers: int) -> 
     sizes = {math.prod(shape) for shape in shapes}
     own, calls, entry, current = {}, {}, None, None
     for line in text.splitlines():
-        header = step_cost._COMPUTATION.match(line)
+        header = hlo_cost._COMPUTATION.match(line)
         if header:
             current = header.group(1)
             entry = current if line.startswith("ENTRY") else entry
             own[current], calls[current] = [0, 0], []
             continue
-        instruction = step_cost._INSTRUCTION.match(line) if current else None
+        instruction = hlo_cost._INSTRUCTION.match(line) if current else None
         if instruction is None:
             continue
-        shape, opcode = step_cost._shape_and_opcode(instruction.group(2))
-        array = step_cost._array(shape) if shape.startswith(("f32", "bf16")) else None
+        shape, opcode = hlo_cost._shape_and_opcode(instruction.group(2))
+        array = hlo_cost._array(shape) if shape.startswith(("f32", "bf16")) else None
         size = 0 if array is None else math.prod(array.dims)
         fused = _FUSED.search(line).group(1) if opcode == "fusion" else None
         root = roots.get(fused, "") if fused else opcode
@@ -276,10 +276,10 @@ def _hlo_weight_traffic(compiled, shapes: set[tuple[int, ...]], layers: int) -> 
         elif root in ("copy", "dynamic-slice") and size:
             own[current][1] += size if tuple(d for d in array.dims if d != 1) in shapes else 0
         if opcode in ("while", "call", "conditional"):  # not fusions: counted above
-            trips = step_cost._TRIP_COUNT.search(line)
+            trips = hlo_cost._TRIP_COUNT.search(line)
             repeat = int(trips.group(1)) if opcode == "while" and trips else 1
             calls[current] += [(called, repeat) for called in _LOOPS.findall(line)]
-            for group in step_cost._BRANCHES.findall(line):
+            for group in hlo_cost._BRANCHES.findall(line):
                 calls[current] += [(branch.strip().lstrip("%"), 1) for branch in group.split(",")]
 
     def total(computation: str) -> tuple[int, int]:

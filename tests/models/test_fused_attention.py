@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from featherweight.models.attention import attend, blockwise_attention
-from featherweight.models.attention_check import (
+from featherweight.dev.attention_check import (
     check_against_blockwise,
     cross_document_gradient,
     packed_inputs,
 )
+from featherweight.models.attention import attend, blockwise_attention
 from featherweight.models.fused_attention import (
     documents_per_row,
     packed_layout,

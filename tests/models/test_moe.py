@@ -15,9 +15,9 @@ import pytest
 import torch
 import transformers
 
+from featherweight.dev.hlo_cost import hlo_dot_flops
 from featherweight.inference.generate import generate_ids, logits
 from featherweight.io.loader import load_model
-from featherweight.memory.step_cost import hlo_dot_flops
 from featherweight.models import moe
 from featherweight.models.batch import batch_from_tokens
 from featherweight.models.config import ModelConfig

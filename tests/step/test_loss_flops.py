@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from featherweight.dev.hlo_cost import hlo_dot_flops
 from featherweight.memory.measure import abstract_step_arguments
-from featherweight.memory.step_cost import hlo_dot_flops
 from featherweight.models.llama import rms_norm
 from featherweight.recipe.schema import parse_config
 from featherweight.step import loss as loss_module

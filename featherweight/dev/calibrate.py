@@ -1,8 +1,8 @@
 """Fit the working set's buffer counts to compiled steps, and check them on configurations held out.
 
-    python -m featherweight.memory.calibrate                  # XLA:CPU float32: measure, fit, write
-    python -m featherweight.memory.calibrate --target h100    # XLA:GPU bfloat16 (deviceless H100)
-    python -m featherweight.memory.calibrate --refit [--target h100]  # refit the stored measurements
+    python -m featherweight.dev.calibrate                  # XLA:CPU float32: measure, fit, write
+    python -m featherweight.dev.calibrate --target h100    # XLA:GPU bfloat16 (deviceless H100)
+    python -m featherweight.dev.calibrate --refit [--target h100]  # refit the stored measurements
 
 The planner's working set (`working_set.py`) is a sum of terms -- one layer's weights, its
 activations, the attention scores, a logits chunk, ... -- each times a count of how many such
@@ -21,7 +21,7 @@ model shapes 1B-8B, each compile takes a minute, and in the fit grid small rando
 S 256-1024 as well). Compiles are slow, so each measurement is
 appended to a progress file (`--progress`, default next to calibration.json) and an interrupted
 run picks up where it stopped. A change to the step's program (attention, chunking) needs a
-re-run: `python -m featherweight.memory.calibrate --target h100 --fresh`; a change to how host
+re-run: `python -m featherweight.dev.calibrate --target h100 --fresh`; a change to how host
 placements compile only of the cases that use them: `--again-if-host`.
 
 The fit model: planned temporaries = stored activations + the largest phase (backward, loss, and
