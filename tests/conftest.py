@@ -12,6 +12,10 @@ inherit them.
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The output is a log's, not a terminal's: pytest-xdist's workers set COLUMNS=80, which the CLI
+# (rightly) obeys, wrapping paths and tables that the tests read whole.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
@@ -139,3 +143,4 @@ def training_case(config: ModelConfig, method: str, rank: int = 8):
     adapters = jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape), adapters)
     frozen = params if method == "lora" else quantize_frozen_base(params)
     return adapters, frozen, lora.spec
+
