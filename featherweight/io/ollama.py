@@ -2,11 +2,30 @@
 
 Ollama's templates are Go templates, the model's chat template is Jinja; no general translation
 exists. The chat template is therefore recognised by what it renders: a probe conversation is
-rendered with it and compared with each known family's rendering (ChatML -- SmolLM2, Qwen2 --, Llama
-3, Mistral/Llama 2 `[INST]`); the matching family's Go template goes into the Modelfile, with a
-default system prompt as `SYSTEM` (ChatML templates that add one when the conversation has none)
-and the end-of-turn tokens as `stop` parameters. A template of no known family is left out, and the
-Modelfile says so: Ollama then falls back to the Jinja template stored in the GGUF metadata.
+rendered with it and compared with each known family's rendering, and so is the probe after a
+system message wherever the template accepts one, so that a family is matched with the place it
+gives the system prompt. The families: ChatML (SmolLM2, Qwen2, Qwen3), Llama 3, Mistral/Llama 2
+`[INST]` (its Go template leaves a system prompt out, so its system rendering is not compared),
+Gemma 2 / 3 (the system prompt folded into the first user turn, as Gemma 3's template does;
+Gemma 2's refuses a system message), Phi-3 / 3.5 (`<|user|>` turns on lines of their own), Phi-4
+(ChatML's tokens with `<|im_sep|>` after the role) and Phi-4-mini (Phi-3's tokens without the
+newlines). The matching family's Go template goes into the Modelfile, with a default system prompt
+as `SYSTEM` (ChatML templates that add one when the conversation has none) and the end-of-turn
+tokens as `stop` parameters. The Go templates use `.Messages` (`.Role`, `.Content`) and template
+variables only, and pass each message's content as it is: Gemma's template trims it.
+
+Qwen3's template is ChatML for a conversation of plain messages with its default, thinking, mode:
+the generation prompt is `<|im_start|>assistant\n` and the model writes its own `<think>` block.
+Two differences the probe cannot see: with `enable_thinking=False` the template writes an empty
+`<think></think>` block after the generation prompt, which the ChatML Go template does not, and it
+drops the `<think>` block of earlier assistant turns, which the Go template passes on as Ollama
+stores them.
+
+A template of no known family is left out, and the Modelfile says so: Ollama then derives a
+template from the Jinja one stored in the GGUF metadata (`tokenizer.chat_template`). gpt-oss's
+harmony format is left to that: its template writes the current date and a fixed system preamble
+into every prompt, and its replies run in channels (analysis, final) that need Ollama's own
+harmony handling rather than a template translated here.
 """
 
 from __future__ import annotations
@@ -37,6 +56,7 @@ class ChatFamily(NamedTuple):
     render: Callable[[Messages], str]  # with the generation prompt
     go_template: str
     stops: tuple[str, ...]
+    places_system: bool = True  # whether `render` and the Go template carry a system prompt
 
 
 def _chatml(messages: Messages) -> str:
@@ -62,6 +82,32 @@ def _inst(messages: Messages) -> str:
     return out
 
 
+def _gemma(messages: Messages) -> str:
+    out, system = "", ""
+    for m in messages:
+        if m["role"] == "system":
+            system = m["content"]
+            continue
+        role = "model" if m["role"] == "assistant" else m["role"]
+        prefix, system = (f"{system}\n\n" if system else ""), ""
+        out += f"<start_of_turn>{role}\n{prefix}{m['content']}<end_of_turn>\n"
+    return out + "<start_of_turn>model\n"
+
+
+def _phi3(messages: Messages) -> str:
+    turns = "".join(f"<|{m['role']}|>\n{m['content']}<|end|>\n" for m in messages)
+    return turns + "<|assistant|>\n"
+
+
+def _phi4(messages: Messages) -> str:
+    turns = "".join(f"<|im_start|>{m['role']}<|im_sep|>{m['content']}<|im_end|>" for m in messages)
+    return turns + "<|im_start|>assistant<|im_sep|>"
+
+
+def _phi4_mini(messages: Messages) -> str:
+    return "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages) + "<|assistant|>"
+
+
 FAMILIES = (
     ChatFamily(
         "chatml",
@@ -83,6 +129,37 @@ FAMILIES = (
         '{{- range .Messages }}{{- if eq .Role "user" }}[INST] {{ .Content }} [/INST]'
         '{{- else if eq .Role "assistant" }} {{ .Content }}</s>{{- end }}{{- end }}',
         ("[INST]", "</s>"),
+        places_system=False,
+    ),
+    ChatFamily(
+        "gemma",
+        _gemma,
+        # a system message is held in $system and written at the start of the next turn
+        '{{- $system := "" }}{{ range .Messages }}{{ if eq .Role "system" }}'
+        "{{ $system = .Content }}{{ else }}<start_of_turn>"
+        '{{ if eq .Role "assistant" }}model{{ else }}{{ .Role }}{{ end }}\n'
+        '{{ if $system }}{{ $system }}\n\n{{ $system = "" }}{{ end }}'
+        "{{ .Content }}<end_of_turn>\n{{ end }}{{ end }}<start_of_turn>model\n",
+        ("<end_of_turn>", "<start_of_turn>"),
+    ),
+    ChatFamily(
+        "phi3",
+        _phi3,
+        "{{- range .Messages }}<|{{ .Role }}|>\n{{ .Content }}<|end|>\n{{ end }}<|assistant|>\n",
+        ("<|end|>", "<|user|>", "<|assistant|>"),
+    ),
+    ChatFamily(
+        "phi4",
+        _phi4,
+        "{{- range .Messages }}<|im_start|>{{ .Role }}<|im_sep|>{{ .Content }}<|im_end|>"
+        "{{ end }}<|im_start|>assistant<|im_sep|>",
+        ("<|im_end|>", "<|im_start|>"),
+    ),
+    ChatFamily(
+        "phi4-mini",
+        _phi4_mini,
+        "{{- range .Messages }}<|{{ .Role }}|>{{ .Content }}<|end|>{{ end }}<|assistant|>",
+        ("<|end|>", "<|user|>", "<|assistant|>"),
     ),
 )
 _PROBE = [
@@ -90,25 +167,48 @@ _PROBE = [
     {"role": "assistant", "content": "Hi! How can I help?"},
     {"role": "user", "content": "Name a colour."},
 ]
+_PROBE_SYSTEM = {"role": "system", "content": "Answer in one word."}
 _CHATML_SYSTEM = re.compile(r"^<\|im_start\|>system\n(.*?)<\|im_end\|>\n", re.DOTALL)
+
+
+def _rendered(tokenizer: Tokenizer, messages: Messages) -> str | None:
+    """The chat template's rendering of `messages`, None where it refuses them."""
+    try:
+        return tokenizer.apply_chat_template(messages)
+    except Exception:  # a template that needs more than plain messages (tools, dates, ...)
+        return None
+
+
+def _default_system(family: ChatFamily, text: str) -> tuple[bool, str | None]:
+    """(whether `text` is the family's rendering of the probe, the system prompt it added)."""
+    if text == family.render(_PROBE):
+        return True, None
+    match = _CHATML_SYSTEM.match(text) if family.name == "chatml" else None
+    if match and text[match.end() :] == family.render(_PROBE):
+        return True, match.group(1)
+    return False, None
 
 
 def chat_family(tokenizer: Tokenizer) -> tuple[ChatFamily | None, str | None]:
     """(the family whose rendering the chat template reproduces, its default system prompt)."""
     if tokenizer.chat_template is None:
         return None, None
-    try:
-        rendered = tokenizer.apply_chat_template(_PROBE)
-    except Exception:  # a template that needs more than plain messages (tools, dates, ...)
+    rendered = _rendered(tokenizer, _PROBE)
+    if rendered is None:
         return None, None
+    with_system = _rendered(tokenizer, [_PROBE_SYSTEM, *_PROBE])
     # with and without a leading BOS (which llama.cpp adds itself when the file says so)
-    for text in dict.fromkeys([rendered, rendered.removeprefix(tokenizer.bos_token or "\0")]):
+    for bos in dict.fromkeys(["", tokenizer.bos_token or ""]):
+        if not rendered.startswith(bos):
+            continue
         for family in FAMILIES:
-            if text == family.render(_PROBE):
-                return family, None
-            match = _CHATML_SYSTEM.match(text) if family.name == "chatml" else None
-            if match and text[match.end() :] == family.render(_PROBE):
-                return family, match.group(1)
+            matched, system = _default_system(family, rendered.removeprefix(bos))
+            if not matched:
+                continue
+            if with_system is None or not family.places_system:
+                return family, system
+            if with_system.removeprefix(bos) == family.render([_PROBE_SYSTEM, *_PROBE]):
+                return family, system
     return None, None
 
 

@@ -49,6 +49,19 @@ _CONTROL_TOKEN = 3
 _USER_DEFINED_TOKEN = 4
 
 
+# what ends a reply in the common chat formats, in order: ChatML (Qwen, SmolLM2, Phi-4), Llama 3's
+# turn and text, Llama 2 / Mistral, GPT-2's end of text, Gemma, Phi-3 / Phi-4-mini
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "</s>",
+    "<|endoftext|>",
+    "<end_of_turn>",
+    "<|end|>",
+)
+
+
 class Tokenizer:
     """Text <-> token ids, special tokens, and the chat template of one model."""
 
@@ -95,7 +108,7 @@ class Tokenizer:
     def stop_ids(self) -> set[int]:
         """Ids that end a generated reply: EOS and the end-of-turn tokens of common templates."""
         ids = {self.eos_id}
-        for token in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|endoftext|>"):
+        for token in END_OF_TURN_TOKENS:
             ids.add(self.token_id(token))
         ids.discard(None)
         return ids  # type: ignore[return-value]
