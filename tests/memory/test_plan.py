@@ -422,3 +422,51 @@ def test_gemma3_27b_qlora_is_planned_on_a_24_gb_card_with_room_to_spare():
     assert config.memory.vocab_chunk is not None and config.memory.vocab_chunk < 262208
     whole_logits = 4 * 2048 * 262208
     assert plan.phases["loss"] < whole_logits
+
+
+# The mixtures of experts' memory goals (issue 42), planned for XLA's GPU compiler; compiled for
+# the H100 without a GPU in tests/memory/test_measure_gpu.py. QLoRA b1 x 2048 in bfloat16.
+MOE_GOAL = {"method": "qlora", "batch_size": 1, "model": {"dtype": "bfloat16"},
+            "data": {"seq_len": 2048}}  # fmt: skip
+# Qwen3-30B-A3B all on the device: LoRA on attention, the 128 experts of every layer frozen in
+# NF4 (at rank 8 their adapters would be 415M parameters: 1.57 GiB and AdamW's 3.14 more)
+QWEN3_MOE_ON_DEVICE = {**MOE_GOAL, "lora": {"targets": ["q", "k", "v", "o"]}}
+QWEN3_MOE_DEVICE_GOAL = 18 * GIB
+QWEN3_MOE_SMALL_BUDGET = 6 * GIB  # every expert trained too; the search moves the base to the host
+GPT_OSS_BUDGET = 14 * GIB
+
+
+def qwen3_moe_on_the_device():
+    """(Qwen3-30B-A3B QLoRA b1 x 2048, LoRA on attention, resolved; its plan)."""
+    model = builtin_config("Qwen3-30B-A3B")
+    with calibration_for("xla-gpu"):
+        config = resolve(parse_config(QWEN3_MOE_ON_DEVICE), model)
+        return config, plan_for_config(config, model)
+
+
+def moe_in_budget(name: str, budget: int):
+    """(the settings the budget search picks for `name` QLoRA b1 x 2048, LoRA on attention and
+    every expert, within `budget`; its plan)."""
+    with calibration_for("xla-gpu"):
+        return fit_budget(parse_config(MOE_GOAL), builtin_config(name), budget)
+
+
+def test_qwen3_30b_a3b_qlora_is_planned_within_18_gib_all_on_the_device():
+    config, plan = qwen3_moe_on_the_device()
+    assert plan.device_bytes <= QWEN3_MOE_DEVICE_GOAL and plan.host_bytes == 0
+    memory = config.memory
+    assert (memory.base, memory.embed, memory.optimizer_state) == ("device",) * 3
+
+
+def test_qwen3_30b_a3b_in_6_gib_trains_every_expert_with_the_base_on_the_host():
+    config, plan = moe_in_budget("Qwen3-30B-A3B", QWEN3_MOE_SMALL_BUDGET)
+    assert config.memory.base == "host" and plan.device_bytes <= QWEN3_MOE_SMALL_BUDGET
+    assert {"gate", "up", "down"} <= set(config.lora.targets)
+    # an MoE's kept MLP activations are its routed rows' (each token's top 8, padded), not a
+    # dense MLP's one row a token: keeping them does not fit
+    assert "mlp_hidden" not in config.memory.save
+
+
+def test_gpt_oss_20b_qlora_is_planned_within_14_gib():
+    config, plan = moe_in_budget("gpt-oss-20b", GPT_OSS_BUDGET)
+    assert plan.device_bytes <= GPT_OSS_BUDGET and config.memory.base == "device"
