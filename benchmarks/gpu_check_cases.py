@@ -62,7 +62,8 @@ ZERO_ABSMAX_CODE = int(np.argmin(np.abs(DYNAMIC_CODE)))  # DYNAMIC_CODE[it] == 0
 
 @dataclasses.dataclass(frozen=True)
 class Scale:
-    """The shapes a run uses: the GPU's (Llama-3.1-8B / 3.2-1B, bf16) or `--tiny` (CPU)."""
+    """The shapes a run uses: the GPU's (Llama-3.1-8B / 3.2-1B, Qwen3-30B-A3B, bf16) or `--tiny`
+    (CPU). Roles: "large", "small" and "moe" (a mixture of experts: the speed rows only)."""
 
     name: str
     dtype: str
@@ -88,18 +89,29 @@ def _tiny_model(tied: bool) -> ModelConfig:
     return dataclasses.replace(smollm, num_layers=2, vocab_size=4096, tie_word_embeddings=tied)
 
 
+def _tiny_moe() -> ModelConfig:
+    """Qwen3-30B-A3B's layer (QK-norm, top-8 of 128 experts renormalized) cut to 2 layers of
+    D 128, 4 heads of 32, top-2 of 8 experts of 64, a 4096-token vocabulary."""
+    qwen = builtin_config("Qwen3-30B-A3B")
+    return dataclasses.replace(
+        qwen, num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+        intermediate_size=64, num_experts=8, experts_per_token=2, vocab_size=4096,
+    )  # fmt: skip
+
+
 GPU = Scale(
     "gpu",
     "bfloat16",
     2,
     2048,
     1e-2,
-    {"large": 180, "small": 150},
+    {"large": 180, "small": 150, "moe": 300},
     {
         "large": lambda: builtin_config("Llama-3.1-8B"),
         "small": lambda: builtin_config("Llama-3.2-1B"),
+        "moe": lambda: builtin_config("Qwen3-30B-A3B"),
     },
-    {"large": "Llama-3.1-8B", "small": "Llama-3.2-1B"},
+    {"large": "Llama-3.1-8B", "small": "Llama-3.2-1B", "moe": "Qwen3-30B-A3B"},
     lambda config, model: budget.parse_budget("5.5GiB"),
 )
 TINY = Scale(
@@ -108,9 +120,17 @@ TINY = Scale(
     2,
     128,
     1e-4,
-    {"large": 240, "small": 240},
-    {"large": lambda: _tiny_model(tied=False), "small": lambda: _tiny_model(tied=True)},
-    {"large": "SmolLM2-135M layers x2, V 4096, untied", "small": "the same, tied"},
+    {"large": 240, "small": 240, "moe": 240},
+    {
+        "large": lambda: _tiny_model(tied=False),
+        "small": lambda: _tiny_model(tied=True),
+        "moe": _tiny_moe,
+    },
+    {
+        "large": "SmolLM2-135M layers x2, V 4096, untied",
+        "small": "the same, tied",
+        "moe": "qwen3_moe x2, D 128, top-2 of 8 experts, V 4096",
+    },
     _tiny_budget,
 )
 

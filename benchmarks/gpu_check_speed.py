@@ -5,6 +5,7 @@ within the device's memory, beside torch + peft (+ bitsandbytes) at the same sha
     python benchmarks/gpu_check.py --out DIR --speed ...   (after the check's own cases)
 
 Shapes (random weights drawn with fixed seeds, bf16 on the GPU): Llama-3.1-8B QLoRA b2 x 2048,
+Qwen3-30B-A3B QLoRA b1 x 2048 (issue 42: NF4 experts, LoRA on attention and every expert),
 Llama-3.1-8B LoRA b2 x 2048, Llama-3.2-1B LoRA b8 x 2048. Per shape, each job in its own process
 (`peak_bytes_in_use` is a process-lifetime high-water mark), recorded as a JSON line in
 DIR/speed.jsonl as it ends:
@@ -16,15 +17,19 @@ DIR/speed.jsonl as it ends:
   a CPU): the room the lean plan leaves is spent on kept activations, cheapest time first;
 - `torch-<shape>`: the torch + peft peer (`peer_torch.build_torch_step`: SDPA, gradient
   checkpointing, AdamW, LoRA r 8 on every linear, bitsandbytes NF4 for QLoRA), bf16 on the GPU;
-  skipped with the reason where torch, peft or bitsandbytes are missing.
+  skipped with the reason where torch, peft or bitsandbytes are missing, and for the mixture of
+  experts (`moe_peer_skipped`: transformers 5 keeps Qwen3-MoE's experts as fused 3-D parameters,
+  which bitsandbytes' 4-bit loading, nn.Linear only, leaves in bf16: no QLoRA peer).
 
 Each records the median of steps 3-6, tokens per second, the peak (JAX's `peak_bytes_in_use`;
 torch's `max_memory_allocated`) and the model FLOPs utilisation: 4 N FLOPs per token for LoRA and
 QLoRA (forward and input gradient; 6 N trained in full) at the GPU's published dense bf16 peak
-(`memory/targets.json`), N the model's parameters. featherweight and torch run one after the
+(`memory/targets.json`), N the parameters a token goes through (a mixture of experts' k routed
+experts of E, the router whole: `active_parameter_count`). featherweight and torch run one after the
 other in separate processes on one GPU (each needs its whole memory): their ratio is of
 consecutive runs, not interleaved repeats. `--tiny`: the same jobs on CPU at SmolLM2-135M layer
-shapes (2 layers), float32, b2 x 64 (the torch peer on the CPU too): the script runs in CI
+shapes (2 layers; the MoE row a 2-layer qwen3_moe, top-2 of 8 experts), float32, b x 64 (the torch
+peer on the CPU too): the script runs in CI
 (tests/test_gpu_check_speed.py) and cannot rot; its times are no measure of a GPU.
 """
 
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -60,7 +66,7 @@ from featherweight.memory import budget, capacity
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import format_bytes
 from featherweight.memory.targets import targets
-from featherweight.models.shapes import parameter_count
+from featherweight.models.shapes import layer_shapes, parameter_count
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,7 +76,7 @@ class Shape:
     """One of the issue's shapes: the model's role in the check's scale, the method, batch x seq."""
 
     name: str
-    model: str  # "large" (Llama-3.1-8B) or "small" (Llama-3.2-1B)
+    model: str  # "large" (Llama-3.1-8B), "small" (Llama-3.2-1B) or "moe" (Qwen3-30B-A3B)
     method: str
     batch: int
     seq: int
@@ -78,6 +84,7 @@ class Shape:
 
 SHAPES = (
     Shape("8b-qlora-b2x2048", "large", "qlora", 2, 2048),
+    Shape("30b-a3b-qlora-b1x2048", "moe", "qlora", 1, 2048),
     Shape("8b-lora-b2x2048", "large", "lora", 2, 2048),
     Shape("1b-lora-b8x2048", "small", "lora", 8, 2048),
 )
@@ -108,9 +115,37 @@ def peak_flops(device_kind: str) -> float | None:
     return None
 
 
+def active_parameter_count(model_config) -> int:
+    """The weights one token goes through: all of a dense model's; of a mixture of experts', its k
+    routed experts of E (the router, which scores every expert, counted whole)."""
+    total = parameter_count(model_config)
+    if not model_config.num_experts:
+        return total
+    shapes = layer_shapes(model_config)
+    per_expert = sum(
+        math.prod(shapes[name][1:])
+        for name in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
+        if name in shapes
+    )
+    idle = model_config.num_experts - model_config.experts_per_token
+    return total - model_config.num_layers * idle * per_expert
+
+
 def model_flops_per_token(model_config, method: str) -> int:
-    """4 N for adapters on a frozen base (forward, input gradient), 6 N for full fine-tuning."""
-    return (6 if method == "full" else 4) * parameter_count(model_config)
+    """4 N for adapters on a frozen base (forward, input gradient), 6 N for full fine-tuning; N
+    the active parameters."""
+    return (6 if method == "full" else 4) * active_parameter_count(model_config)
+
+
+def moe_peer_skipped(model_config) -> str:
+    """Why the torch peer of a mixture of experts is not run: no QLoRA of its experts exists."""
+    experts = 3 * model_config.num_experts * model_config.hidden_size
+    experts *= model_config.intermediate_size * model_config.num_layers
+    return (
+        "torch peer skipped: transformers 5 keeps qwen3_moe's experts as fused 3-D parameters, "
+        "which bitsandbytes' 4-bit loading (nn.Linear only) leaves in bf16 "
+        f"({format_bytes(2 * experts)} of experts): no QLoRA peer"
+    )
 
 
 def _scaled(scale: Scale, shape: Shape) -> Scale:
@@ -145,6 +180,9 @@ def featherweight_job(kind: str, shape: Shape, scale: Scale) -> dict[str, Any]:
 
 def torch_job(shape: Shape, scale: Scale) -> dict[str, Any]:
     """The torch + peft (+ bitsandbytes) peer at the shape, or why it cannot run here."""
+    model = scale.models[shape.model]()
+    if model.num_experts:
+        return {"skipped": moe_peer_skipped(model)}
     try:
         import peft  # noqa: F401
         import torch
@@ -160,7 +198,6 @@ def torch_job(shape: Shape, scale: Scale) -> dict[str, Any]:
     if gpu and not torch.cuda.is_available():
         return {"skipped": "torch has no CUDA device here"}
     device = "cuda" if gpu else "cpu"
-    model = scale.models[shape.model]()
     tokens = np.random.default_rng(BATCH_SEED).integers(
         0, model.vocab_size, (shape.batch, shape.seq + 1)
     )

@@ -293,11 +293,13 @@ LLAMA_CPP_ARCHITECTURES = {
     "gemma2": MODEL_ARCH.GEMMA2,
     "gemma3_text": MODEL_ARCH.GEMMA3,
     "phi3": MODEL_ARCH.PHI3,
+    "gpt_oss": MODEL_ARCH.GPT_OSS,
 }
 
 
 def _family_hyperparameters(writer: GGUFWriter, config: transformers.PretrainedConfig) -> None:
-    """The metadata llama.cpp's convert_hf_to_gguf.py writes for Qwen3, Gemma 2 / 3 and Phi-3."""
+    """The metadata llama.cpp's convert_hf_to_gguf.py writes for Qwen3, Gemma 2 / 3, Phi-3 and
+    gpt-oss."""
     kind = config.model_type
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -331,13 +333,48 @@ def _family_hyperparameters(writer: GGUFWriter, config: transformers.PretrainedC
             int(rotary * config.hidden_size) // config.num_attention_heads
         )
         writer.add_sliding_window(config.sliding_window or 0)
+    if kind == "gpt_oss":  # TextModel's expert and YaRN keys, then GptOssModel's own
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+
+
+def _llama_cpp_split(hf_name: str, values: np.ndarray):
+    """(Hugging Face-style name, tensor) pairs llama.cpp's converter maps a tensor to: gpt-oss's
+    sinks gain `.weight`, its interleaved [E, in, 2F] `gate_up_proj` (and bias) is split into
+    gate (even columns) and up (odd), each transposed to [E, out, in] like `down_proj`."""
+    if hf_name.endswith("self_attn.sinks"):
+        return [(hf_name + ".weight", values)]
+    if hf_name.endswith("gate_up_proj_bias"):
+        stem = hf_name[: -len("gate_up_proj_bias")]
+        return [
+            (stem + "gate_proj.bias", values[..., ::2]),
+            (stem + "up_proj.bias", values[..., 1::2]),
+        ]
+    if hf_name.endswith("gate_up_proj"):
+        stem, out_in = hf_name[: -len("gate_up_proj")], np.swapaxes(values, -1, -2)
+        return [
+            (stem + "gate_proj.weight", out_in[:, ::2]),
+            (stem + "up_proj.weight", out_in[:, 1::2]),
+        ]
+    if hf_name.endswith("experts.down_proj_bias"):
+        return [(hf_name[: -len("_bias")] + ".bias", values)]
+    if hf_name.endswith("experts.down_proj"):
+        return [(hf_name + ".weight", np.swapaxes(values, -1, -2))]
+    return [(hf_name, values)]
 
 
 def write_family_gguf(path: Path, model: torch.nn.Module) -> Path:
-    """Write a Qwen3, Gemma 2 / 3 or Phi-3 model in F32 as llama.cpp's converter does: its
-    architecture's metadata, tensor names from the gguf package's own map (Phi-3's `qkv_proj` as
-    `attn_qkv`, `gate_up_proj` as `ffn_up`), Gemma's norm weights stored as 1 + w, no q/k
-    permutation, the head of a tied model left out."""
+    """Write a Qwen3, Gemma 2 / 3, Phi-3 or gpt-oss model in F32 as llama.cpp's converter does:
+    its architecture's metadata, tensor names from the gguf package's own map (Phi-3's `qkv_proj`
+    as `attn_qkv`, `gate_up_proj` as `ffn_up`; gpt-oss's experts split by `_llama_cpp_split`),
+    Gemma's norm weights stored as 1 + w, no q/k permutation, the head of a tied model left out."""
     config = model.config
     arch = LLAMA_CPP_ARCHITECTURES[config.model_type]
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
@@ -352,7 +389,9 @@ def write_family_gguf(path: Path, model: torch.nn.Module) -> Path:
         values = parameter.detach().float().numpy()
         if config.model_type.startswith("gemma") and hf_name.endswith("norm.weight"):
             values = values + 1.0
-        writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), values)
+        for name, part in _llama_cpp_split(hf_name, values):
+            stored = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            writer.add_tensor(stored, np.ascontiguousarray(part))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -361,7 +400,7 @@ def write_family_gguf(path: Path, model: torch.nn.Module) -> Path:
 
 
 WINDOW = 8  # shorter than TOKENS' 48 positions
-# Qwen3, Gemma 2, Gemma 3 and Phi-3 as llama.cpp can run them: family -> (transformers config
+# Qwen3, Gemma 2, Gemma 3, Phi-3 and gpt-oss as llama.cpp can run them: family -> (transformers config
 # class, settings beyond SIZES). Qwen3's head_dim 128 is transformers' default, so its own GGUF
 # reading (which reads no head_dim) keeps it; Gemma 3 has 6 layers, llama.cpp's sliding pattern.
 LLAMA_CPP_FAMILIES = {
@@ -402,6 +441,27 @@ LLAMA_CPP_FAMILIES = {
                 "partial_rotary_factor": 0.5,
             },
             pad_token_id=0,
+        ),
+    ),
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        dict(
+            num_hidden_layers=2,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            sliding_window=WINDOW,
+            # llama.cpp always rounds YaRN's ramp ends (truncate), the published model does not
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": True,
+                "original_max_position_embeddings": 512,
+                "rope_theta": 150000.0,
+            },
         ),
     ),
 }

@@ -114,7 +114,10 @@ def convert(
     ] = 2.0,
     to: Annotated[str, typer.Option(help="hf (transformers) or gguf (llama.cpp, Ollama)")] = "hf",
     quant: Annotated[
-        str, typer.Option(help="GGUF type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0")
+        str,
+        typer.Option(
+            help="GGUF type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, mxfp4 (MoE experts)"
+        ),
     ] = "f16",
 ) -> None:
     """Convert a checkpoint into a Hugging Face directory that transformers loads, or (--to gguf)

@@ -132,7 +132,10 @@ def export(
         bool, typer.Option(help="merged: compare greedy outputs with the run in float32")
     ] = True,
     quant: Annotated[
-        str, typer.Option(help="--format gguf: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0")
+        str,
+        typer.Option(
+            help="--format gguf: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, mxfp4 (MoE experts)"
+        ),
     ] = "f16",
 ) -> None:
     """Export a run's checkpoint: merged Hugging Face weights, a PEFT LoRA adapter, or GGUF (the

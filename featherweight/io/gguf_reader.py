@@ -2,19 +2,20 @@
 dequantized by the `gguf` package, and the tokenizer from the metadata.
 
 Every tensor type the installed `gguf` package can dequantize is read (F32, F16, BF16, the legacy
-Q4_0 ... Q8_0, the K-quants Q2_K ... Q6_K of Q4_K_M-style files, the IQ and ternary types): the set
-is asked of the package itself, so a newer `gguf` widens it. A tensor is read in chunks of rows with
-plain file reads (no memory map, whose touched pages would stay resident) and each chunk is
-dequantized straight into the caller's buffer: on top of the result, host memory holds one chunk
-(`CHUNK_VALUES` values) of bytes and floats, never a second copy of a tensor.
+Q4_0 ... Q8_0, the K-quants Q2_K ... Q6_K of Q4_K_M-style files, the IQ and ternary types, MXFP4):
+the set is asked of the package itself, so a newer `gguf` widens it. A tensor is read in chunks of
+rows with plain file reads (no memory map, whose touched pages would stay resident) and each chunk
+is dequantized straight into the caller's buffer: on top of the result, host memory holds one
+chunk (`CHUNK_VALUES` values) of bytes and floats, never a second copy of a tensor.
 
-The architectures are the families' `gguf_architecture`s (llama, qwen2, qwen3, gemma2, gemma3,
-phi3); each family reads its own metadata (`Family.gguf_options`) as llama.cpp runs it. Llama 3's
-rope scaling is recognised from the `rope_freqs.weight` factors llama.cpp writes for it, linear
-scaling (Gemma 3) from `rope.scaling.type`. GGUF stores the q and k projections of `llama` files
-with rows permuted for llama.cpp's interleaved rotary layout (permuted back to Hugging Face's
-half-split layout on read), Gemma's norm weights as 1 + w (the 1 is taken off on read), and
-Phi-3's q, k, v and gate, up fused along their rows (each part read as its row range).
+The architectures are the families' `gguf_architecture`s (llama, qwen2, qwen3, qwen3moe, gemma2,
+gemma3, phi3, gpt-oss); each family reads its own metadata (`Family.gguf_options`) as llama.cpp
+runs it. Llama 3's rope scaling is recognised from the `rope_freqs.weight` factors llama.cpp
+writes for it, linear scaling (Gemma 3) and YaRN (gpt-oss, as ggml computes it) from
+`rope.scaling.type`. GGUF stores the q and k projections of `llama` files with rows permuted for
+llama.cpp's interleaved rotary layout (permuted back to Hugging Face's half-split layout on read),
+Gemma's norm weights as 1 + w (the 1 is taken off on read), and Phi-3's q, k, v and gate, up
+fused along their rows (each part read as its row range).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 from pathlib import Path
 from typing import Any
 
@@ -280,10 +282,12 @@ class GGUFSource:
         factor = self._get(f"{self.architecture}.rope.scaling.factor")
         if kind == "linear" and factor:
             return RopeScaling(factor=float(factor), rope_type="linear")
+        if kind == "yarn" and factor:
+            return self._yarn(float(factor))
         if kind not in (None, "none", "linear"):
             raise UnsupportedModelError(
                 f"{self.path}: rope scaling type {kind!r} ({self.architecture}.rope.scaling.type) "
-                "is not supported; supported: linear, Llama 3's per-frequency factors or none"
+                "is not supported; supported: linear, yarn, Llama 3's per-frequency factors or none"
             )
         tensor = self.tensors.get(ROPE_FACTORS)
         if tensor is None:
@@ -307,6 +311,27 @@ class GGUFSource:
             f"Llama 3's rope scaling (factor {scaling.factor:g}, low_freq_factor 1, "
             f"high_freq_factor 4, original context {original}); featherweight cannot run them. "
             "Load the model's Hugging Face safetensors instead (its config.json states the scaling)."
+        )
+
+    def _yarn(self, factor: float) -> RopeScaling:
+        """YaRN as llama.cpp runs it (ggml's `rope_yarn`): the ramp between the `beta_fast` and
+        `beta_slow` dimensions with its ends rounded to whole dimensions, and cos/sin scaled by
+        `yarn_attn_factor` times 1 + 0.1 ln(factor)."""
+        rope = f"{self.architecture}.rope.scaling"
+        original = self._get(f"{rope}.original_context_length")
+        if original is None:
+            raise CorruptCheckpointError(
+                f"{self.path}: YaRN rope scaling lacks {rope}.original_context_length"
+            )
+        attention = float(self._get(f"{rope}.yarn_attn_factor", 1.0))
+        return RopeScaling(
+            factor=factor,
+            original_max_position_embeddings=int(original),
+            rope_type="yarn",
+            attention_factor=attention * (1.0 + 0.1 * math.log(factor)),
+            beta_fast=float(self._get(f"{rope}.yarn_beta_fast", 32.0)),
+            beta_slow=float(self._get(f"{rope}.yarn_beta_slow", 1.0)),
+            truncate=True,
         )
 
     def keys(self) -> list[TensorKey]:

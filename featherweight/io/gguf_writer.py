@@ -8,7 +8,10 @@ read, so the header and tensor table are written first (`gguf.GGUFWriter`) and t
 one at a time, each quantized on its own: host memory holds one tensor (and its quantized bytes).
 
 Types (`GGUF_QUANTS`) are those `gguf.quants.quantize` writes: f32, f16, bf16, q8_0, q5_1, q5_0,
-q4_1, q4_0. As llama.cpp's converter does, norms, biases and Llama 3's rope factors stay F32, and a
+q4_1, q4_0, and mxfp4 for a mixture of experts: its expert weights MXFP4 and every other weight
+BF16, the file llama.cpp's converter makes of OpenAI's gpt-oss (experts read from that checkpoint's
+MXFP4 and left unmerged are written back with the same values). As llama.cpp's converter
+does, 1-D tensors, biases, the router (`ffn_gate_inp`) and Llama 3's rope factors stay F32, and a
 weight whose rows are not whole blocks of the type (32 values) is written F16. K-quants (Q4_K_M
 ...) are not written: the `gguf` package has no K-quant encoder; llama.cpp's `llama-quantize` turns
 an f16 file from here into any of them.
@@ -17,6 +20,7 @@ an f16 file from here into any of them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -37,7 +41,7 @@ from featherweight.io.gguf_tokenizer import add_tokenizer
 from featherweight.io.hf_writer import join_stored
 from featherweight.io.names import TensorKey, expected_shapes, stored_tensors
 from featherweight.io.tokenizer import Tokenizer
-from featherweight.models.config import ModelConfig
+from featherweight.models.config import ModelConfig, RopeScaling
 from featherweight.models.families import family_of
 from featherweight.models.rotary import rope_inverse_frequencies
 
@@ -51,6 +55,7 @@ GGUF_QUANTS = {
     "q5_0": (Q.Q5_0, LlamaFileType.MOSTLY_Q5_0),
     "q4_1": (Q.Q4_1, LlamaFileType.MOSTLY_Q4_1),
     "q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    "mxfp4": (Q.MXFP4, LlamaFileType.MOSTLY_MXFP4_MOE),
 }
 
 
@@ -90,10 +95,16 @@ def to_gguf_layout(config: ModelConfig, key: TensorKey, values: np.ndarray) -> n
     return permute_rotary_rows(values, config.num_heads if name == "q" else config.num_kv_heads)
 
 
-def tensor_type(shape: tuple[int, ...], wanted: GGMLQuantizationType) -> GGMLQuantizationType:
-    """1-D tensors stay F32; a weight whose rows are not whole blocks of `wanted` is F16."""
-    if len(shape) == 1:
+def tensor_type(
+    name: str, shape: tuple[int, ...], wanted: GGMLQuantizationType
+) -> GGMLQuantizationType:
+    """As llama.cpp's converter: 1-D tensors, biases and the router stay F32; with MXFP4 only the
+    experts' [E, out, in] weights are MXFP4 and the other weights BF16; a weight whose rows are not
+    whole blocks of the type is F16."""
+    if len(shape) == 1 or not name.endswith(".weight") or ".ffn_gate_inp." in name:
         return Q.F32
+    if wanted == Q.MXFP4 and len(shape) != 3:
+        return Q.BF16
     if shape[-1] % GGML_QUANT_SIZES[wanted][0]:
         return Q.F16
     return wanted
@@ -133,6 +144,8 @@ def add_hyperparameters(writer: GGUFWriter, config: ModelConfig) -> None:
     if scaling is not None and scaling.rope_type == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(scaling.factor)
+    elif scaling is not None and scaling.rope_type == "yarn":
+        add_yarn(writer, scaling)
     elif scaling is not None:
         writer.add_rope_scaling_orig_ctx_len(scaling.original_max_position_embeddings)
     for suffix, value in family_of(config.model_type).gguf_metadata(config).items():
@@ -143,6 +156,23 @@ def add_hyperparameters(writer: GGUFWriter, config: ModelConfig) -> None:
             writer.add_uint32(key, value)
         else:
             writer.add_float32(key, float(value))
+
+
+def add_yarn(writer: GGUFWriter, scaling: RopeScaling) -> None:
+    """YaRN under llama.cpp's keys. ggml scales cos/sin by 1 + 0.1 ln(factor) (transformers'
+    default attention factor) itself; another attention factor is refused rather than guessed."""
+    default = 1.0 + 0.1 * math.log(scaling.factor)
+    if abs(scaling.attention_factor - default) > 1e-6 * default:
+        raise ExportError(
+            f"YaRN attention_factor {scaling.attention_factor:g} is not 1 + 0.1 ln(factor) = "
+            f"{default:g}, the one llama.cpp applies; export as Hugging Face weights "
+            "(--format merged)"
+        )
+    writer.add_rope_scaling_type(RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(scaling.factor)
+    writer.add_rope_scaling_orig_ctx_len(scaling.original_max_position_embeddings)
+    writer.add_rope_scaling_yarn_beta_fast(scaling.beta_fast)
+    writer.add_rope_scaling_yarn_beta_slow(scaling.beta_slow)
 
 
 def rope_factors(config: ModelConfig) -> np.ndarray | None:
@@ -190,6 +220,11 @@ def write_model_gguf(
     of a fused tensor are held until the last comes).
     """
     wanted = check_quant(quant)
+    if wanted == Q.MXFP4 and not config.num_experts:
+        raise ExportError(
+            "--quant mxfp4 writes the experts of a mixture-of-experts model as MXFP4, and this "
+            f"{config.model_type} model has none; use bf16, q8_0 or q4_0"
+        )
     if tokenizer is None:
         raise ExportError(
             "GGUF files carry their tokenizer, and this model has none (no tokenizer.json); put "
@@ -209,7 +244,7 @@ def write_model_gguf(
     for stored, parts in layout:
         rows = sum(shapes[part][0] for part in parts)
         stored_shapes[stored] = (rows, *shapes[parts[0]][1:])
-    kinds = {stored: tensor_type(shape, wanted) for stored, shape in stored_shapes.items()}
+    kinds = {stored: tensor_type(stored, shape, wanted) for stored, shape in stored_shapes.items()}
     for stored, shape in stored_shapes.items():
         writer.add_tensor_info(
             stored, shape, np.dtype(np.float32), _nbytes(shape, kinds[stored]), kinds[stored]

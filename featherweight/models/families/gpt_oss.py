@@ -7,6 +7,15 @@ On disk the experts are gate and up interleaved in one `gate_up_proj` [E, D, 2F]
 transpose of featherweight's [out, in]) and `down_proj` [E, F, D] -- or, as OpenAI publishes
 them, MXFP4: 4-bit e2m1 values two to a byte in blocks of 32 with one power-of-two scale each
 (`*_blocks`, `*_scales`, already [out, in]); they are decoded on load (to NF4 for QLoRA after).
+
+GGUF (llama.cpp's `gpt-oss`, as its convert_hf_to_gguf.py writes it): gate and up split apart
+(`ffn_gate_exps`, `ffn_up_exps`, [E, F, D]) and `ffn_down_exps` [E, D, F], each with a `.bias`
+[E, F] or [E, D]; the router `ffn_gate_inp` (+ `.bias`), the sinks `attn_sinks.weight`, the
+pre-MLP norm `post_attention_norm`. llama.cpp hard-codes what the file does not say: every other
+layer sliding from layer 0, the clamped SwiGLU's alpha 1.702 and limit 7, the softmax over the
+top-k logits; YaRN's ends of the ramp always rounded to whole dimensions (the published gpt-oss
+says `truncate: false`, so llama.cpp, and a model read from GGUF here, rotate a few middle
+frequencies slightly differently from transformers).
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from featherweight.errors import ExportError, UnsupportedModelError
+from featherweight.errors import ExportError
 from featherweight.models.families.base import (
     Family,
     GGUFGet,
@@ -95,17 +104,44 @@ def _interleave_bias(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return joined
 
 
-def _no_gguf_export(config: Any) -> dict[str, Any]:
-    raise ExportError(
-        "GGUF export of gpt-oss is not supported (llama.cpp's gpt-oss: MXFP4 experts, sinks, "
-        "YaRN); export it as Hugging Face weights (--format merged)"
-    )
+# What llama.cpp's gpt-oss graph fixes rather than reads (`ggml_swiglu_oai`'s alpha and limit).
+_LLAMA_CPP_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 
 
-def _no_gguf_import(get: GGUFGet, shape: dict[str, int]) -> dict[str, Any]:
-    raise UnsupportedModelError(
-        "gpt-oss GGUF files are not read; load the model's Hugging Face safetensors instead"
-    )
+def _gguf_options(get: GGUFGet, shape: dict[str, int]) -> dict[str, Any]:
+    """The layer as llama.cpp runs a gpt-oss file (the expert counts and YaRN are read by
+    `io/gguf_reader.py` for every architecture)."""
+    sliding = tuple(index % 2 == 0 for index in range(shape["num_layers"]))
+    window = get("attention.sliding_window", None)
+    return {
+        "output_bias": True,
+        "attention_sinks": True,
+        "routing": "topk_softmax",
+        "expert_bias": True,
+        "activation": "clamped_swiglu",
+        **_LLAMA_CPP_SWIGLU,
+        **sliding_options(None if window is None else int(window), sliding),
+    }
+
+
+def _gguf_metadata(config: Any) -> dict[str, Any]:
+    """`attention.sliding_window`; refuses what llama.cpp would run otherwise."""
+    problems = [
+        f"{name} {getattr(config, name):g} (llama.cpp uses {value:g})"
+        for name, value in _LLAMA_CPP_SWIGLU.items()
+        if getattr(config, name) != value
+    ]
+    every_other = tuple(index % 2 == 0 for index in range(config.num_layers))
+    if config.sliding_window is not None and config.sliding_layers != every_other:
+        problems.append(f"layer_types {config.layer_types()} (llama.cpp: layers 0, 2, 4... slide)")
+    if config.sliding_window is None:
+        problems.append("no sliding window (llama.cpp slides every other layer)")
+    if problems:
+        raise ExportError(
+            f"llama.cpp's gpt-oss would run this model differently: {'; '.join(problems)}; "
+            "export it as Hugging Face weights (--format merged)"
+        )
+    return {"attention.sliding_window": config.sliding_window}
 
 
 _GATE_UP = "mlp.experts.gate_up_proj"
@@ -119,14 +155,27 @@ GPT_OSS = Family(
     defaults={"head_dim": 64, "sliding_window": 128},
     layer_options=_options,
     hf_extras=_extras,
-    gguf_options=_no_gguf_import,
-    gguf_metadata=_no_gguf_export,
+    gguf_options=_gguf_options,
+    gguf_metadata=_gguf_metadata,
     hf_layer_names={
         "o_bias": "self_attn.o_proj.bias",
         "sinks": "self_attn.sinks",
         "router": "mlp.router.weight",
         "router_bias": "mlp.router.bias",
         "down_bias": "mlp.experts.down_proj_bias",
+    },
+    gguf_layer_names={
+        "mlp_norm": "post_attention_norm.weight",
+        "o_bias": "attn_output.bias",
+        "sinks": "attn_sinks.weight",
+        "router": "ffn_gate_inp.weight",
+        "router_bias": "ffn_gate_inp.bias",
+        "gate": "ffn_gate_exps.weight",
+        "up": "ffn_up_exps.weight",
+        "down": "ffn_down_exps.weight",
+        "gate_bias": "ffn_gate_exps.bias",
+        "up_bias": "ffn_up_exps.bias",
+        "down_bias": "ffn_down_exps.bias",
     },
     hf_derived={
         "gate": (
