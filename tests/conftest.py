@@ -143,4 +143,3 @@ def training_case(config: ModelConfig, method: str, rank: int = 8):
     adapters = jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape), adapters)
     frozen = params if method == "lora" else quantize_frozen_base(params)
     return adapters, frozen, lora.spec
-
