@@ -24,6 +24,9 @@ bytes of the layer-streamed step (featherweight/step/streamed.py) per component:
     head_update (an untied head in full fine-tuning): embedding_gradient, head_update
     embedding (full fine-tuning): embedding_gradient, embedding_update
   step_outputs           the metrics, and XLA's output tuple (8 bytes per output buffer)
+  rollout phase (GRPO)   beside the step, not during it: the resident weights and optimizer state
+                         and what sampling holds (`rollout_plan.py`: KV cache, logits); the
+                         plan's `device_bytes` is the larger phase
 
 `temporaries` (what XLA reports as temp) = the stored activations + the peak phase's working set.
 
@@ -58,6 +61,7 @@ from featherweight.memory.components import (
     MemoryPlan,
     PlanComponent,
 )
+from featherweight.memory.rollout_plan import rollout_components
 from featherweight.memory.state_bytes import (
     frozen_base_bytes,
     host_base_bytes,
@@ -310,6 +314,8 @@ def _objective_settings(config: TrainConfig) -> dict[str, Any]:
     if config.objective == "sft":
         return {}
     reference = config.dpo.reference if config.objective == "dpo" else None
+    if config.objective == "grpo":
+        return {"objective": "grpo", "rollout_chunk": config.memory.rollout_chunk}
     return {"objective": config.objective, "reference": reference}
 
 
@@ -399,4 +405,5 @@ def plan_one_device(
         lower_bound_bytes=on_device + working_set_floor(micro, model_config),
         settings=plan_settings(config, model_config),
         warnings=warnings,
+        rollout=rollout_components(config, model_config),
     )
