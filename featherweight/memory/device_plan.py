@@ -82,6 +82,7 @@ from featherweight.memory.working_set import (
 from featherweight.models.config import ModelConfig
 from featherweight.recipe.build import attention_note, check_method_settings
 from featherweight.recipe.schema import TrainConfig, require_resolved
+from featherweight.step.objective import abstract_batch
 from featherweight.step.policy import DEQUANTIZED
 
 
@@ -93,7 +94,9 @@ def _output_buffers(config: TrainConfig, model_config: ModelConfig) -> int:
 def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
     shapes = StepShapes(config, model_config)
     uses_key = config.method != "full" and config.lora.dropout > 0
-    arrays = batch_arrays(config)
+    batch = jax.tree.leaves(batch_shapes(config))
+    batch_bytes = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in batch)
+    arrays = sum(leaf.shape == (shapes.batch, shapes.seq) for leaf in batch)
     host_embedding = host_embedding_bytes(config, model_config)
     host_base = host_base_bytes(config, model_config)
     components = [
@@ -124,9 +127,10 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
         ),
         PlanComponent(
             "batch",
-            4 * arrays * shapes.tokens + (8 if uses_key else 0),
+            batch_bytes + (8 if uses_key else 0),
             DEVICE,
             f"{arrays} x B x S x 4 = {arrays} x {shapes.batch} x {shapes.seq} x 4"
+            + (" + B x 4 (advantages)" if len(batch) > arrays else "")
             + (" + dropout key" if uses_key else ""),
         ),
     ]
@@ -155,13 +159,9 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
     return components
 
 
-def batch_arrays(config: TrainConfig) -> int:
-    """[B, S] arrays in a batch: ids, targets, mask, positions, segments; preference pairs add
-    their completion ids, and precomputed reference log-probs one more."""
-    objective = config.preference
-    if objective is None:
-        return 5
-    return 7 if objective.needs_reference and objective.reference == "precomputed" else 6
+def batch_shapes(config: TrainConfig):
+    """The step's batch as shapes, its objective's layout (`step/objective.py`)."""
+    return abstract_batch(config.step_objective, config.batch_size, config.data.seq_len)
 
 
 def objective_notes(config: TrainConfig, model_config: ModelConfig) -> tuple[str, ...]:
@@ -310,13 +310,13 @@ def plan_settings(config: TrainConfig, model_config: ModelConfig) -> dict[str, A
 
 
 def _objective_settings(config: TrainConfig) -> dict[str, Any]:
-    """A preference objective and its reference mode (nothing for sft: its plans stay as were)."""
-    if config.objective == "sft":
+    """The objective's own plan settings (`step/objective.py`; nothing for sft: its plans stay
+    as were) and GRPO's rollout chunk."""
+    objective = config.step_objective
+    if objective is None:
         return {}
-    reference = config.dpo.reference if config.objective == "dpo" else None
-    if config.objective == "grpo":
-        return {"objective": "grpo", "rollout_chunk": config.memory.rollout_chunk}
-    return {"objective": config.objective, "reference": reference}
+    rollouts = {"rollout_chunk": config.memory.rollout_chunk} if config.objective == "grpo" else {}
+    return {**objective.plan_settings(), **rollouts}
 
 
 def micro_batch_config(config: TrainConfig) -> TrainConfig:
