@@ -165,30 +165,12 @@ def batch_shapes(config: TrainConfig):
 
 
 def objective_notes(config: TrainConfig, model_config: ModelConfig) -> tuple[str, ...]:
-    """What a preference objective costs beyond its batch arrays (the plan's notes)."""
-    objective = config.preference
+    """What an objective costs beyond its batch arrays (the plan's notes, `plan_note` on the
+    objective seam); nothing for next-token cross-entropy."""
+    objective = config.step_objective
     if objective is None:
         return ()
-    shapes = StepShapes(config, model_config)
-    head = (
-        f"objective {config.objective}: per-token losses read before the weighted head VJP (one "
-        "more forward pass of the LM head)"
-    )
-    if not objective.needs_reference:
-        return (head + "; no reference model",)
-    if objective.reference == "same_step":
-        return (
-            head + "; dpo.reference same_step: one more forward pass of the frozen base with the "
-            "adapters off per step, nothing stored for it (its working set is a forward layer's, "
-            "below the backward pass's); precomputed would instead cost a forward pass over the "
-            "data before training and 4 B per token in host memory",
-        )
-    return (
-        head + f"; dpo.reference precomputed: one forward pass over the data before training, "
-        f"4 B per token in host memory, and {4 * shapes.tokens:,} B of reference "
-        "log-probs in each batch (planned in batch); same_step would cost one more forward pass "
-        "per step instead",
-    )
+    return (objective.plan_note(StepShapes(config, model_config).tokens),)
 
 
 def _rebuilt_on_host(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:

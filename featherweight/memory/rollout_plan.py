@@ -100,6 +100,6 @@ def rollout_components(config: TrainConfig, model_config: ModelConfig) -> tuple[
             "rollout_outputs",
             rows * (8 * completion + 5),
             DEVICE,
-            f"tokens and log-probs [rows, T] x 4 B each, lengths, stops: {rows} x {completion}",
+            f"tokens and log-probs, rows x T x 4 B each, lengths, stops: {rows} x {completion}",
         ),
     )

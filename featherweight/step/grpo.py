@@ -76,6 +76,19 @@ class GrpoObjective(NamedTuple):
         """The objective's name (the rollout chunk is a memory setting, named by the plan)."""
         return {"objective": "grpo"}
 
+    def plan_note(self, tokens: int) -> str:
+        """What the objective costs beyond its batch arrays (`tokens`: the batch's)."""
+        reference = (
+            "beta > 0: one more forward pass of the frozen base with the adapters off per step "
+            "(the KL's reference), nothing stored for it"
+            if self.needs_reference
+            else "beta 0: no reference model"
+        )
+        return (
+            "objective grpo: per-token losses read before the weighted head VJP (one more "
+            f"forward pass of the LM head); {reference}; the rollouts are the plan's second phase"
+        )
+
     def check(self) -> None:
         """Refuse settings the step cannot compute (`StepConfigError`)."""
         if self.loss_type not in LOSS_TYPES:

@@ -22,7 +22,8 @@ An objective provides:
 - `abstract_batch(batch_size, seq_len)`: its data layout, the `Batch` its steps take as
   `jax.ShapeDtypeStruct`s -- what the plan counts as `batch` and what a step is compiled on
   (`abstract_batch` below, next-token cross-entropy's packed rows for no objective);
-- `plan_settings()`: what a plan of it names ({"objective": ..., its own choices}).
+- `plan_settings()`: what a plan of it names ({"objective": ..., its own choices});
+- `plan_note(tokens)`: what it costs beyond its batch arrays, in words (the plan's note).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class Objective(Protocol):
     def abstract_batch(self, batch_size: int, seq_len: int) -> Batch: ...
 
     def plan_settings(self) -> dict[str, Any]: ...
+
+    def plan_note(self, tokens: int) -> str: ...
 
     def loss_of(
         self, token_logps: jax.Array, batch: Batch, reference_logps: jax.Array | None

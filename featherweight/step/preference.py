@@ -76,6 +76,28 @@ class PreferenceObjective(NamedTuple):
         """The objective and DPO's reference mode (None for ORPO, which has no reference)."""
         return {"objective": self.kind, "reference": self.reference if self.kind == "dpo" else None}
 
+    def plan_note(self, tokens: int) -> str:
+        """What the objective costs beyond its batch arrays, for a batch of `tokens` tokens."""
+        head = (
+            f"objective {self.kind}: per-token losses read before the weighted head VJP (one more "
+            "forward pass of the LM head)"
+        )
+        if not self.needs_reference:
+            return head + "; no reference model"
+        if self.reference == "same_step":
+            return (
+                head + "; dpo.reference same_step: one more forward pass of the frozen base with "
+                "the adapters off per step, nothing stored for it (its working set is a forward "
+                "layer's, below the backward pass's); precomputed would instead cost a forward "
+                "pass over the data before training and 4 B per token in host memory"
+            )
+        return (
+            head + f"; dpo.reference precomputed: one forward pass over the data before "
+            f"training, 4 B per token in host memory, and {4 * tokens:,} B of reference log-probs "
+            "in each batch (planned in batch); same_step would cost one more forward pass per "
+            "step instead"
+        )
+
     def check(self) -> None:
         """Refuse an objective the step cannot compute (`StepConfigError`)."""
         if self.kind not in OBJECTIVES:

@@ -53,6 +53,7 @@ def test_the_peak_is_the_larger_phase_and_the_resident_bytes_count_once(planned_
     resident += plan.bytes_of("optimizer_state")
     assert plan.rollout_device_bytes == resident + sum(c.bytes for c in plan.rollout)
     assert plan.device_bytes == max(plan.train_device_bytes, plan.rollout_device_bytes)
+    assert any("the rollouts are the plan's second phase" in note for note in plan.warnings)
 
 
 def test_rollout_chunks_plan_a_smaller_cache():
