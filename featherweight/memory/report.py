@@ -40,7 +40,7 @@ def comparable_total(plan: MemoryPlan, measurement: MemoryMeasurement | None) ->
     device bytes otherwise."""
     if measurement is not None and measurement.platform == "cpu":
         return plan.cpu_comparable_bytes
-    return plan.train_device_bytes if measurement is not None else plan.device_bytes
+    return plan.train_device_bytes  # the step's (GRPO's rollout phase is planned apart)
 
 
 def comparable_measured(measurement: MemoryMeasurement | None) -> int | None:

@@ -5,10 +5,11 @@ misses by far more), the peak the larger phase, and a budget only the rollouts e
 into rollout chunks."""
 
 import pytest
+from rich.console import Console
 
 from featherweight.memory.budget import fit_budget
 from featherweight.memory.plan import plan_for_config
-from featherweight.memory.report import percent_difference
+from featherweight.memory.report import percent_difference, print_report, report_json
 from featherweight.memory.rollout_measure import measure_rollout
 from featherweight.memory.working_set import calibration_for
 from featherweight.models.config import config_from_hf_dict
@@ -91,3 +92,16 @@ def test_a_budget_only_the_rollouts_exceed_splits_them_into_chunks():
 def test_a_rollout_chunk_that_does_not_divide_the_group_is_one_plain_line():
     with pytest.raises(ValueError, match=r"rollout_chunk=3 must divide grpo.num_generations=8"):
         grpo_config(rollout_chunk=3)
+
+
+def test_the_report_shows_both_phases(planned_and_compiled):
+    plan, _ = planned_and_compiled
+    console = Console(record=True, width=240)
+    print_report(plan, None, console)
+    text = console.export_text()
+    for row in ("train step total", "rollout phase total", "kv_cache", "peak (the larger phase)"):
+        assert row in text, row
+    report = report_json(plan, None)
+    assert report["planned_train_device_bytes"] == plan.train_device_bytes
+    assert report["planned_rollout_device_bytes"] == plan.rollout_device_bytes
+    assert report["planned_device_bytes"] == plan.device_bytes
