@@ -26,6 +26,7 @@ EXAMPLES = {
     "dpo-planet-colours.yaml": ("SmolLM2-135M", None),  # the demo model, on this machine
     "dpo-8b-24gb.yaml": ("Llama-3.1-8B", "rtx4090"),
     "grpo-planet-colours.yaml": ("SmolLM2-135M", None),  # the demo model, on this machine
+    "grpo-8b-12gb.yaml": ("Llama-3.1-8B", "h100"),  # both phases within its 12 GiB budget
     "qwen3-14b-qlora.yaml": ("Qwen3-14B", "rtx4090"),
     "gemma3-27b-qlora-24gb.yaml": ("Gemma-3-27B", "rtx4090"),
 }

@@ -12,9 +12,17 @@ temperature 0 is greedy. The log-prob each token was sampled with is kept: the l
 logits at the temperature, before the nucleus (TRL's `old_per_token_logps`), the ratio's base in
 `step/grpo.py`.
 
-Random keys: row r of a group draws its token t from `fold_in(key, t)` (one categorical draw
-over the group's rows), the group's key `fold_in(key, prompt index)` (`sample_rollouts`): the
-same key gives the same completions, so a resumed run samples what the killed one would have.
+Random keys: row r of a group draws its token t with `fold_in(fold_in(key, r), t)`, the
+group's key `fold_in(key, prompt index)` (`sample_rollouts`): the same key gives the same
+completions, so a resumed run samples what the killed one would have, and a row's draws do not
+depend on which rows are decoded beside it.
+
+Memory: the rows decoded together hold the KV cache (`generate.KVCache`: [L, rows, P + T, K, h]
+keys and values, a windowed layer's ring its window) and one step's logits over the vocabulary
+in float32 (and top-p's sort of them). `chunk` rows at a time (`memory.rollout_chunk`, a
+divisor of the group; null: the whole group) bound both: a group is then sampled in pieces of
+`chunk` rows, each prefilled from the prompt again, with the same completions as the whole group
+at once (the keys are per row). `memory/rollout_plan.py` plans this program.
 """
 
 from __future__ import annotations
@@ -63,6 +71,18 @@ class Rollout(NamedTuple):
     truncated: np.ndarray
 
 
+def check_chunk(chunk: int | None, generations: int) -> int:
+    """The rows decoded together: `chunk`, which must divide the group, or the whole group."""
+    if chunk is None:
+        return generations
+    if chunk < 1 or generations % chunk:
+        raise ConfigError(
+            f"memory.rollout_chunk={chunk} must divide grpo.num_generations={generations}; "
+            "use a divisor of it, or null for the whole group"
+        )
+    return chunk
+
+
 def nucleus(scaled_logits: jax.Array, top_p: jax.Array) -> jax.Array:
     """Logits [..., V] with every token outside the nucleus at -inf: the most probable tokens
     whose probabilities, summed from the most probable down, first reach `top_p` (the most
@@ -78,13 +98,14 @@ def nucleus(scaled_logits: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(keep, scaled_logits, -jnp.inf)
 
 
-def _choose(logits, key, temperature, top_p, greedy: bool, use_top_p: bool):
-    """(token [G], its sampling log-prob [G]) from the logits [G, V]."""
+def _choose(logits, keys, temperature, top_p, greedy: bool, use_top_p: bool):
+    """(token [G], its sampling log-prob [G]) from the logits [G, V], row g drawn with keys[g]."""
     if greedy:
         token = jnp.argmax(logits, axis=-1)
         return token, jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], -1)[:, 0]
     scaled = logits / temperature
-    token = jax.random.categorical(key, nucleus(scaled, top_p) if use_top_p else scaled, axis=-1)
+    candidates = nucleus(scaled, top_p) if use_top_p else scaled
+    token = jax.vmap(jax.random.categorical)(keys, candidates)
     return token, jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], -1)[:, 0]
 
 
@@ -95,7 +116,7 @@ def _choose(logits, key, temperature, top_p, greedy: bool, use_top_p: bool):
 def sample_group(
     params: Params,
     prompt: jax.Array,
-    key: jax.Array,
+    row_keys: jax.Array,
     temperature: jax.Array,
     top_p: jax.Array,
     stop_ids: jax.Array,
@@ -107,8 +128,9 @@ def sample_group(
     use_top_p: bool,
     dtype,
 ):
-    """One prompt's group: (tokens [G, T], logps [G, T], lengths [G]) for a prompt [P] int32
-    (module docstring); `stop_ids` [E] int32 end a row (E may be 0)."""
+    """`generations` rows of one prompt's group: (tokens [G, T], logps [G, T], lengths [G], done
+    [G]) for a prompt [P] int32, row g sampled with row_keys[g] (module docstring); `stop_ids`
+    [E] int32 end a row (E may be 0)."""
     length = prompt.shape[0]
     total = length + max_new
     cache = empty_cache(config, 1, total, dtype)
@@ -122,9 +144,8 @@ def sample_group(
 
     def decode(state):
         index, logits, cache, tokens, logps, lengths, done = state
-        token, logp = _choose(
-            logits, jax.random.fold_in(key, index), temperature, top_p, greedy, use_top_p
-        )
+        step_keys = jax.vmap(jax.random.fold_in, (0, None))(row_keys, index)
+        token, logp = _choose(logits, step_keys, temperature, top_p, greedy, use_top_p)
         token = jnp.where(done, 0, token).astype(jnp.int32)
         tokens = tokens.at[:, index].set(token)
         logps = logps.at[:, index].set(jnp.where(done, 0.0, logp))
@@ -158,13 +179,15 @@ def sample_rollouts(
     sampling: Sampling,
     stop_ids: Sequence[int],
     dtype,
+    chunk: int | None = None,
 ) -> Rollout:
     """`generations` completions of each prompt (token ids), sampled by the model `params`
-    (frozen base and adapters merged: the same arrays, no copy) with `lora` (module docstring).
-    Compiled once per prompt length."""
+    (frozen base and adapters merged: the same arrays, no copy) with `lora`, `chunk` rows at a
+    time (None: a whole group; module docstring). Compiled once per prompt length."""
     sampling.check()
     if generations < 1:
         raise ConfigError(f"num_generations={generations} must be >= 1")
+    rows = check_chunk(chunk, generations)
     stops = jnp.asarray(sorted(set(stop_ids)), jnp.int32).reshape(-1)
     settings = dict(
         temperature=jnp.float32(max(sampling.temperature, 1e-30)),
@@ -172,7 +195,7 @@ def sample_rollouts(
         stop_ids=stops,
         config=config,
         lora=lora,
-        generations=generations,
+        generations=rows,
         max_new=sampling.max_new_tokens,
         greedy=sampling.temperature == 0,
         use_top_p=sampling.top_p < 1,
@@ -182,6 +205,11 @@ def sample_rollouts(
     for index, prompt in enumerate(prompts):
         check_positions(len(prompt), sampling.max_new_tokens, config.max_position_embeddings)
         prompt_ids = jnp.asarray(prompt, jnp.int32)
-        parts.append(sample_group(params, prompt_ids, jax.random.fold_in(key, index), **settings))
+        group_key = jax.random.fold_in(key, index)
+        row_keys = jax.vmap(jax.random.fold_in, (None, 0))(group_key, jnp.arange(generations))
+        for first in range(0, generations, rows):
+            parts.append(
+                sample_group(params, prompt_ids, row_keys[first : first + rows], **settings)
+            )
     tokens, logps, lengths, done = (np.concatenate(part) for part in zip(*jax.device_get(parts)))
     return Rollout(tokens, logps, lengths, ~done)

@@ -11,6 +11,9 @@ step's result are searched first, then those that change its numerics, then the 
 the micro-batch last. Once a plan fits, every change it does not need is undone (the costliest
 first), so a setting that saves nothing is never kept. The settings, each with what it costs:
 
+0. rollout chunk (GRPO): fewer completions sampled together (`memory.rollout_chunk`) when the
+   rollout phase is the peak -- the same completions (per-row keys), the step unchanged; the
+   rollouts decode in more, smaller batches (not in the step-time estimate);
 1. vocabulary chunk: the LM head 16384 rows at a time, then halved (down to 2048) -- same result;
    for a frozen head no extra FLOPs and no more reads of the head (one sweep), for a trained one
    one more LM-head forward;
@@ -246,6 +249,19 @@ def _fewer_accumulation(config: TrainConfig) -> Iterator[TrainConfig]:
         yield _replace(config, "memory", accumulation_steps=config.memory.accumulation_steps // 2)
 
 
+def _rollout_chunks(config: TrainConfig) -> Iterator[TrainConfig]:
+    """GRPO: fewer completions sampled together (halvings that divide the group), each with its
+    KV cache and logits; only the rollout phase shrinks, the step is the same."""
+    if config.objective != "grpo":
+        return
+    generations = config.grpo.num_generations
+    chunk = (config.memory.rollout_chunk or generations) // 2
+    while chunk >= 1:
+        if generations % chunk == 0:
+            yield _replace(config, "memory", rollout_chunk=chunk)
+        chunk //= 2
+
+
 def _micro_batches(config: TrainConfig) -> Iterator[TrainConfig]:
     # on a mesh only batches whose global rows split over data x fsdp can run
     rows = 1 if config.mesh is None else planning_mesh(config.mesh).size
@@ -263,6 +279,7 @@ COST_RESOLUTION = 0.01
 # (name, candidates from the current config and model, most preferred first: of the same
 # estimated cost, what keeps everything on the device and streams the LM head fewest times)
 PREFERENCE: tuple[tuple[str, Callable[[TrainConfig, ModelConfig], Iterator[TrainConfig]]], ...] = (
+    ("rollout chunk", lambda c, m: _rollout_chunks(c)),
     ("vocabulary chunk", lambda c, m: _vocab_chunks(c, m.vocab_size)),
     ("loss chunk", lambda c, m: _loss_chunks(c)),
     ("saved intermediates", lambda c, m: _no_saved(c)),
@@ -281,6 +298,7 @@ PREFERENCE: tuple[tuple[str, Callable[[TrainConfig, ModelConfig], Iterator[Train
 
 # (section, field) of every setting the search may change, as `describe_changes` names them
 SEARCHED_FIELDS = (
+    ("memory", "rollout_chunk"),
     ("memory", "vocab_chunk"),
     ("memory", "loss_chunk"),
     ("memory", "save"),
@@ -481,7 +499,9 @@ def _alternatives(
 ) -> Iterator[tuple[str, int]]:
     """Changes outside the automatic search that fit, each with its planned bytes."""
     seq = config.data.seq_len // 2
-    while seq >= MIN_LOSS_CHUNK:
+    # a GRPO row must still hold a prompt token and the longest completion
+    shortest = config.grpo.max_completion_length if config.objective == "grpo" else 0
+    while seq >= max(MIN_LOSS_CHUNK, shortest):
         shorter = _replace(config, "data", seq_len=seq)
         if config.memory.loss_chunk and seq % config.memory.loss_chunk:
             shorter = _replace(shorter, "memory", loss_chunk=None)

@@ -11,6 +11,7 @@ from typing import Any
 
 DEVICE, HOST = "device", "host"
 PERSISTENT = ("frozen_base", "trainable_weights", "optimizer_state", "batch")
+RESIDENT = PERSISTENT[:3]  # on the device through GRPO's rollouts too (the batch is the step's)
 OUTPUTS = "step_outputs"
 HOST_EMBEDDING = "embedding_table"  # the embedding table with memory.embed: host
 HOST_BASE = "base_layers"  # the frozen layer stack with memory.base: host
@@ -42,6 +43,8 @@ class MemoryPlan:
       device + `working_set_floor` (the largest phase with every tensor counted once).
     settings: the choices the plan describes (method, batch, seq, dtype, optimizer, policy, ...).
     warnings: things the user should know (e.g. sequence beyond the trained context).
+    rollout: GRPO's rollout phase beside the step (`rollout_plan.py`): what sampling holds
+      beyond the resident weights and optimizer state (empty: no rollout phase).
     """
 
     components: tuple[PlanComponent, ...]
@@ -50,11 +53,32 @@ class MemoryPlan:
     lower_bound_bytes: int
     settings: dict[str, Any]
     warnings: tuple[str, ...] = ()
+    rollout: tuple[PlanComponent, ...] = ()
+
+    @property
+    def train_device_bytes(self) -> int:
+        """Planned bytes on the accelerator at the train step's peak."""
+        return sum(c.bytes for c in self.components if c.placement == DEVICE)
+
+    @property
+    def resident_device_bytes(self) -> int:
+        """What stays on the device between steps and through the rollouts: the frozen base,
+        the trainable weights and the optimizer state (where they are on the device)."""
+        return sum(c.bytes for c in self.components if c.name in RESIDENT and c.placement == DEVICE)
+
+    @property
+    def rollout_device_bytes(self) -> int:
+        """Planned bytes on the accelerator in the rollout phase (0 without one): the resident
+        weights and optimizer state, counted once, and what sampling holds."""
+        if not self.rollout:
+            return 0
+        return self.resident_device_bytes + sum(c.bytes for c in self.rollout)
 
     @property
     def device_bytes(self) -> int:
-        """Planned bytes on the accelerator at the step's peak."""
-        return sum(c.bytes for c in self.components if c.placement == DEVICE)
+        """Planned bytes on the accelerator at the peak: the larger of the train step and the
+        rollout phase."""
+        return max(self.train_device_bytes, self.rollout_device_bytes)
 
     @property
     def host_bytes(self) -> int:
@@ -64,8 +88,9 @@ class MemoryPlan:
 
     @property
     def cpu_comparable_bytes(self) -> int:
-        """device + host: what XLA CPU, with one memory for both, reports."""
-        return self.device_bytes + self.host_bytes
+        """The train step's device + host bytes: what XLA CPU, with one memory for both,
+        reports for it."""
+        return self.train_device_bytes + self.host_bytes
 
     def bytes_of(self, name: str) -> int:
         """Planned bytes of a component (0 when the plan has none of that name)."""

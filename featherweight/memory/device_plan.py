@@ -24,6 +24,9 @@ bytes of the layer-streamed step (featherweight/step/streamed.py) per component:
     head_update (an untied head in full fine-tuning): embedding_gradient, head_update
     embedding (full fine-tuning): embedding_gradient, embedding_update
   step_outputs           the metrics, and XLA's output tuple (8 bytes per output buffer)
+  rollout phase (GRPO)   beside the step, not during it: the resident weights and optimizer state
+                         and what sampling holds (`rollout_plan.py`: KV cache, logits); the
+                         plan's `device_bytes` is the larger phase
 
 `temporaries` (what XLA reports as temp) = the stored activations + the peak phase's working set.
 
@@ -58,6 +61,7 @@ from featherweight.memory.components import (
     MemoryPlan,
     PlanComponent,
 )
+from featherweight.memory.rollout_plan import rollout_components
 from featherweight.memory.state_bytes import (
     frozen_base_bytes,
     host_base_bytes,
@@ -78,6 +82,7 @@ from featherweight.memory.working_set import (
 from featherweight.models.config import ModelConfig
 from featherweight.recipe.build import attention_note, check_method_settings
 from featherweight.recipe.schema import TrainConfig, require_resolved
+from featherweight.step.objective import abstract_batch
 from featherweight.step.policy import DEQUANTIZED
 
 
@@ -89,7 +94,9 @@ def _output_buffers(config: TrainConfig, model_config: ModelConfig) -> int:
 def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
     shapes = StepShapes(config, model_config)
     uses_key = config.method != "full" and config.lora.dropout > 0
-    arrays = batch_arrays(config)
+    batch = jax.tree.leaves(batch_shapes(config))
+    batch_bytes = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in batch)
+    arrays = sum(leaf.shape == (shapes.batch, shapes.seq) for leaf in batch)
     host_embedding = host_embedding_bytes(config, model_config)
     host_base = host_base_bytes(config, model_config)
     components = [
@@ -120,9 +127,10 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
         ),
         PlanComponent(
             "batch",
-            4 * arrays * shapes.tokens + (8 if uses_key else 0),
+            batch_bytes + (8 if uses_key else 0),
             DEVICE,
             f"{arrays} x B x S x 4 = {arrays} x {shapes.batch} x {shapes.seq} x 4"
+            + (" + B x 4 (advantages)" if len(batch) > arrays else "")
             + (" + dropout key" if uses_key else ""),
         ),
     ]
@@ -151,40 +159,18 @@ def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComp
     return components
 
 
-def batch_arrays(config: TrainConfig) -> int:
-    """[B, S] arrays in a batch: ids, targets, mask, positions, segments; preference pairs add
-    their completion ids, and precomputed reference log-probs one more."""
-    objective = config.preference
-    if objective is None:
-        return 5
-    return 7 if objective.needs_reference and objective.reference == "precomputed" else 6
+def batch_shapes(config: TrainConfig):
+    """The step's batch as shapes, its objective's layout (`step/objective.py`)."""
+    return abstract_batch(config.step_objective, config.batch_size, config.data.seq_len)
 
 
 def objective_notes(config: TrainConfig, model_config: ModelConfig) -> tuple[str, ...]:
-    """What a preference objective costs beyond its batch arrays (the plan's notes)."""
-    objective = config.preference
+    """What an objective costs beyond its batch arrays (the plan's notes, `plan_note` on the
+    objective seam); nothing for next-token cross-entropy."""
+    objective = config.step_objective
     if objective is None:
         return ()
-    shapes = StepShapes(config, model_config)
-    head = (
-        f"objective {config.objective}: per-token losses read before the weighted head VJP (one "
-        "more forward pass of the LM head)"
-    )
-    if not objective.needs_reference:
-        return (head + "; no reference model",)
-    if objective.reference == "same_step":
-        return (
-            head + "; dpo.reference same_step: one more forward pass of the frozen base with the "
-            "adapters off per step, nothing stored for it (its working set is a forward layer's, "
-            "below the backward pass's); precomputed would instead cost a forward pass over the "
-            "data before training and 4 B per token in host memory",
-        )
-    return (
-        head + f"; dpo.reference precomputed: one forward pass over the data before training, "
-        f"4 B per token in host memory, and {4 * shapes.tokens:,} B of reference "
-        "log-probs in each batch (planned in batch); same_step would cost one more forward pass "
-        "per step instead",
-    )
+    return (objective.plan_note(StepShapes(config, model_config).tokens),)
 
 
 def _rebuilt_on_host(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
@@ -306,11 +292,13 @@ def plan_settings(config: TrainConfig, model_config: ModelConfig) -> dict[str, A
 
 
 def _objective_settings(config: TrainConfig) -> dict[str, Any]:
-    """A preference objective and its reference mode (nothing for sft: its plans stay as were)."""
-    if config.objective == "sft":
+    """The objective's own plan settings (`step/objective.py`; nothing for sft: its plans stay
+    as were) and GRPO's rollout chunk."""
+    objective = config.step_objective
+    if objective is None:
         return {}
-    reference = config.dpo.reference if config.objective == "dpo" else None
-    return {"objective": config.objective, "reference": reference}
+    rollouts = {"rollout_chunk": config.memory.rollout_chunk} if config.objective == "grpo" else {}
+    return {**objective.plan_settings(), **rollouts}
 
 
 def micro_batch_config(config: TrainConfig) -> TrainConfig:
@@ -399,4 +387,5 @@ def plan_one_device(
         lower_bound_bytes=on_device + working_set_floor(micro, model_config),
         settings=plan_settings(config, model_config),
         warnings=warnings,
+        rollout=rollout_components(config, model_config),
     )

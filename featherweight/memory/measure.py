@@ -58,6 +58,7 @@ from featherweight.recipe.build import abstract_split, build_train_step, split_p
 from featherweight.recipe.optimizer import make_optimizer
 from featherweight.recipe.placement import arguments_on_host, place_abstract
 from featherweight.recipe.schema import TrainConfig
+from featherweight.step.objective import abstract_batch as objective_batch
 
 MEASURED_COMPONENTS = (
     "frozen_base",
@@ -118,20 +119,9 @@ def tree_nbytes(tree: Any) -> int:
 
 
 def abstract_batch(batch_size: int, seq_len: int, config: TrainConfig | None = None) -> Batch:
-    """A `Batch` of shapes as the trainer's packed batches come: ids, targets, positions and
-    segment ids int32 [B, S], loss mask float32 [B, S]; for a preference objective in `config`,
-    the completion ids int32 (and precomputed reference log-probs float32) [B, S] too; for GRPO,
-    padded rows (no segment ids) with the sampling log-probs float32 [B, S] and advantages [B]."""
-    ids = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-    mask = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)
-    if config is not None and config.objective == "grpo":
-        advantages = jax.ShapeDtypeStruct((batch_size,), jnp.float32)
-        return Batch(ids, ids, mask, ids, rollout_logps=mask, advantages=advantages)
-    objective = None if config is None else config.preference
-    if objective is None:
-        return Batch(ids, ids, mask, ids, ids)
-    precomputed = objective.needs_reference and objective.reference == "precomputed"
-    return Batch(ids, ids, mask, ids, ids, ids, mask if precomputed else None)
+    """The `Batch` of shapes the step of `config` takes: its objective's layout
+    (`step/objective.py` `abstract_batch`; packed rows for next-token cross-entropy)."""
+    return objective_batch(None if config is None else config.step_objective, batch_size, seq_len)
 
 
 def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig, mesh=None):

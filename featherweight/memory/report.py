@@ -40,7 +40,7 @@ def comparable_total(plan: MemoryPlan, measurement: MemoryMeasurement | None) ->
     device bytes otherwise."""
     if measurement is not None and measurement.platform == "cpu":
         return plan.cpu_comparable_bytes
-    return plan.device_bytes
+    return plan.train_device_bytes  # the step's (GRPO's rollout phase is planned apart)
 
 
 def comparable_measured(measurement: MemoryMeasurement | None) -> int | None:
@@ -55,6 +55,13 @@ def comparison_notes(plan: MemoryPlan, measurement: MemoryMeasurement | None) ->
     """What a reader must know to read planned against measured."""
     phases = ", ".join(f"{name} {format_bytes(value)}" for name, value in plan.phases.items())
     notes = [f"peak phase: {plan.peak_phase} (working set per phase: {phases})"]
+    if plan.rollout:
+        notes.append(
+            f"GRPO: train step {format_bytes(plan.train_device_bytes)}, rollout phase "
+            f"{format_bytes(plan.rollout_device_bytes)} on the device (planned); the peak is the "
+            f"{'rollout phase' if plan.rollout_device_bytes > plan.train_device_bytes else 'train step'}"
+            f", {format_bytes(plan.device_bytes)}"
+        )
     notes += list(plan.warnings)
     if measurement is None:
         return notes
@@ -148,7 +155,7 @@ def plan_table(plan: MemoryPlan, measurement: MemoryMeasurement | None = None) -
         )
     table.add_section()
     row(
-        "total",
+        "train step total" if plan.rollout else "total",
         "device"
         + (" + host" if measurement and measurement.platform == "cpu" and plan.host_bytes else ""),
         comparable_total(plan, measurement),
@@ -160,6 +167,8 @@ def plan_table(plan: MemoryPlan, measurement: MemoryMeasurement | None = None) -
             else ", host-resident bytes left out"
         ),
     )
+    if plan.rollout:
+        _rollout_rows(table, plan, bool(measurement))
     if plan.host_bytes:
         table.add_row(
             "host (offloaded)",
@@ -176,6 +185,33 @@ def plan_table(plan: MemoryPlan, measurement: MemoryMeasurement | None = None) -
         "every tensor once (plan.py)",
     )
     return table
+
+
+def _rollout_rows(table: Table, plan: MemoryPlan, measured: bool) -> None:
+    """GRPO's rollout phase under the train step: the resident bytes counted once, what sampling
+    holds, its total and the peak (the larger phase); planned only (the measurement is the
+    train step's)."""
+    blank = ["", ""] if measured else []
+    table.add_section()
+    table.add_row(
+        "rollout phase: resident",
+        "device",
+        format_bytes(plan.resident_device_bytes),
+        *blank,
+        "frozen base + trainable weights + optimizer state (the step's, counted once)",
+    )
+    for component in plan.rollout:
+        table.add_row(
+            f"  {component.name}",
+            component.placement,
+            format_bytes(component.bytes),
+            *blank,
+            component.formula,
+        )
+    table.add_row(
+        "rollout phase total", "device", format_bytes(plan.rollout_device_bytes), *blank, ""
+    )
+    table.add_row("peak (the larger phase)", "device", format_bytes(plan.device_bytes), *blank, "")
 
 
 def print_report(
@@ -218,6 +254,9 @@ def report_json(
         "planned_groups": plan.measured_groups(),
         "planned_total_bytes": plan.device_bytes + plan.host_bytes,
         "planned_device_bytes": plan.device_bytes,
+        "planned_train_device_bytes": plan.train_device_bytes,
+        "planned_rollout_device_bytes": plan.rollout_device_bytes,
+        "planned_rollout": {c.name: c.bytes for c in plan.rollout},
         "planned_host_bytes": plan.host_bytes,
         "planned_comparable_total_bytes": comparable_total(plan, measurement),
         "lower_bound_bytes": plan.lower_bound_bytes,

@@ -254,6 +254,14 @@ class MemorySettings(_Section):
             "before one update: same training, one micro-batch's activations"
         ),
     )
+    rollout_chunk: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "objective: grpo: completions sampled together (a divisor of grpo.num_generations); "
+            "each holds its KV cache and logits in the rollout phase; null: a prompt's whole group"
+        ),
+    )
 
     @field_validator(*CHOSEN_FROM_SHAPES, mode="before")
     @classmethod
@@ -472,8 +480,13 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _grpo_needs_rewards(self) -> TrainConfig:
-        """GRPO without a reward, or with prompts that do not fill whole groups: refused here."""
+        """GRPO without a reward, or with prompts that do not fill whole groups, or rollout
+        chunks that do not divide them: refused here."""
         if self.objective != "grpo":
+            if self.memory.rollout_chunk is not None:
+                raise ValueError(
+                    "memory.rollout_chunk is for objective: grpo (its rollouts); remove it"
+                )
             return self
         if not self.grpo.rewards:
             raise ValueError(
@@ -486,6 +499,12 @@ class TrainConfig(_Section):
                 f"batch_size={self.batch_size} completions cannot be split into groups of "
                 f"grpo.num_generations={generations}; use a multiple of {generations}, e.g. "
                 f"{generations * max(1, self.batch_size // generations)}"
+            )
+        chunk = self.memory.rollout_chunk
+        if chunk is not None and generations % chunk:
+            raise ValueError(
+                f"memory.rollout_chunk={chunk} must divide grpo.num_generations={generations}; "
+                "use a divisor of it, or null for the whole group"
             )
         return self
 

@@ -22,7 +22,7 @@ clip_ratio/region_mean, clip_ratio/low_min, clip_ratio/high_max.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,32 @@ class GrpoObjective(NamedTuple):
     @property
     def reference(self) -> str:
         return "same_step"
+
+    def abstract_batch(self, batch_size: int, seq_len: int) -> Batch:
+        """Rollout rows as shapes (one completion a row, right-padded, no segment ids): the
+        token arrays int32 [B, S], the loss mask and the sampling log-probs float32 [B, S], each
+        row's advantage float32 [B]."""
+        ids = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+        mask = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)
+        advantages = jax.ShapeDtypeStruct((batch_size,), jnp.float32)
+        return Batch(ids, ids, mask, ids, rollout_logps=mask, advantages=advantages)
+
+    def plan_settings(self) -> dict[str, Any]:
+        """The objective's name (the rollout chunk is a memory setting, named by the plan)."""
+        return {"objective": "grpo"}
+
+    def plan_note(self, tokens: int) -> str:
+        """What the objective costs beyond its batch arrays (`tokens`: the batch's)."""
+        reference = (
+            "beta > 0: one more forward pass of the frozen base with the adapters off per step "
+            "(the KL's reference), nothing stored for it"
+            if self.needs_reference
+            else "beta 0: no reference model"
+        )
+        return (
+            "objective grpo: per-token losses read before the weighted head VJP (one more "
+            f"forward pass of the LM head); {reference}; the rollouts are the plan's second phase"
+        )
 
     def check(self) -> None:
         """Refuse settings the step cannot compute (`StepConfigError`)."""

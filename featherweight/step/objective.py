@@ -18,7 +18,12 @@ An objective provides:
 - `needs_reference`, and `reference`: "same_step" (the frozen base with the adapters off, one
   forward pass more in the step) or "precomputed" (`Batch.reference_logps`);
 - `temperature`: the logits' divisor the log-probs are read at (1 but for GRPO's sampling);
-- `check()`: a `StepConfigError` for settings it cannot compute.
+- `check()`: a `StepConfigError` for settings it cannot compute;
+- `abstract_batch(batch_size, seq_len)`: its data layout, the `Batch` its steps take as
+  `jax.ShapeDtypeStruct`s -- what the plan counts as `batch` and what a step is compiled on
+  (`abstract_batch` below, next-token cross-entropy's packed rows for no objective);
+- `plan_settings()`: what a plan of it names ({"objective": ..., its own choices});
+- `plan_note(tokens)`: what it costs beyond its batch arrays, in words (the plan's note).
 """
 
 from __future__ import annotations
@@ -46,9 +51,26 @@ class Objective(Protocol):
 
     def check(self) -> None: ...
 
+    def abstract_batch(self, batch_size: int, seq_len: int) -> Batch: ...
+
+    def plan_settings(self) -> dict[str, Any]: ...
+
+    def plan_note(self, tokens: int) -> str: ...
+
     def loss_of(
         self, token_logps: jax.Array, batch: Batch, reference_logps: jax.Array | None
     ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
+
+
+def abstract_batch(objective: Objective | None, batch_size: int, seq_len: int) -> Batch:
+    """The `Batch` a step of `objective` takes, as shapes: its own layout, or for next-token
+    cross-entropy (None) packed rows -- ids, targets, positions and segment ids int32 [B, S],
+    the loss mask float32 [B, S]."""
+    if objective is not None:
+        return objective.abstract_batch(batch_size, seq_len)
+    ids = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+    mask = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)
+    return Batch(ids, ids, mask, ids, ids)
 
 
 def token_weights(

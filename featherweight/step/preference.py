@@ -29,7 +29,7 @@ and log_odds_chosen (the mean log odds), as TRL's `ORPOTrainer` logs them.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,41 @@ class PreferenceObjective(NamedTuple):
     beta: float = 0.1
     loss: str = "sigmoid"
     reference: str = "same_step"
+
+    def abstract_batch(self, batch_size: int, seq_len: int) -> Batch:
+        """Padded or packed pairs as shapes: the token arrays int32 [B, S], the loss mask float32,
+        each token's completion id (`sequence_ids`: pair p's chosen 2p, rejected 2p + 1), and
+        DPO's precomputed reference log-probs float32 [B, S] where it reads them."""
+        ids = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+        mask = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)
+        precomputed = self.needs_reference and self.reference == "precomputed"
+        return Batch(ids, ids, mask, ids, ids, ids, mask if precomputed else None)
+
+    def plan_settings(self) -> dict[str, Any]:
+        """The objective and DPO's reference mode (None for ORPO, which has no reference)."""
+        return {"objective": self.kind, "reference": self.reference if self.kind == "dpo" else None}
+
+    def plan_note(self, tokens: int) -> str:
+        """What the objective costs beyond its batch arrays, for a batch of `tokens` tokens."""
+        head = (
+            f"objective {self.kind}: per-token losses read before the weighted head VJP (one more "
+            "forward pass of the LM head)"
+        )
+        if not self.needs_reference:
+            return head + "; no reference model"
+        if self.reference == "same_step":
+            return (
+                head + "; dpo.reference same_step: one more forward pass of the frozen base with "
+                "the adapters off per step, nothing stored for it (its working set is a forward "
+                "layer's, below the backward pass's); precomputed would instead cost a forward "
+                "pass over the data before training and 4 B per token in host memory"
+            )
+        return (
+            head + f"; dpo.reference precomputed: one forward pass over the data before "
+            f"training, 4 B per token in host memory, and {4 * tokens:,} B of reference log-probs "
+            "in each batch (planned in batch); same_step would cost one more forward pass per "
+            "step instead"
+        )
 
     def check(self) -> None:
         """Refuse an objective the step cannot compute (`StepConfigError`)."""

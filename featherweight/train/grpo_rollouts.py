@@ -34,7 +34,8 @@ from featherweight.train.rewards import RewardFunction, reward_metrics, score
 
 class GrpoSetup(NamedTuple):
     """What a GRPO step's data needs besides the model: the tokenizer, the reward functions,
-    `num_generations`, the sampling settings, `scale_rewards` and the batch's row length."""
+    `num_generations`, the sampling settings, `scale_rewards`, the batch's row length and the
+    rows sampled together (`memory.rollout_chunk`; None: a whole group)."""
 
     tokenizer: Tokenizer
     rewards: Sequence[RewardFunction]
@@ -42,6 +43,7 @@ class GrpoSetup(NamedTuple):
     sampling: Sampling
     scale_rewards: str
     seq_len: int
+    rollout_chunk: int | None = None
 
 
 class StepData(NamedTuple):
@@ -127,8 +129,9 @@ def step_data(
     ids = [prompt_ids(tokenizer, record["prompt"]) for record in records]
     check_prompt_lengths(ids, setup.sampling.max_new_tokens, setup.seq_len)
     rollout = sample_rollouts(
-        params, config, lora, ids, key, generations, setup.sampling, tokenizer.stop_ids(), dtype
-    )
+        params, config, lora, ids, key, generations, setup.sampling, tokenizer.stop_ids(), dtype,
+        setup.rollout_chunk,
+    )  # fmt: skip
     texts = [
         tokenizer.decode(tokens[:length].tolist())
         for tokens, length in zip(rollout.tokens, rollout.lengths, strict=True)

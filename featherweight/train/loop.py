@@ -11,8 +11,10 @@ GRPO (objective: grpo): each step first samples its batch -- the step's prompts 
 resumable order), `grpo.num_generations` completions of each by the current adapters, their
 rewards and advantages (`grpo_rollouts.step_data`, keyed by the step, so a resumed run samples
 what an uninterrupted one would) -- then runs the same step on it; the rollouts' metrics (TRL's
-names) join the step's line, and every `grpo.log_completions_every` steps one sample completion
-is printed and written to completions.jsonl.
+names) join the step's line with the step's wall-clock split (`time/rollout_seconds`: sampling and
+scoring; `time/update_seconds`: the update, waited for, as the next rollouts would), and every
+`grpo.log_completions_every` steps one sample completion is printed and written to
+completions.jsonl.
 
 On a device mesh each process reads its own rows and the global batch is assembled from them;
 with several processes only process 0 writes metrics, plots and progress (checkpoints are written
@@ -60,7 +62,7 @@ from featherweight.train.dataset import (
 from featherweight.train.grpo_rollouts import StepData, step_data
 from featherweight.train.loggers import check_loggers, open_loggers
 from featherweight.train.metrics import MetricsLog, plot_loss_curve
-from featherweight.train.progress import training_progress
+from featherweight.train.progress import ROLLOUT_SECONDS, UPDATE_SECONDS, training_progress
 from featherweight.train.run import PlannedRun, Run, plan_run, prepare_run
 from featherweight.train.run_dir import COMPLETIONS_FILE, LOSS_PLOT, METRICS_FILE
 from featherweight.train.signals import StopRequest
@@ -382,11 +384,21 @@ def _train(config, overwrite, console, plan_fn, on_step, stop: StopRequest) -> T
     with reporter.progress:
         for step in steps:
             step_key = jax.random.fold_in(base_key, step)
+            started = time.perf_counter()
             batch, rollouts = next_batch(run, trainable, jax.random.fold_in(step_key, ROLLOUTS))
+            sampled = time.perf_counter()
             trainable, opt_state, metrics = run.step_fn(
                 trainable, opt_state, run.frozen, batch, step_key
             )
-            pending.add(step, metrics, int(batch.input_ids.size), rollouts and rollouts.metrics)
+            host = None
+            if rollouts is not None:  # the next rollouts wait for this update anyway
+                jax.block_until_ready(metrics)
+                host = {
+                    **rollouts.metrics,
+                    ROLLOUT_SECONDS: sampled - started,
+                    UPDATE_SECONDS: time.perf_counter() - sampled,
+                }
+            pending.add(step, metrics, int(batch.input_ids.size), host)
             every = config.grpo.log_completions_every
             if rollouts is not None and every and step % every == 0:
                 reporter.sample(step, rollouts)

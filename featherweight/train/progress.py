@@ -19,14 +19,25 @@ from typing import Any, Protocol
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+# a GRPO step's wall-clock split (metrics.jsonl, TensorBoard, the progress line): sampling and
+# scoring its completions, then the update on them (the step waited for before the next sampling)
+ROLLOUT_SECONDS, UPDATE_SECONDS = "time/rollout_seconds", "time/update_seconds"
+
 
 def status_text(record: dict[str, Any]) -> str:
-    """loss (and a preference run's reward accuracy and margin), learning rate, throughput and
-    device memory of one step's record."""
+    """loss (and a preference run's reward accuracy and margin; a GRPO run's mean reward and its
+    step's rollout and update seconds), learning rate, throughput and device memory of one
+    step's record."""
     parts = [f"loss {record['loss']:.4f}"]
     if "rewards/accuracies" in record:
         parts.append(
             f"reward acc {record['rewards/accuracies']:.2f}, margin {record['rewards/margins']:.3f}"
+        )
+    if "reward" in record:
+        parts.append(f"reward {record['reward']:.3f}")
+    if ROLLOUT_SECONDS in record:
+        parts.append(
+            f"rollout {record[ROLLOUT_SECONDS]:.1f} s + update {record[UPDATE_SECONDS]:.1f} s"
         )
     if record.get("learning_rate") is not None:
         parts.append(f"lr {record['learning_rate']:.2e}")

@@ -415,6 +415,7 @@ def grpo_setup(config: TrainConfig, tokenizer: Tokenizer) -> GrpoSetup:
     return GrpoSetup(
         with_chat_template(tokenizer, config.data.chat_template), rewards,
         settings.num_generations, sampling, settings.scale_rewards, config.data.seq_len,
+        config.memory.rollout_chunk,
     )  # fmt: skip
 
 

@@ -114,3 +114,19 @@ def test_the_nucleus_is_transformers_top_p():
 def test_settings_nothing_samples_with_are_refused(policy, sampling, message):
     with pytest.raises(ConfigError, match=message):
         _rollouts(policy, sampling)
+
+
+def test_rollout_chunks_sample_the_same_completions_as_whole_groups(policy):
+    sampling = Sampling(1.0, 0.9, NEW_TOKENS)
+    whole = _rollouts(policy, sampling, key=7)
+    halves = sample_rollouts(
+        policy.params, policy.config, policy.lora, PROMPTS, jax.random.PRNGKey(7), GENERATIONS,
+        sampling, (), policy.dtype, chunk=GENERATIONS // 2,
+    )  # fmt: skip
+    np.testing.assert_array_equal(halves.tokens, whole.tokens)
+    np.testing.assert_allclose(halves.logps, whole.logps, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ConfigError, match=r"must divide grpo\.num_generations"):
+        sample_rollouts(
+            policy.params, policy.config, policy.lora, PROMPTS, jax.random.PRNGKey(7),
+            GENERATIONS, sampling, (), policy.dtype, chunk=3,
+        )  # fmt: skip

@@ -90,7 +90,8 @@ def test_a_stopped_and_resumed_grpo_run_equals_an_uninterrupted_one(
 
 @pytest.mark.slow
 def test_grpo_metrics_and_samples_are_logged(tiny_model_dir, prompt_file, tmp_path):
-    """TRL's names in every step's line; a sample completion every log_completions_every steps."""
+    """TRL's names in every step's line, with the step's rollout / update time split; a sample
+    completion every log_completions_every steps."""
     train(parse_config(_settings(tiny_model_dir, prompt_file, tmp_path / "run")))
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -99,6 +100,8 @@ def test_grpo_metrics_and_samples_are_logged(tiny_model_dir, prompt_file, tmp_pa
                  "clip_ratio/region_mean"):  # fmt: skip
         assert all(name in r for r in records), name
     assert all(0 <= r["reward"] <= 1 for r in records)
+    # the step's time split: sampling and scoring, then the update (waited for)
+    assert all(r["time/rollout_seconds"] > 0 and r["time/update_seconds"] > 0 for r in records)
     samples = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").open()]
     assert [s["step"] for s in samples] == [2, 4]
     assert all(isinstance(s["completion"], str) and "reward" in s for s in samples)
@@ -114,6 +117,7 @@ def test_grpo_metrics_and_samples_are_logged(tiny_model_dir, prompt_file, tmp_pa
         ({"grpo.rewards": ["nowhere.py:f"]}, RewardFunctionError, "nowhere.py"),
         ({"grpo.max_completion_length": 40}, ConfigError, "leaves no room for a prompt"),
         ({"batch_size": 10}, DataError, "5 prompts a step, more than the 4 prompt records"),
+        ({"memory.rollout_chunk": 3}, ConfigError, "must divide grpo.num_generations=2"),
     ],
 )
 def test_bad_grpo_input_is_one_line_before_any_weight(

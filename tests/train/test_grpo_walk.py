@@ -2,8 +2,10 @@
 examples/grpo-planet-colours.yaml` (LoRA on the embedded demo model, the reward file beside the
 config) runs a few steps on a CPU and completes, each step's line carrying TRL's reward metrics.
 
-Not asserted: that the reward rises. Measured on this CPU over 4 steps the mean reward per step
-was 0.025, 0.0875, 0.075, 0.0375 -- no trend a handful of steps can show."""
+Not asserted: that the reward rises (10 steps take minutes). Measured on this 2-core CPU on
+2026-11-28 over the example's 10 steps (docs/preference.md): the share of answers naming a colour
+0.31 -> 1.00 by step 3; the mean reward 0.25, 0.05, 0.20, 0.24, 0.44, 0.16, 0.26, 0.45, 0.20,
+0.20 -- no trend, the planets' colours being invented."""
 
 import json
 import shutil
