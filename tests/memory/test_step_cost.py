@@ -364,15 +364,16 @@ def test_each_familys_step_flops_equal_its_compiled_program(family):
     assert step_flops(config, model).total == hlo_dot_flops(step.lower(*arguments).compile())
 
 
-# Not yet for Mixtral: its MLP chunks' padding rows (blocks of 8 for 2 x k pairs of each chunk)
-# put the compiled program 10.3% above the active-parameter count (b2 x 256, XLA:CPU); nor for
-# gpt-oss since the grouped products have their own backward: 12.6% above (not explained yet)
-@pytest.mark.parametrize("family", ["qwen3_moe"])
+# Not yet for gpt-oss: 12.6% above (b2 x 256, XLA:CPU), its layers alternate sliding and full
+# attention in a lax.cond, whose extra attention matmuls put Gemma's steps 7.4% above too
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_an_moe_steps_flops_are_its_active_parameters(family):
     # router + each token's k experts' three matmuls (and their adapters): the compiled program
-    # also multiplies each expert's padding rows (b2 x 256: 512 x k pairs in blocks of 8)
+    # also multiplies each expert's padding rows (b2 x 256: 512 x k pairs in blocks of 8), once
+    # per MLP chunk -- with Mixtral's default chunks 10.3% above the count, so the MLP runs whole
     model = tiny_family(family)
-    settings = {"method": "lora", "batch_size": BATCH, "data": {"seq_len": 256}}
+    settings = {"method": "lora", "batch_size": BATCH, "data": {"seq_len": 256},
+                "memory": {"mlp_chunk": None}}  # fmt: skip
     config = resolve(parse_config(settings), model)
     step, arguments = abstract_step_arguments(config, model)
     compiled = hlo_dot_flops(step.lower(*arguments).compile())
