@@ -3,7 +3,6 @@ options, or for a training config exactly as `train` would build it."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Annotated, Any, NamedTuple
 
@@ -120,9 +119,10 @@ def plan(
 def _budget_bytes(requested, target) -> int | None:
     """The bytes of the config's memory.budget (`--budget` or the config's), for `target`."""
     from featherweight.memory.budget import budget_bytes_of
+    from featherweight.memory.capacity import of_machine
 
     budget = requested.memory.budget
-    return None if budget is None else budget_bytes_of(budget, target)
+    return None if budget is None else budget_bytes_of(budget, of_machine(target))
 
 
 def _requested(ctx: typer.Context):
@@ -268,7 +268,11 @@ def _host_base_estimate(config, model_config, target):
     if config.memory.base != "host" or target is None or target.peak_flops is None:
         return None
     return host_base_estimate(
-        config, model_config, target.host_link_bytes_per_second, target.peak_flops
+        config,
+        model_config,
+        target.host_link_bytes_per_second,
+        target.peak_flops,
+        target.step_target,
     )
 
 
@@ -285,60 +289,41 @@ class PlannedStep(NamedTuple):
 
 
 def _plan_on_target(requested, model_config, target, budget_bytes, measure) -> PlannedStep:
-    """The plan of `requested` for `target` (None: this machine's backend), resolved as train
-    resolves it, with the target compiler's calibration and fitted to the budget when one is
-    given; the step compiled for the target, its attention chosen for the target's GPU; and,
-    where the plan does not fit a GPU, the settings the budget search would pick as an option."""
-    from featherweight.models.attention_choice import AttentionTarget, compiling_for
-
-    if target is None:
-        return _plan_and_measure(requested, model_config, target, budget_bytes, measure)
-    capability = target.facts.get("compute_capability")
-    attention_target = AttentionTarget(
-        target.platform, None if capability is None else ".".join(map(str, capability))
-    )
-    with compiling_for(attention_target):
-        return _plan_and_measure(requested, model_config, target, budget_bytes, measure)
-
-
-def _plan_and_measure(requested, model_config, target, budget_bytes, measure) -> PlannedStep:
-    """`_plan_on_target`'s plan, measurement and verdict, with the attention target set."""
+    """The plan of `requested` for `target` (None: this machine's device) by the trainer's own
+    planning function (`budget.plan_within_budget`: resolved as train resolves it, fitted to the
+    budget when one is given, "auto" attention chosen for the target's GPU); the step compiled
+    for the target; and, where the plan does not fit a GPU, the settings a budget of its usable
+    memory would pick, as an option."""
     from featherweight.memory import capacity
-    from featherweight.memory.budget import attention_that_fits, describe_changes, fit_budget
+    from featherweight.memory.budget import describe_changes, plan_within_budget
     from featherweight.memory.defaults import resolve
-    from featherweight.memory.measure import measure_compiled, measure_for_target
-    from featherweight.memory.plan import plan_for_config
-    from featherweight.memory.working_set import calibration_for
+    from featherweight.models.attention_choice import AttentionTarget
 
-    compiler = None if target is None else f"xla-{target.platform}"
-    on_target = capacity.of_target(target)
+    step_target = AttentionTarget.of_device() if target is None else target.step_target
+    config, memory_plan = plan_within_budget(
+        requested, model_config, step_target, capacity.of_machine(target)
+    )
+    resolved = resolve(requested, model_config, target=step_target)
+    on_target, options = capacity.of_target(target), []
+    if budget_bytes is None and on_target is not None:
+        options = _options_on_target(resolved, memory_plan, model_config, on_target, step_target)
+    measurement = _measure(config, model_config, target) if measure else None
     limit = on_target if budget_bytes is None else capacity.of_budget(budget_bytes, target)
-    resolved, options = resolve(requested, model_config), []
-    platform = None if target is None else target.platform  # time weighed at its rates
-    with calibration_for(compiler) if compiler else contextlib.nullcontext():
-        if budget_bytes is None:  # as train: "auto" attention falls back where it cannot fit
-            memory_plan = plan_for_config(resolved, model_config)
-            config, memory_plan = attention_that_fits(
-                requested, memory_plan, model_config, on_target
-            )
-        else:
-            config, memory_plan = fit_budget(
-                resolved, model_config, budget_bytes, platform=platform
-            )
-        if budget_bytes is None and on_target is not None:
-            options = _options_on_target(resolved, memory_plan, model_config, on_target)
-    if not measure:
-        measurement = None
-    elif target is None:
-        measurement = measure_compiled(config, model_config)
-    else:
-        measurement = measure_for_target(config, model_config, target.name)
     judged = capacity.verdict(memory_plan, limit, measurement, options)
-    changes = describe_changes(resolved, config, model_config, platform)  # with est. step time
+    changes = describe_changes(resolved, config, model_config, step_target)  # est. step time
     return PlannedStep(config, memory_plan, measurement, judged, changes)
 
 
-def _options_on_target(resolved, memory_plan, model_config, on_target) -> list[str]:
+def _measure(config, model_config, target):
+    """The step compiled for `target` (None: this machine) on abstract shapes."""
+    from featherweight.memory.measure import measure_compiled, measure_for_target
+
+    if target is None:
+        return measure_compiled(config, model_config)
+    return measure_for_target(config, model_config, target.name)
+
+
+def _options_on_target(resolved, memory_plan, model_config, on_target, step_target) -> list[str]:
     """Where the plan does not fit the target GPU: the settings a budget of its usable memory
     would pick, or what else would help."""
     from featherweight.errors import BudgetError
@@ -347,7 +332,7 @@ def _options_on_target(resolved, memory_plan, model_config, on_target) -> list[s
     if on_target.needed_bytes(memory_plan) <= on_target.limit_bytes:
         return []
     try:
-        fitted, _ = fit_budget(resolved, model_config, on_target.limit_bytes)
+        fitted, _ = fit_budget(resolved, model_config, on_target.limit_bytes, target=step_target)
     except BudgetError:
         return ["a GPU with more memory, a shorter sequence or a lighter method"]
     changes = ", ".join(describe_changes(resolved, fitted))

@@ -48,8 +48,10 @@ first), so a setting that saves nothing is never kept. The settings, each with w
 
 When the last plan still does not fit, `BudgetError` names the largest component, the shortfall in
 GiB, and the changes that would fit (shorter sequence, another method, a smaller LoRA rank).
-The trainer calls the same function (`plan_within_budget`); `describe_changes` gives each change
-with its estimated step-time cost, as `featherweight plan --budget` shows it.
+The trainer and `featherweight plan` call one planning function, `plan_within_budget`, with the
+target they plan for (`AttentionTarget`: the trainer's own device, or `plan --target`'s GPU);
+`describe_changes` gives each change with its estimated step-time cost, as `featherweight plan
+--budget` shows it.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ from featherweight.memory import capacity
 from featherweight.memory.defaults import resolve
 from featherweight.memory.plan import MemoryPlan, plan_for_config
 from featherweight.memory.step_cost import DeviceRates, rates_for, seconds_per_token
-from featherweight.memory.targets import Target
 from featherweight.memory.working_set import plan_reserve
+from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.config import ModelConfig
 from featherweight.parallel.sharding import planning_mesh
 from featherweight.recipe.build import (
@@ -118,22 +120,21 @@ def parse_budget(text: str) -> int:
 DEVICE_BUDGET = "device"
 
 
-def budget_bytes_of(text: str, target: Target | None = None) -> int:
+def budget_bytes_of(text: str, room: capacity.Capacity | None = None) -> int:
     """Bytes of a budget: a size (`parse_budget`), or "device": all a step may use of the device
-    -- `target`'s usable memory when planning for a GPU target, else this process's device
-    (`capacity.of_device`: JAX's pool less the library allowance on a GPU, the physical memory on
-    a CPU). With a budget the room the plan leaves is spent on speed (kept activations, fewer
-    and larger micro-batches)."""
+    planned for, `room` (default: this process's device, `capacity.of_device`: JAX's pool less
+    the library allowance on a GPU, the physical memory on a CPU; a GPU target's usable memory:
+    `capacity.of_machine`). With a budget the room the plan leaves is spent on speed (kept
+    activations, fewer and larger micro-batches)."""
     if str(text).strip().lower() != DEVICE_BUDGET:
         return parse_budget(text)
-    on_target = target is not None and target.platform == "gpu"
-    usable = capacity.of_target(target) if on_target else capacity.of_device()
-    if usable is None:
-        where = f"target {target.name} has" if on_target else "this device reports"
+    room = capacity.of_device() if room is None else room
+    if room is None:
         raise ConfigError(
-            f"budget 'device': {where} no memory size to fill; give a size, e.g. 8GiB"
+            "budget 'device': the device planned for reports no memory size to fill; give a "
+            "size, e.g. 8GiB"
         )
-    return usable.limit_bytes
+    return room.limit_bytes
 
 
 def _replace(config: TrainConfig, section: str | None, **values) -> TrainConfig:
@@ -196,8 +197,10 @@ def _base_on_host(config: TrainConfig) -> Iterator[TrainConfig]:
         yield _replace(config, "memory", base="host")
 
 
-def _blockwise_attention(config: TrainConfig, model_config: ModelConfig) -> Iterator[TrainConfig]:
-    if attention_implementation(config, model_config) != "blockwise":
+def _blockwise_attention(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget
+) -> Iterator[TrainConfig]:
+    if attention_implementation(config, model_config, target) != "blockwise":
         yield _replace(config, "memory", attention="blockwise")
 
 
@@ -262,20 +265,22 @@ COST_RESOLUTION = 0.01
 
 # (name, candidates from the current config and model, most preferred first: of the same
 # estimated cost, what keeps everything on the device and streams the LM head fewest times)
-PREFERENCE: tuple[tuple[str, Callable[[TrainConfig, ModelConfig], Iterator[TrainConfig]]], ...] = (
-    ("vocabulary chunk", lambda c, m: _vocab_chunks(c, m.vocab_size)),
-    ("loss chunk", lambda c, m: _loss_chunks(c)),
-    ("saved intermediates", lambda c, m: _no_saved(c)),
-    ("MLP chunk", lambda c, m: _mlp_chunks(c)),
-    ("accumulation", lambda c, m: _more_accumulation(c)),
-    ("residual offload", lambda c, m: _offload(c)),
-    ("embedding on host", lambda c, m: _embedding_on_host(c, m.tie_word_embeddings)),
-    ("quantized head", lambda c, m: _quantized_head(c)),
-    ("optimizer state on host", lambda c, m: _optimizer_state_on_host(c)),
+PREFERENCE: tuple[
+    tuple[str, Callable[[TrainConfig, ModelConfig, AttentionTarget], Iterator[TrainConfig]]], ...
+] = (
+    ("vocabulary chunk", lambda c, m, t: _vocab_chunks(c, m.vocab_size)),
+    ("loss chunk", lambda c, m, t: _loss_chunks(c)),
+    ("saved intermediates", lambda c, m, t: _no_saved(c)),
+    ("MLP chunk", lambda c, m, t: _mlp_chunks(c)),
+    ("accumulation", lambda c, m, t: _more_accumulation(c)),
+    ("residual offload", lambda c, m, t: _offload(c)),
+    ("embedding on host", lambda c, m, t: _embedding_on_host(c, m.tie_word_embeddings)),
+    ("quantized head", lambda c, m, t: _quantized_head(c)),
+    ("optimizer state on host", lambda c, m, t: _optimizer_state_on_host(c)),
     ("blockwise attention", _blockwise_attention),
-    ("8-bit optimizer state", lambda c, m: _eight_bit_state(c)),
-    ("base on host", lambda c, m: _base_on_host(c)),
-    ("micro-batch", lambda c, m: _micro_batches(c)),
+    ("8-bit optimizer state", lambda c, m, t: _eight_bit_state(c)),
+    ("base on host", lambda c, m, t: _base_on_host(c)),
+    ("micro-batch", lambda c, m, t: _micro_batches(c)),
 )
 
 
@@ -305,11 +310,11 @@ def describe_changes(
     before: TrainConfig,
     after: TrainConfig,
     model_config: ModelConfig | None = None,
-    platform: str | None = None,
+    target: AttentionTarget | None = None,
 ) -> list[str]:
     """Human-readable `setting: old -> new` lines for the fields a budget search changed; with
-    `model_config`, each with its estimated step-time cost (`change_costs`)."""
-    costs = {} if model_config is None else change_costs(before, after, model_config, platform)
+    `model_config`, each with its estimated step-time cost on `target` (`change_costs`)."""
+    costs = {} if model_config is None else change_costs(before, after, model_config, target)
     lines = []
     for section, field in SEARCHED_FIELDS:
         old, new = _value(before, section, field), _value(after, section, field)
@@ -321,7 +326,9 @@ def describe_changes(
     return lines
 
 
-def _plan_if_valid(config: TrainConfig, model_config: ModelConfig) -> MemoryPlan | None:
+def _plan_if_valid(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget
+) -> MemoryPlan | None:
     """The plan of a candidate, or None when the config validation refuses it (e.g. 8-bit AdamW
     after the embedding moved to the host with full fine-tuning): the search never proposes a
     configuration the trainer would then refuse."""
@@ -330,7 +337,7 @@ def _plan_if_valid(config: TrainConfig, model_config: ModelConfig) -> MemoryPlan
         check_placements(config, model_config)  # host placements the trainer would refuse
         check_clipping_and_accumulation(config)  # e.g. two-pass clipping with accumulation
         check_preference_settings(config)  # preference pairs are averaged over one batch
-        return plan_for_config(config, model_config)
+        return plan_for_config(config, model_config, target)
     except (ConfigError, ValueError):
         return None
 
@@ -344,20 +351,24 @@ TIERS = tuple(tuple(p for p in PREFERENCE if _TIER_OF.get(p[0], 0) == tier) for 
 
 
 def _cheapest_step(
-    config: TrainConfig, plan: MemoryPlan, model_config: ModelConfig, rates: DeviceRates
+    config: TrainConfig,
+    plan: MemoryPlan,
+    model_config: ModelConfig,
+    rates: DeviceRates,
+    target: AttentionTarget,
 ) -> tuple[TrainConfig, MemoryPlan] | None:
     """The next change: of each setting's next candidate that lowers the planned bytes, the one
     whose estimated time per token is least, from the first tier that has one; estimates within
     `COST_RESOLUTION` of the step's time of each other are a tie, taken in `PREFERENCE` order.
     None when no setting lowers the plan."""
-    step = COST_RESOLUTION * seconds_per_token(config, model_config, rates)
+    step = COST_RESOLUTION * seconds_per_token(config, model_config, rates, target)
     for tier in TIERS:
         options = []
         for order, (_, candidates) in enumerate(tier):
-            for candidate in candidates(config, model_config):
-                candidate_plan = _plan_if_valid(candidate, model_config)
+            for candidate in candidates(config, model_config, target):
+                candidate_plan = _plan_if_valid(candidate, model_config, target)
                 if candidate_plan is not None and candidate_plan.device_bytes < plan.device_bytes:
-                    cost = seconds_per_token(candidate, model_config, rates)
+                    cost = seconds_per_token(candidate, model_config, rates, target)
                     options.append((cost, order, candidate, candidate_plan))
                     break
         if options:
@@ -374,6 +385,7 @@ def _drop_unneeded(
     model_config: ModelConfig,
     budget: int,
     rates: DeviceRates,
+    target: AttentionTarget,
 ) -> tuple[TrainConfig, MemoryPlan]:
     """`config` with every change from `start` undone that the fit does not need, the costliest
     first (the micro-batch, then what changes the numerics, then by estimated time): a setting
@@ -383,38 +395,39 @@ def _drop_unneeded(
 
     def cost(field) -> tuple[int, float]:
         undone = _replace(config, field[0], **{field[1]: _value(start, *field)})
-        seconds = seconds_per_token(config, model_config, rates) - seconds_per_token(
-            undone, model_config, rates
+        seconds = seconds_per_token(config, model_config, rates, target) - seconds_per_token(
+            undone, model_config, rates, target
         )
         return _FIELD_TIER.get(field[1], 0), seconds
 
     for section, field in sorted(changed, key=cost, reverse=True):
         undone = _replace(config, section, **{field: _value(start, section, field)})
-        undone_plan = _plan_if_valid(undone, model_config)
+        undone_plan = _plan_if_valid(undone, model_config, target)
         if undone_plan is not None and undone_plan.device_bytes <= budget:
             config = undone
-    return config, plan_for_config(config, model_config)
+    return config, plan_for_config(config, model_config, target)
 
 
 def _search(
-    config: TrainConfig, model_config: ModelConfig, budget: int, rates: DeviceRates | None = None
+    config: TrainConfig, model_config: ModelConfig, budget: int, target: AttentionTarget
 ) -> tuple[TrainConfig, MemoryPlan]:
-    """The configuration that fits `budget` at the least estimated step time; else the smallest.
+    """The configuration that fits `budget` on `target` at the least estimated step time (at
+    the target platform's rates); else the smallest.
 
     One change at a time, each the cheapest in estimated time per token (`step_cost`: matmul
     FLOPs and host transfers) of the changes that lower the plan, the same-result settings
     before those that change the numerics and the micro-batch last; once the plan fits, every
     change it does not need is undone.
     """
-    rates = rates or rates_for(jax.default_backend())
-    start, plan = config, plan_for_config(config, model_config)
+    rates = rates_for(target.platform)
+    start, plan = config, plan_for_config(config, model_config, target)
     while plan.device_bytes > budget:
-        step = _cheapest_step(config, plan, model_config, rates)
+        step = _cheapest_step(config, plan, model_config, rates, target)
         if step is None:
             break
         config, plan = step
     if plan.device_bytes <= budget and config != start:
-        config, plan = _drop_unneeded(start, config, model_config, budget, rates)
+        config, plan = _drop_unneeded(start, config, model_config, budget, rates, target)
     return config, plan
 
 
@@ -423,7 +436,7 @@ def _spend_on_speed(
     plan: MemoryPlan,
     model_config: ModelConfig,
     budget: int,
-    rates: DeviceRates,
+    target: AttentionTarget,
 ) -> tuple[TrainConfig, MemoryPlan]:
     """Memory for speed: while the budget has room, take the change that saves the most
     estimated time per byte it adds (`step_cost`) -- a class of activations kept (the matmuls
@@ -431,14 +444,15 @@ def _spend_on_speed(
     weights read fewer times for the same tokens; the same batch and update); a saving within
     `COST_RESOLUTION` of the step is none. A fitted plan's room goes to speed only here, so
     without a budget the step stays as lean as configured."""
+    rates = rates_for(target.platform)
     while True:
-        now = seconds_per_token(config, model_config, rates)
+        now = seconds_per_token(config, model_config, rates, target)
         options = []
         for candidate in (*_kept_activations(config), *_fewer_accumulation(config)):
-            candidate_plan = _plan_if_valid(candidate, model_config)
+            candidate_plan = _plan_if_valid(candidate, model_config, target)
             if candidate_plan is None or candidate_plan.device_bytes > budget:
                 continue
-            saved = now - seconds_per_token(candidate, model_config, rates)
+            saved = now - seconds_per_token(candidate, model_config, rates, target)
             if saved > COST_RESOLUTION * now:
                 added = max(candidate_plan.device_bytes - plan.device_bytes, 1)
                 options.append((saved / added, candidate, candidate_plan))
@@ -448,36 +462,46 @@ def _spend_on_speed(
 
 
 def smallest_settings(
-    config: TrainConfig, model_config: ModelConfig, keep_batch: bool = True
+    config: TrainConfig,
+    model_config: ModelConfig,
+    keep_batch: bool = True,
+    target: AttentionTarget | None = None,
 ) -> tuple[TrainConfig, MemoryPlan]:
-    """Every change the budget search makes when nothing fits (a budget of 0 bytes): the
-    smallest step it can plan, and its plan. With `keep_batch`, the micro-batch is set back to
-    the config's (the search's last resort halves it), so the row keeps its shapes."""
-    smallest, plan = _search(resolve(config, model_config), model_config, 0)
+    """Every change the budget search makes when nothing fits (a budget of 0 bytes) on `target`
+    (default: this process's device): the smallest step it can plan, and its plan. With
+    `keep_batch`, the micro-batch is set back to the config's (the search's last resort halves
+    it), so the row keeps its shapes."""
+    target = target or AttentionTarget.of_device()
+    smallest, plan = _search(resolve(config, model_config, target=target), model_config, 0, target)
     if keep_batch and smallest.batch_size != config.batch_size:
         smallest = _replace(smallest, None, batch_size=config.batch_size)
-        plan = plan_for_config(smallest, model_config)
+        plan = plan_for_config(smallest, model_config, target)
     return smallest, plan
 
 
 def change_costs(
-    before: TrainConfig, after: TrainConfig, model_config: ModelConfig, platform: str | None = None
+    before: TrainConfig,
+    after: TrainConfig,
+    model_config: ModelConfig,
+    target: AttentionTarget | None = None,
 ) -> dict[str, float]:
     """{"memory.vocab_chunk": fraction, ...}: each change's estimated step-time cost per token
-    (`step_cost`), as a fraction of `before`'s, made alone on `before`."""
-    rates = rates_for(platform or jax.default_backend())
-    base = seconds_per_token(before, model_config, rates)
+    on `target` (default: this process's device; `step_cost`), as a fraction of `before`'s, made
+    alone on `before`."""
+    target = target or AttentionTarget.of_device()
+    rates = rates_for(target.platform)
+    base = seconds_per_token(before, model_config, rates, target)
     costs = {}
     for section, field in SEARCHED_FIELDS:
         if _value(before, section, field) != _value(after, section, field):
             alone = _replace(before, section, **{field: _value(after, section, field)})
             name = field if section is None else f"{section}.{field}"
-            costs[name] = seconds_per_token(alone, model_config, rates) / base - 1.0
+            costs[name] = seconds_per_token(alone, model_config, rates, target) / base - 1.0
     return costs
 
 
 def _alternatives(
-    config: TrainConfig, model_config: ModelConfig, budget: int
+    config: TrainConfig, model_config: ModelConfig, budget: int, target: AttentionTarget
 ) -> Iterator[tuple[str, int]]:
     """Changes outside the automatic search that fit, each with its planned bytes."""
     seq = config.data.seq_len // 2
@@ -485,20 +509,20 @@ def _alternatives(
         shorter = _replace(config, "data", seq_len=seq)
         if config.memory.loss_chunk and seq % config.memory.loss_chunk:
             shorter = _replace(shorter, "memory", loss_chunk=None)
-        _, plan = _search(shorter, model_config, budget)
+        _, plan = _search(shorter, model_config, budget, target)
         if plan.device_bytes <= budget:
             yield f"seq {seq} fits at {plan.device_bytes / GIB:.2f} GiB", plan.device_bytes
             break
         seq //= 2
     lighter = {"full": ("lora", "qlora"), "lora": ("qlora",)}.get(config.method, ())
     for method in lighter:
-        _, plan = _search(_replace(config, None, method=method), model_config, budget)
+        _, plan = _search(_replace(config, None, method=method), model_config, budget, target)
         if plan.device_bytes <= budget:
             yield f"method {method} fits at {plan.device_bytes / GIB:.2f} GiB", plan.device_bytes
             break
     rank = config.lora.rank // 2
     while config.method != "full" and rank >= 1:
-        _, plan = _search(_replace(config, "lora", rank=rank), model_config, budget)
+        _, plan = _search(_replace(config, "lora", rank=rank), model_config, budget, target)
         if plan.device_bytes <= budget:
             yield f"LoRA rank {rank} fits at {plan.device_bytes / GIB:.2f} GiB", plan.device_bytes
             break
@@ -510,7 +534,7 @@ def fit_budget(
     model_config: ModelConfig,
     budget_bytes: int,
     reserve: float | None = None,
-    platform: str | None = None,
+    target: AttentionTarget | None = None,
 ) -> tuple[TrainConfig, MemoryPlan]:
     """(config that fits `budget_bytes` of device memory, its plan), changing settings in the
     order of `PREFERENCE` only as far as needed, then spending the room left on speed (kept
@@ -519,21 +543,22 @@ def fit_budget(
 
     The plan must fit the budget less `reserve` (a fraction; default the calibration's
     `plan_reserve`: how far below its compiled step a plan fell at worst on the held-out grid),
-    so that the compiled step, not only its plan, fits the budget. Time is weighed at the rates
-    of `platform` ("gpu" for a GPU target planned here; default: this process's backend)."""
+    so that the compiled step, not only its plan, fits the budget. Everything is planned for
+    `target` (default: this process's device): its attention, its compiler's calibration, time
+    weighed at its platform's rates."""
     if budget_bytes <= 0:
         raise ConfigError(f"budget of {budget_bytes} bytes must be positive, e.g. 8GiB")
-    config = resolve(config, model_config)
-    reserve = plan_reserve(config) if reserve is None else reserve
-    target = int(budget_bytes * (1 - reserve))
-    rates = rates_for(platform or jax.default_backend())
-    fitted, plan = _search(config, model_config, target, rates)
-    if plan.device_bytes <= target:
-        return _spend_on_speed(fitted, plan, model_config, target, rates)
+    target = target or AttentionTarget.of_device()
+    config = resolve(config, model_config, target=target)
+    reserve = plan_reserve(config, target) if reserve is None else reserve
+    limit = int(budget_bytes * (1 - reserve))
+    fitted, plan = _search(config, model_config, limit, target)
+    if plan.device_bytes <= limit:
+        return _spend_on_speed(fitted, plan, model_config, limit, target)
     largest = plan.largest_component()
-    shortfall = (plan.device_bytes - target) / GIB
-    budget_bytes = target
-    options = [text for text, _ in _alternatives(fitted, model_config, budget_bytes)]
+    shortfall = (plan.device_bytes - limit) / GIB
+    budget_bytes = limit
+    options = [text for text, _ in _alternatives(fitted, model_config, budget_bytes, target)]
     raise BudgetError(
         f"nothing fits {budget_bytes / GIB:.2f} GiB (the budget less {reserve:.1%} kept for the "
         f"plan's error): the smallest plan "
@@ -553,35 +578,47 @@ def attention_that_fits(
     plan: MemoryPlan,
     model_config: ModelConfig,
     room: capacity.Capacity | None = None,
+    target: AttentionTarget | None = None,
 ) -> tuple[TrainConfig, MemoryPlan]:
-    """`memory.attention: auto` chose a fused kernel whose plan does not fit `room` (default:
-    this process's device, `capacity.of_device`): blockwise instead -- the same result, without
+    """`memory.attention: auto` chose a fused kernel on `target` (default: this process's device)
+    whose plan does not fit `room` (default: this process's device, `capacity.of_device`):
+    blockwise instead -- the same result, without
     cuDNN's backward workspace (Llama-3.1-8B at b2 x 2048 in the packed layout: 0.5 GiB at 4
     document slots a row, 4 GiB at 32), slower -- so that a step which fits without it is not
     refused; its "auto" chunks chosen again for blockwise (`resolve`: the loss phase may become
     the peak). `config` as requested (settings still "auto"), `plan` its resolved plan; the
     resolved config and plan come back, unchanged where the plan fits, where no room is known,
     or where the attention is named."""
-    resolved = resolve(config, model_config)
+    target = target or AttentionTarget.of_device()
+    resolved = resolve(config, model_config, target=target)
     if config.memory.attention != "auto":
         return resolved, plan
-    if attention_implementation(resolved, model_config) == "blockwise":
+    if attention_implementation(resolved, model_config, target) == "blockwise":
         return resolved, plan
     room = capacity.of_device() if room is None else room  # read only when it can matter
     if room is None or room.needed_bytes(plan) <= room.limit_bytes:
         return resolved, plan
-    blockwise = resolve(_replace(config, "memory", attention="blockwise"), model_config)
-    return blockwise, plan_for_config(blockwise, model_config)
+    blockwise = resolve(
+        _replace(config, "memory", attention="blockwise"), model_config, target=target
+    )
+    return blockwise, plan_for_config(blockwise, model_config, target)
 
 
 def plan_within_budget(
-    config: TrainConfig, model_config: ModelConfig, room: capacity.Capacity | None = None
+    config: TrainConfig,
+    model_config: ModelConfig,
+    target: AttentionTarget | None = None,
+    room: capacity.Capacity | None = None,
 ) -> tuple[TrainConfig, MemoryPlan]:
-    """The trainer's planning step: (the resolved config, fitted to `memory.budget` when set;
-    its plan). Without a budget the config runs as it is, but for "auto" attention, which falls
-    back to blockwise where the fused kernel's workspace would not fit `room` (default: this
-    process's device, `capacity.of_device`; `attention_that_fits`)."""
+    """The one planning step of `train` and `featherweight plan`: (the resolved config, fitted to
+    `memory.budget` when set; its plan), for `target` (default: this process's device) whose
+    memory is `room` (default: this process's device, `capacity.of_device`; a GPU target's:
+    `capacity.of_machine`). Without a budget the config runs as it is, but for "auto" attention,
+    which falls back to blockwise where the fused kernel's workspace would not fit `room`
+    (`attention_that_fits`); a budget of "device" is all of `room`."""
+    target = target or AttentionTarget.of_device()
     if config.memory.budget is None:
-        plan = plan_for_config(resolve(config, model_config), model_config)
-        return attention_that_fits(config, plan, model_config, room)
-    return fit_budget(config, model_config, budget_bytes_of(config.memory.budget))
+        plan = plan_for_config(resolve(config, model_config, target=target), model_config, target)
+        return attention_that_fits(config, plan, model_config, room, target)
+    budget_bytes = budget_bytes_of(config.memory.budget, room)
+    return fit_budget(config, model_config, budget_bytes, target=target)

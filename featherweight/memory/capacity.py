@@ -127,6 +127,14 @@ def of_device() -> Capacity | None:
     return None
 
 
+def of_machine(target: Target | None) -> Capacity | None:
+    """What a step may use on the device a plan is for: a GPU target's usable memory
+    (`of_target`), else this process's device (`of_device`)."""
+    if target is not None and target.platform == "gpu":
+        return of_target(target)
+    return of_device()
+
+
 class Verdict(NamedTuple):
     """Whether the plan fits `limit_bytes`, the line that says so, and how the limit was found."""
 

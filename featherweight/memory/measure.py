@@ -47,6 +47,7 @@ from featherweight.memory.targets import (
     require_gpu_compiler,
     target_mesh,
 )
+from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.batch import Batch
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
@@ -134,16 +135,22 @@ def abstract_batch(batch_size: int, seq_len: int, config: TrainConfig | None = N
     return Batch(ids, ids, mask, ids, ids, ids, mask if precomputed else None)
 
 
-def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig, mesh=None):
+def abstract_step_arguments(
+    config: TrainConfig,
+    model_config: ModelConfig,
+    mesh=None,
+    target: AttentionTarget | None = None,
+):
     """(step, (trainable, opt_state, frozen, batch, key)) as abstract shapes, as `prepare_run`
-    builds them; on `mesh` (default: the one `config.mesh` describes) the step is the sharded
-    one. Settings still "auto" are chosen for that mesh (`resolve`), as the trainer and the plan
-    choose them (a mesh of one device, a target's, is one device)."""
-    config = resolve(config, model_config, mesh)
+    builds them, for `target` (default: this process's device); on `mesh` (default: the one
+    `config.mesh` describes) the step is the sharded one. Settings still "auto" are chosen for
+    that mesh and target (`resolve`), as the trainer and the plan choose them (a mesh of one
+    device, a target's, is one device)."""
+    config = resolve(config, model_config, mesh, target)
     trainable, frozen = abstract_split(config, model_config)
     optimizer = make_optimizer(config.optimizer, config.steps)
     step, init_opt_state = build_train_step(
-        config, model_config, trainable, frozen, optimizer, mesh
+        config, model_config, trainable, frozen, optimizer, mesh, target
     )
     opt_state = jax.eval_shape(init_opt_state, trainable)
     trainable, opt_state, frozen = place_abstract(config, trainable, opt_state, frozen)
@@ -272,7 +279,9 @@ def measure_for_target(
     as_device = config.model_copy(
         update={"memory": config.memory.model_copy(update=dict.fromkeys(placed, "device"))}
     )
-    step, arguments = abstract_step_arguments(as_device, model_config, target_mesh(resolved.name))
+    step, arguments = abstract_step_arguments(
+        as_device, model_config, target_mesh(resolved.name), resolved.step_target
+    )
     trainable, opt_state, frozen, _, _ = arguments
     start = time.perf_counter()
     lowered = step.lower(*arguments)
@@ -308,7 +317,9 @@ class NotCompiledAsRun(Exception):
 def _measure_as_run(config: TrainConfig, model_config: ModelConfig, target: str):
     """The step with its host-resident arguments, lowered for CUDA here and compiled for
     `target` by XLA's GPU compiler: the program a GPU runs, host-offload pass included."""
-    step, arguments = abstract_step_arguments(config, model_config)
+    step, arguments = abstract_step_arguments(
+        config, model_config, target=get_target(target).step_target
+    )
     trainable, opt_state, frozen, _, _ = arguments
     start = time.perf_counter()
     try:

@@ -78,9 +78,9 @@ were fitted on and their provenance; `python -m featherweight.memory.calibrate` 
 and a held-out grid, fits them (non-negative least squares on the relative error of temp) and
 writes the file; tests/memory/test_calibration.py checks the fit and the held-out error.
 
-Which counts a plan uses is the compiler it is for, never the machine it runs on: the target
-(`featherweight plan --target h100` plans within `calibration_for("xla-gpu/bfloat16")`), else the
-local backend and the config's dtype. A compiler and dtype without a fit of their own use the
+Which counts a plan uses is the compiler it is for, never the machine it runs on: every function
+here takes the target (`AttentionTarget`: `featherweight plan --target h100` plans with
+"xla-gpu/bfloat16"; the trainer with its own device's compiler) and the config's dtype. A compiler and dtype without a fit of their own use the
 XLA:CPU float32 counts, and the plan says so. The attention the plan counts is the one the step
 calls: `attention_of` resolves `memory.attention` exactly as the step builder does
 (`recipe.build.attention_implementation`).
@@ -88,12 +88,9 @@ calls: `attention_of` resolves `memory.attention` exactly as the step builder do
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
-from collections.abc import Iterator
-from contextvars import ContextVar
 from pathlib import Path
 from typing import NamedTuple
 
@@ -129,7 +126,6 @@ BLOCKWISE_TILES = 4
 # loops); XLA:GPU does not (H100 bf16 compiles of SmolLM2-135M b2 x 256 and Llama-3.2-1B
 # b2 x 512 LoRA: temp unchanged to the byte)
 LONE_TILE_TILES = {"xla-cpu": 3}
-_TARGET_CALIBRATION: ContextVar[str | None] = ContextVar("target_calibration", default=None)
 
 
 @functools.lru_cache(maxsize=1)
@@ -138,33 +134,10 @@ def known_calibrations() -> frozenset[str]:
     return frozenset(json.loads(CALIBRATION_FILE.read_text())["calibrations"])
 
 
-@contextlib.contextmanager
-def calibration_for(compiler: str) -> Iterator[None]:
-    """Plans made inside use the counts of `compiler` ("xla-gpu" or "xla-cpu") and each config's
-    dtype: how `--target` picks the calibration for every plan of a command (the budget search's
-    candidates included)."""
-    token = _TARGET_CALIBRATION.set(compiler)
-    try:
-        yield
-    finally:
-        _TARGET_CALIBRATION.reset(token)
-
-
-def target_compiler() -> str:
-    """The compiler a plan is for: the target's (`calibration_for`), else the local backend's,
-    e.g. "xla-cpu", "xla-gpu"."""
-    compiler = _TARGET_CALIBRATION.get()
-    if compiler is None:
-        import jax
-
-        compiler = f"xla-{jax.default_backend()}"
-    return compiler
-
-
-def calibration_key(config: TrainConfig) -> str:
-    """The calibration a plan of `config` uses: the target's compiler (`target_compiler`) and the
+def calibration_key(config: TrainConfig, target: AttentionTarget) -> str:
+    """The calibration a plan of `config` for `target` uses: the target's compiler and the
     config's dtype; `DEFAULT_CALIBRATION` when that has no fit."""
-    key = f"{target_compiler()}/{config.model.dtype}"
+    key = f"{target.compiler}/{config.model.dtype}"
     return key if key in known_calibrations() else DEFAULT_CALIBRATION
 
 
@@ -182,12 +155,12 @@ def calibration_counts(key: str = DEFAULT_CALIBRATION) -> dict[str, float]:
     return dict(calibrations[key]["counts"])
 
 
-def plan_reserve(config: TrainConfig) -> float:
-    """The fraction of a budget the budget search keeps in reserve for the plan's own error:
-    how far below its compiled step a plan fell at worst on the calibration's held-out grid
-    (`plan_reserve_percent` in calibration.json; 0 for a calibration without it)."""
+def plan_reserve(config: TrainConfig, target: AttentionTarget) -> float:
+    """The fraction of a budget the budget search keeps in reserve for the plan's own error on
+    `target`: how far below its compiled step a plan fell at worst on the calibration's held-out
+    grid (`plan_reserve_percent` in calibration.json; 0 for a calibration without it)."""
     calibrations = json.loads(CALIBRATION_FILE.read_text())["calibrations"]
-    entry = calibrations.get(calibration_key(config), {})
+    entry = calibrations.get(calibration_key(config, target), {})
     return entry.get("plan_reserve_percent", 0.0) / 100
 
 
@@ -241,9 +214,8 @@ def _blockwise_bytes(shapes: StepShapes) -> int:
     """Blockwise attention's log-sum-exps and row terms and its float32 tiles."""
     tile = block_size(shapes.seq)
     padded = -(-shapes.seq // tile) * tile
-    return (
-        4 * shapes.batch * shapes.heads * (2 * padded + blockwise_tiles(shapes.seq) * tile * tile)
-    )
+    tiles = blockwise_tiles(shapes.seq, shapes.target.compiler)
+    return 4 * shapes.batch * shapes.heads * (2 * padded + tiles * tile * tile)
 
 
 def pallas_padded(seq_len: int) -> int:
@@ -253,12 +225,12 @@ def pallas_padded(seq_len: int) -> int:
     return -(-seq_len // tile) * tile
 
 
-def blockwise_tiles(seq_len: int, compiler: str | None = None) -> int:
+def blockwise_tiles(seq_len: int, compiler: str) -> int:
     """Float32 tiles of blockwise attention alive at once at `seq_len` in a step compiled by
-    `compiler` (default: `target_compiler()`); see BLOCKWISE_TILES and LONE_TILE_TILES."""
+    `compiler` ("xla-cpu", "xla-gpu"); see BLOCKWISE_TILES and LONE_TILE_TILES."""
     if seq_len > block_size(seq_len):
         return BLOCKWISE_TILES
-    return LONE_TILE_TILES.get(compiler or target_compiler(), BLOCKWISE_TILES)
+    return LONE_TILE_TILES.get(compiler, BLOCKWISE_TILES)
 
 
 def _lone_tile_bytes(shapes: StepShapes) -> int:
@@ -286,7 +258,7 @@ def dequantized_layer_bytes(config: TrainConfig, shapes: StepShapes) -> int:
     the layer's weights (`layer_weights`, c_w) already holds the copy; with `save: dequantized`
     the backward reads the kept dense stack and dequantizes nothing."""
     quantized = config.method == "qlora" and DEQUANTIZED not in config.memory.save
-    if not quantized or not calibration_key(config).startswith("xla-gpu"):
+    if not quantized or not shapes.calibration.startswith("xla-gpu"):
         return 0
     return max(0, shapes.layer_linear * shapes.itemsize - sum(attention_bytes(shapes)))
 
@@ -310,7 +282,7 @@ def saved_layer_from_host_bytes(config: TrainConfig, shapes: StepShapes) -> int:
     its smallest settings with every activation class kept on the host: 358 MiB on the device
     beyond the plan without it, one layer's 336 MiB. XLA:CPU has one memory: the stored
     component holds them there."""
-    if config.memory.residuals != "host" or not calibration_key(config).startswith("xla-gpu"):
+    if config.memory.residuals != "host" or not shapes.calibration.startswith("xla-gpu"):
         return 0
     return shapes.tokens * saved_width(config, shapes) * shapes.itemsize
 
@@ -324,10 +296,15 @@ class WorkingBuffer(NamedTuple):
 
 
 class StepShapes:
-    """The numbers the formulas use, read once from the configs."""
+    """The numbers the formulas use, read once from the configs, for the step compiled for
+    `target` (its attention and its compiler's calibration)."""
 
-    def __init__(self, config: TrainConfig, model_config: ModelConfig) -> None:
+    def __init__(
+        self, config: TrainConfig, model_config: ModelConfig, target: AttentionTarget
+    ) -> None:
         model = model_config
+        self.target = target
+        self.calibration = calibration_key(config, target)
         self.layers, self.hidden, self.intermediate = (
             model.num_layers,
             model.hidden_size,
@@ -352,7 +329,7 @@ class StepShapes:
             math.prod(shape) for shape in layer_shapes(model).values() if len(shape) == 2
         )
         self.full = config.method == "full"
-        self.attention = attention_of(config, model_config)
+        self.attention = attention_of(config, model_config, target)
         self.packed_slots = packed_slots(config)  # cuDNN's packed layout: documents a row
         self.tied = model.tie_word_embeddings
         # the gate and up outputs kept from the forward pass (`memory.save`): the backward reads
@@ -360,9 +337,12 @@ class StepShapes:
         self.saved_mlp = "mlp_hidden" in config.memory.save
 
 
-def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
-    """The working set's terms in bytes, each counted once (before the calibrated counts)."""
-    shapes = StepShapes(config, model_config)
+def raw_terms(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget
+) -> dict[str, int]:
+    """The working set's terms in bytes for `target`, each counted once (before the calibrated
+    counts)."""
+    shapes = StepShapes(config, model_config, target)
     head_like = shapes.vocab * shapes.hidden * shapes.itemsize
     eight_bit = config.optimizer.name == "adamw_8bit"
     # full fine-tuning updates the embedding after the backward loop; on the host (untied) it
@@ -392,7 +372,7 @@ def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
         "attention_blockwise": attention_bytes(shapes)[1],
         **family_terms(
             model_config,
-            target_compiler(),
+            target.compiler,
             shapes.tokens,
             logits_bytes=4 * shapes.batch * shapes.loss_chunk * shapes.vocab_rows,
             lone_softcap_tile_bytes=_lone_tile_bytes(shapes),
@@ -430,12 +410,17 @@ def raw_terms(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
 
 
 def phase_working_sets(
-    config: TrainConfig, model_config: ModelConfig, calibration: dict[str, float] | None = None
+    config: TrainConfig,
+    model_config: ModelConfig,
+    target: AttentionTarget,
+    calibration: dict[str, float] | None = None,
 ) -> dict[str, list[WorkingBuffer]]:
-    """Each phase's working set, buffer group by buffer group, with its formula; the buffer counts
-    are `calibration` (default: the fit `calibration_key` names in calibration.json)."""
-    shapes, terms = StepShapes(config, model_config), raw_terms(config, model_config)
-    counts = calibration or calibration_counts(calibration_key(config))
+    """Each phase's working set on `target`, buffer group by buffer group, with its formula; the
+    buffer counts are `calibration` (default: the fit `calibration_key` names in
+    calibration.json)."""
+    shapes = StepShapes(config, model_config, target)
+    terms = raw_terms(config, model_config, target)
+    counts = calibration or calibration_counts(shapes.calibration)
     table = _embedding_gradient(shapes, terms)
     backward = [*_layer_backward(shapes, terms, counts), *table]
     if terms["dequantized_layer"]:
@@ -458,8 +443,8 @@ def phase_working_sets(
             )
         )
     if terms["base_layer"]:
-        backward.append(_base_in_flight(config, terms["base_layer"]))
-    if DEQUANTIZED in config.memory.save and calibration_key(config).startswith("xla-cpu"):
+        backward.append(_base_in_flight(config, shapes, terms["base_layer"]))
+    if DEQUANTIZED in config.memory.save and shapes.calibration.startswith("xla-cpu"):
         backward.append(
             WorkingBuffer(
                 "dequantized_weights_ahead",
@@ -615,7 +600,7 @@ def _embedding_gradient(shapes: StepShapes, terms: dict[str, int]) -> list[Worki
     ]
 
 
-def _base_in_flight(config: TrainConfig, layer_bytes: int) -> WorkingBuffer:
+def _base_in_flight(config: TrainConfig, shapes: StepShapes, layer_bytes: int) -> WorkingBuffer:
     """memory.base: host -- the layers of the frozen base on the device: two on an accelerator
     (the one computing and the next coming over, each a buffer of its own: the copy's
     destination). XLA:CPU has one memory for both, so the layer computing is the slice the loop
@@ -629,7 +614,7 @@ def _base_in_flight(config: TrainConfig, layer_bytes: int) -> WorkingBuffer:
     gradient (micro-batches, global clipping) or a state on the device holds two (compiled for
     an H100, deviceless: Llama-3.1-8B QLoRA b1 and b2 x 2048 fused, one 107 MiB NF4 layer fewer
     than b2 x 2048 as two micro-batches; Llama-3.2-1B likewise)."""
-    if calibration_key(config).startswith("xla-cpu"):
+    if shapes.calibration.startswith("xla-cpu"):
         return WorkingBuffer(
             "base_layers_in_flight",
             layer_bytes,
@@ -692,23 +677,25 @@ def _attention_buffer(
             f"{shapes.batch} x {padded} x (8 x {heads}{repeated if grouped else ''})"
         )
     else:
-        tile = block_size(shapes.seq)
+        tile, tiles = block_size(shapes.seq), blockwise_tiles(shapes.seq, shapes.target.compiler)
         formula = (
-            f"blockwise: B x H x (2 S + {blockwise_tiles(shapes.seq)} t^2) x 4 = {shapes.batch} x "
-            f"{shapes.heads} x "
-            f"(2 x {shapes.seq} + {blockwise_tiles(shapes.seq)} x {tile}^2) x 4"
+            f"blockwise: B x H x (2 S + {tiles} t^2) x 4 = {shapes.batch} x {shapes.heads} x "
+            f"(2 x {shapes.seq} + {tiles} x {tile}^2) x 4"
         )
     return WorkingBuffer(f"attention_{shapes.attention}", terms["attention_blockwise"], formula)
 
 
-def working_set_floor(config: TrainConfig, model_config: ModelConfig) -> int:
+def working_set_floor(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget
+) -> int:
     """The largest phase with every tensor counted once: (one layer's weights in the compute
     dtype unless trainable, its gradient, its intermediates x, q, k, v, attended, gate, up, their
     product and the attention's buffers: float32 scores B x H x S x S when materialized) or (one
     logits chunk and the head's gradient: the tied table's, or the untied head's) or (the
     embedding's gradient). The implementation's floor, not XLA's: every tensor it needs, each
     once."""
-    shapes, terms = StepShapes(config, model_config), raw_terms(config, model_config)
+    shapes = StepShapes(config, model_config, target)
+    terms = raw_terms(config, model_config, target)
     intermediates = (
         shapes.tokens
         * shapes.itemsize

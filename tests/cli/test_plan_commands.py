@@ -137,3 +137,52 @@ def test_train_dry_run_stops_after_the_plan(tiny_model_dir, demo_data, tmp_path)
     assert result.exit_code == 0, result.output
     assert "memory plan:" in result.output and "dry run: stopped after the plan" in result.output
     assert not (tmp_path / "run").exists()
+
+
+def _train_as_on(target, monkeypatch):
+    """This process as if it computed on `target` (a `memory.targets.Target`): its device's
+    attention, calibration and rates, and its usable memory -- what `train` sees on that GPU."""
+    from featherweight.memory import capacity
+    from featherweight.models.attention_choice import AttentionTarget
+
+    monkeypatch.setattr(
+        AttentionTarget, "of_device", classmethod(lambda cls, device=None: target.step_target)
+    )
+    monkeypatch.setattr(capacity, "of_device", lambda: capacity.of_target(target))
+
+
+def test_plan_for_a_gpu_target_is_what_train_plans_on_that_gpu(
+    tiny_model_dir, demo_data, tmp_path, monkeypatch
+):
+    # a config with a budget, planned for an H100: `plan CONFIG --target h100` and `train CONFIG
+    # --dry-run` on an H100 call the one planning function (`budget.plan_within_budget`) for
+    # the same target and give the same resolved config and plan
+    from featherweight.memory import budget
+    from featherweight.memory.targets import get_target
+    from featherweight.models.attention_choice import AttentionTarget
+
+    settings = run_settings(tiny_model_dir, demo_data, tmp_path / "run", batch_size=4)
+    settings["model"]["dtype"] = "bfloat16"
+    settings["memory"] = {"budget": "20MiB"}
+    config = write_config(tmp_path / "run.yaml", settings)
+    targets = []
+    plan_within_budget = budget.plan_within_budget
+
+    def spy(config, model_config, target=None, room=None):
+        targets.append(target or AttentionTarget.of_device())  # None: this process's device
+        return plan_within_budget(config, model_config, target, room)
+
+    monkeypatch.setattr(budget, "plan_within_budget", spy)
+    monkeypatch.setattr(loop, "plan_within_budget", spy)
+    on_cpu = _plan_json(str(config), "--target", "cpu", "--no-measure")
+    planned = _plan_json(str(config), "--target", "h100", "--no-measure")
+    h100 = get_target("h100")
+    _train_as_on(h100, monkeypatch)
+    trained = dry_run(load_config(config), console=Console(file=io.StringIO()))
+    assert targets[1:] == [h100.step_target, h100.step_target]  # the plan's, then train's
+    assert planned["config"] == trained.config.model_dump(mode="json")
+    assert planned["planned_device_bytes"] == trained.plan.device_bytes
+    assert planned["settings"] == trained.plan.settings
+    # the target matters: its compiler's calibration, not this CPU's
+    assert planned["settings"]["calibration"] == "xla-gpu/bfloat16"
+    assert on_cpu["planned_device_bytes"] != planned["planned_device_bytes"]

@@ -15,7 +15,6 @@ from featherweight.memory.measure import measure_for_target
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import percent_difference
 from featherweight.memory.targets import get_target, usable_bytes
-from featherweight.memory.working_set import calibration_for
 from featherweight.models.config import config_from_hf_dict
 from featherweight.models.registry import builtin_config
 from featherweight.parallel.backend import cuda_plugin_installed
@@ -27,6 +26,8 @@ from tests.memory.test_plan import (
     qwen3_14b_in_12_gib,
 )
 from tests.tiny_families import tiny_family
+
+H100 = get_target("h100").step_target  # the attention and calibration of a step for an H100
 
 pytestmark = pytest.mark.skipif(
     not cuda_plugin_installed(),
@@ -79,8 +80,7 @@ def test_a_plan_that_forgets_the_offload_misses_the_compile(h100_report):
     # negative control: the same step planned with everything on the device is caught
     settings = {"method": "full", "batch_size": 2, "model": {"dtype": "bfloat16"},
                 "data": {"seq_len": 128}}  # fmt: skip
-    with calibration_for("xla-gpu"):
-        plan = plan_for_config(parse_config(settings), config_from_hf_dict(SMALL, source="test"))
+    plan = plan_for_config(parse_config(settings), config_from_hf_dict(SMALL, source="test"), H100)
     error = percent_difference(plan.device_bytes, h100_report["measured_device_bytes"])
     assert abs(error) > 10.0, error
 
@@ -97,9 +97,8 @@ def test_the_answer_to_a_budget_compiles_within_it():
     settings = {"method": "qlora", "batch_size": 2, "model": {"dtype": "bfloat16"},
                 "data": {"seq_len": 2048}}  # fmt: skip
     budget = parse_budget("5.5GiB")
-    with calibration_for("xla-gpu"):
-        fitted, _ = fit_budget(parse_config(settings), model, budget)
-        bare, bare_plan = fit_budget(parse_config(settings), model, budget, reserve=0.0)
+    fitted, _ = fit_budget(parse_config(settings), model, budget, target=H100)
+    bare, bare_plan = fit_budget(parse_config(settings), model, budget, reserve=0.0, target=H100)
     assert measure_for_target(fitted, model, "h100").device_bytes <= budget
     compiled_bare = measure_for_target(bare, model, "h100").device_bytes
     assert bare_plan.device_bytes <= budget
@@ -115,9 +114,9 @@ def test_kept_activations_are_planned_as_the_h100_compiles_them():
     def planned_and_compiled(save):
         settings = {"method": "lora", "batch_size": 8, "model": {"dtype": "bfloat16"},
                     "data": {"seq_len": 2048}, "memory": {"save": save}}  # fmt: skip
-        with calibration_for("xla-gpu"):  # the chunks chosen on the GPU compiler's counts
-            config = resolve(parse_config(settings), model)
-            planned = plan_for_config(config, model).device_bytes
+        # the chunks chosen on the GPU compiler's counts
+        config = resolve(parse_config(settings), model, target=H100)
+        planned = plan_for_config(config, model, H100).device_bytes
         return planned, measure_for_target(config, model, "h100").device_bytes
 
     planned_lean, compiled_lean = planned_and_compiled([])
@@ -139,9 +138,8 @@ def test_kept_dequantized_weights_are_planned_as_the_h100_compiles_them():
         settings = {"method": "qlora", "batch_size": 1, "model": {"dtype": "bfloat16"},
                     "data": {"seq_len": 2048},
                     "memory": {"save": save, "mlp_chunk": 256, "attention": "blockwise"}}  # fmt: skip
-        with calibration_for("xla-gpu"):
-            config = resolve(parse_config(settings), model)
-            plan = plan_for_config(config, model)
+        config = resolve(parse_config(settings), model, target=H100)
+        plan = plan_for_config(config, model, H100)
         return plan, measure_for_target(config, model, "h100").device_bytes
 
     lean_plan, compiled_lean = planned_and_compiled([])
@@ -177,8 +175,7 @@ def test_one_row_micro_batches_of_the_8b_are_planned_as_the_h100_compiles_them(s
     model = builtin_config("Llama-3.1-8B")
     values = {**SMALLEST_8B, "memory": {**SMALLEST_8B["memory"], "accumulation_steps": steps}}
     config = parse_config(values)
-    with calibration_for("xla-gpu"):
-        plan = plan_for_config(config, model)
+    plan = plan_for_config(config, model, H100)
     compiled = measure_for_target(config, model, "h100")
     assert compiled.compiled  # host placements compiled as they run
     error = percent_difference(plan.device_bytes, compiled.device_bytes)
@@ -193,8 +190,9 @@ def test_a_budget_only_a_split_batch_fits_compiles_within_it():
     compiles for the H100 within the budget."""
     model = builtin_config("Llama-3.1-8B")
     budget = parse_budget("1.55GiB")
-    with calibration_for("xla-gpu"):
-        fitted, plan = fit_budget(parse_config({**SMALLEST_8B, "batch_size": 4}), model, budget)
+    fitted, plan = fit_budget(
+        parse_config({**SMALLEST_8B, "batch_size": 4}), model, budget, target=H100
+    )
     assert fitted.batch_size == 4 and fitted.memory.accumulation_steps == 2
     assert plan.device_bytes <= budget
     assert measure_for_target(fitted, model, "h100").device_bytes <= budget
@@ -209,8 +207,7 @@ def test_kept_activations_in_host_memory_are_planned_as_the_h100_compiles_them()
     memory = {**SMALLEST_8B["memory"], "accumulation_steps": 2,
               "save": ["qkv", "attention", "mlp_hidden"]}  # fmt: skip
     config = parse_config({**SMALLEST_8B, "batch_size": 4, "memory": memory})
-    with calibration_for("xla-gpu"):
-        plan = plan_for_config(config, model)
+    plan = plan_for_config(config, model, H100)
     compiled = measure_for_target(config, model, "h100")
     error = percent_difference(plan.device_bytes, compiled.device_bytes)
     assert abs(error) <= 10.0, error
@@ -246,8 +243,7 @@ def test_each_familys_plan_is_within_ten_percent_of_the_h100_compile(family):
     model = tiny_family(family)
     settings = {"method": "lora", "batch_size": 2, "model": {"dtype": "bfloat16"},
                 "data": {"seq_len": 1024}, "memory": {"attention": "blockwise"}}  # fmt: skip
-    with calibration_for("xla-gpu"):
-        config = resolve(parse_config(settings), model)
-        planned = plan_for_config(config, model).device_bytes
+    config = resolve(parse_config(settings), model, target=H100)
+    planned = plan_for_config(config, model, H100).device_bytes
     compiled = measure_for_target(config, model, "h100").device_bytes
     assert abs(percent_difference(planned, compiled)) <= 10.0
