@@ -107,7 +107,7 @@ def plan(
 
     requested, model_source = _requested(ctx)
     mesh_key = "mesh" if is_config_file(model) else "--mesh"  # where the mesh was written
-    chosen = _check_target_and_mesh(target, requested.mesh, measure, mesh_key)
+    chosen = _check_target_and_mesh(target, requested.mesh, mesh_key)
     budget_bytes = _budget_bytes(requested, chosen)
     model_config = model_config_from(model_source)
     planned = _plan_on_target(requested, model_config, chosen, budget_bytes, measure)
@@ -159,23 +159,20 @@ def _plot_plan(planned: PlannedStep, plot: Path, budget_bytes: int | None, say_w
         console.print(f"plot: {plot}")
 
 
-def _check_target_and_mesh(target: str | None, mesh, measure: bool, mesh_key: str = "--mesh"):
+def _check_target_and_mesh(target: str | None, mesh, mesh_key: str = "--mesh"):
     """The target (None: this machine), refusing a mesh (`MeshSettings`) with a GPU target and a
     mesh larger than plan can compile; the virtual CPU devices a mesh needs requested before JAX
     starts."""
     from featherweight.errors import ConfigError, ShardingError
-    from featherweight.memory.targets import get_target, require_gpu_compiler
+    from featherweight.memory.targets import get_target
     from featherweight.parallel.sharding import request_cpu_devices, requested_devices
 
     chosen = None if target is None else get_target(target)
-    if chosen is not None and chosen.platform == "gpu":
-        if mesh is not None:
-            raise ConfigError(
-                f"--target {chosen.name} compiles for one device; drop the mesh (a mesh is "
-                "planned per device of this machine's virtual CPU devices)"
-            )
-        if measure:
-            require_gpu_compiler(chosen)
+    if chosen is not None and chosen.platform == "gpu" and mesh is not None:
+        raise ConfigError(
+            f"--target {chosen.name} compiles for one device; drop the mesh (a mesh is "
+            "planned per device of this machine's virtual CPU devices)"
+        )
     devices = None if mesh is None else requested_devices(mesh)
     if (devices or 0) > PLANNED_DEVICES:
         sizes = mesh.model_dump().items()
@@ -239,11 +236,13 @@ def _print_plan(planned: PlannedStep, model_config, target, json_output: bool) -
         planned.verdict,
         planned.changes,
     )
+    not_compiled = planned.not_compiled
     estimate = _host_base_estimate(config, model_config, target)
     if json_output:
         report = report_json(memory_plan, planned.measurement, changes, judged)
         report["config"] = config.model_dump(mode="json")
         report["host_base_estimate"] = None if estimate is None else estimate._asdict()
+        report["not_compiled"] = not_compiled
         typer.echo(json.dumps(report, indent=2))
         return
     if judged is not None:
@@ -259,6 +258,8 @@ def _print_plan(planned: PlannedStep, model_config, target, json_output: bool) -
         console.print(line, highlight=False)
     if judged is not None:
         console.print(f"[dim]note: {judged.limit_note}[/]", highlight=False)
+    if not_compiled is not None:
+        console.print(not_compiled, style="yellow", markup=False, highlight=False)
 
 
 def _host_base_estimate(config, model_config, target):
@@ -278,14 +279,16 @@ def _host_base_estimate(config, model_config, target):
 
 class PlannedStep(NamedTuple):
     """What `plan` shows: the resolved config (fitted to the budget when one is given), its plan,
-    the compiled step's measurement (None with --no-measure), the verdict (None without a limit)
-    and the budget's changes to the resolved settings."""
+    the compiled step's measurement (None with --no-measure), the verdict (None without a limit),
+    the budget's changes to the resolved settings, and why the step was not compiled where
+    compiling was asked for and cannot be done here (None otherwise)."""
 
     config: Any
     plan: Any
     measurement: Any
     verdict: Any
     changes: list[str]
+    not_compiled: str | None = None
 
 
 def _plan_on_target(requested, model_config, target, budget_bytes, measure) -> PlannedStep:
@@ -307,11 +310,39 @@ def _plan_on_target(requested, model_config, target, budget_bytes, measure) -> P
     on_target, options = capacity.of_target(target), []
     if budget_bytes is None and on_target is not None:
         options = _options_on_target(resolved, memory_plan, model_config, on_target, step_target)
-    measurement = _measure(config, model_config, target) if measure else None
-    limit = on_target if budget_bytes is None else capacity.of_budget(budget_bytes, target)
+    not_compiled = _not_compiled_here(config, model_config, target) if measure else None
+    measured = measure and not_compiled is None
+    measurement = _measure(config, model_config, target) if measured else None
+    limit = on_target
+    if budget_bytes is not None:
+        limit = capacity.of_budget(budget_bytes, target, holds_host=step_target.one_memory)
     judged = capacity.verdict(memory_plan, limit, measurement, options)
     changes = describe_changes(resolved, config, model_config, step_target)  # est. step time
-    return PlannedStep(config, memory_plan, measurement, judged, changes)
+    return PlannedStep(config, memory_plan, measurement, judged, changes, not_compiled)
+
+
+def _not_compiled_here(config, model_config, target) -> str | None:
+    """Why the step planned for a GPU target cannot be compiled on this machine, with how to
+    compile it (None where it can): XLA's GPU compiler is not installed (the `gpu-plan` extra),
+    or the step calls cuDNN, whose library does not load here. The plan answers either way."""
+    from featherweight.memory.measure import cudnn_not_loadable
+    from featherweight.memory.targets import install_command
+    from featherweight.parallel.backend import cuda_plugin_installed
+
+    if target is None or target.platform != "gpu":
+        return None
+    if not cuda_plugin_installed():
+        return (
+            f"not compiled for the {target.short_name}: XLA's GPU compiler is not installed; "
+            f'to compile here: pip install "featherweight[gpu-plan]" ({install_command()})'
+        )
+    refusal = cudnn_not_loadable(config, model_config, target.step_target)
+    if refusal is None:
+        return None
+    return (
+        f"not compiled for the {target.short_name}: {refusal}; compile it where cuDNN's library "
+        "loads (the GPU itself), or compare with memory.attention: blockwise"
+    )
 
 
 def _measure(config, model_config, target):

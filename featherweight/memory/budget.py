@@ -326,6 +326,13 @@ def describe_changes(
     return lines
 
 
+def needed_bytes(plan: MemoryPlan, target: AttentionTarget) -> int:
+    """What of `plan` a budget for `target` bounds: its device bytes and, where the device's
+    memory is the host's (a CPU, `AttentionTarget.one_memory`), its host bytes too -- a byte
+    moved to the host there is still in the same memory, so a host placement never makes room."""
+    return plan.cpu_comparable_bytes if target.one_memory else plan.device_bytes
+
+
 def _plan_if_valid(
     config: TrainConfig, model_config: ModelConfig, target: AttentionTarget
 ) -> MemoryPlan | None:
@@ -367,7 +374,9 @@ def _cheapest_step(
         for order, (_, candidates) in enumerate(tier):
             for candidate in candidates(config, model_config, target):
                 candidate_plan = _plan_if_valid(candidate, model_config, target)
-                if candidate_plan is not None and candidate_plan.device_bytes < plan.device_bytes:
+                if candidate_plan is not None and needed_bytes(
+                    candidate_plan, target
+                ) < needed_bytes(plan, target):
                     cost = seconds_per_token(candidate, model_config, rates, target)
                     options.append((cost, order, candidate, candidate_plan))
                     break
@@ -403,7 +412,7 @@ def _drop_unneeded(
     for section, field in sorted(changed, key=cost, reverse=True):
         undone = _replace(config, section, **{field: _value(start, section, field)})
         undone_plan = _plan_if_valid(undone, model_config, target)
-        if undone_plan is not None and undone_plan.device_bytes <= budget:
+        if undone_plan is not None and needed_bytes(undone_plan, target) <= budget:
             config = undone
     return config, plan_for_config(config, model_config, target)
 
@@ -421,12 +430,12 @@ def _search(
     """
     rates = rates_for(target.platform)
     start, plan = config, plan_for_config(config, model_config, target)
-    while plan.device_bytes > budget:
+    while needed_bytes(plan, target) > budget:
         step = _cheapest_step(config, plan, model_config, rates, target)
         if step is None:
             break
         config, plan = step
-    if plan.device_bytes <= budget and config != start:
+    if needed_bytes(plan, target) <= budget and config != start:
         config, plan = _drop_unneeded(start, config, model_config, budget, rates, target)
     return config, plan
 
@@ -450,11 +459,11 @@ def _spend_on_speed(
         options = []
         for candidate in (*_kept_activations(config), *_fewer_accumulation(config)):
             candidate_plan = _plan_if_valid(candidate, model_config, target)
-            if candidate_plan is None or candidate_plan.device_bytes > budget:
+            if candidate_plan is None or needed_bytes(candidate_plan, target) > budget:
                 continue
             saved = now - seconds_per_token(candidate, model_config, rates, target)
             if saved > COST_RESOLUTION * now:
-                added = max(candidate_plan.device_bytes - plan.device_bytes, 1)
+                added = max(needed_bytes(candidate_plan, target) - needed_bytes(plan, target), 1)
                 options.append((saved / added, candidate, candidate_plan))
         if not options:
             return config, plan
@@ -503,30 +512,38 @@ def change_costs(
 def _alternatives(
     config: TrainConfig, model_config: ModelConfig, budget: int, target: AttentionTarget
 ) -> Iterator[tuple[str, int]]:
-    """Changes outside the automatic search that fit, each with its planned bytes."""
-    seq = config.data.seq_len // 2
-    while seq >= MIN_LOSS_CHUNK:
-        shorter = _replace(config, "data", seq_len=seq)
+    """Changes outside the automatic search that fit, each with its planned bytes: the longest
+    shorter sequence, the first lighter method, the largest smaller LoRA rank."""
+    shorter = []
+    for seq in _halvings(config.data.seq_len, MIN_LOSS_CHUNK):
+        changed = _replace(config, "data", seq_len=seq)
         if config.memory.loss_chunk and seq % config.memory.loss_chunk:
-            shorter = _replace(shorter, "memory", loss_chunk=None)
-        _, plan = _search(shorter, model_config, budget, target)
-        if plan.device_bytes <= budget:
-            yield f"seq {seq} fits at {plan.device_bytes / GIB:.2f} GiB", plan.device_bytes
-            break
-        seq //= 2
+            changed = _replace(changed, "memory", loss_chunk=None)
+        shorter.append((f"seq {seq}", changed))
     lighter = {"full": ("lora", "qlora"), "lora": ("qlora",)}.get(config.method, ())
-    for method in lighter:
-        _, plan = _search(_replace(config, None, method=method), model_config, budget, target)
-        if plan.device_bytes <= budget:
-            yield f"method {method} fits at {plan.device_bytes / GIB:.2f} GiB", plan.device_bytes
-            break
-    rank = config.lora.rank // 2
-    while config.method != "full" and rank >= 1:
-        _, plan = _search(_replace(config, "lora", rank=rank), model_config, budget, target)
-        if plan.device_bytes <= budget:
-            yield f"LoRA rank {rank} fits at {plan.device_bytes / GIB:.2f} GiB", plan.device_bytes
-            break
-        rank //= 2
+    ranks = () if config.method == "full" else _halvings(config.lora.rank, 1)
+    for kind in (
+        shorter,
+        [(f"method {method}", _replace(config, None, method=method)) for method in lighter],
+        [(f"LoRA rank {rank}", _replace(config, "lora", rank=rank)) for rank in ranks],
+    ):
+        for label, changed in kind:
+            _, plan = _search(changed, model_config, budget, target)
+            if needed_bytes(plan, target) <= budget:
+                yield (
+                    f"{label} fits at {needed_bytes(plan, target) / GIB:.2f} GiB",
+                    plan.device_bytes,
+                )
+                break
+
+
+def _halvings(value: int, minimum: int) -> list[int]:
+    """value // 2, value // 4, ... down to `minimum`."""
+    halves, value = [], value // 2
+    while value >= minimum:
+        halves.append(value)
+        value //= 2
+    return halves
 
 
 def fit_budget(
@@ -536,7 +553,8 @@ def fit_budget(
     reserve: float | None = None,
     target: AttentionTarget | None = None,
 ) -> tuple[TrainConfig, MemoryPlan]:
-    """(config that fits `budget_bytes` of device memory, its plan), changing settings in the
+    """(config that fits `budget_bytes` of device memory -- on a CPU, of device and host memory
+    together: `needed_bytes` -- and its plan), changing settings in the
     order of `PREFERENCE` only as far as needed, then spending the room left on speed (kept
     activations, fewer and larger micro-batches: `_spend_on_speed`). Raises `BudgetError` when
     nothing fits.
@@ -553,18 +571,17 @@ def fit_budget(
     reserve = plan_reserve(config, target) if reserve is None else reserve
     limit = int(budget_bytes * (1 - reserve))
     fitted, plan = _search(config, model_config, limit, target)
-    if plan.device_bytes <= limit:
+    if needed_bytes(plan, target) <= limit:
         return _spend_on_speed(fitted, plan, model_config, limit, target)
-    largest = plan.largest_component()
-    shortfall = (plan.device_bytes - limit) / GIB
-    budget_bytes = limit
-    options = [text for text, _ in _alternatives(fitted, model_config, budget_bytes, target)]
+    largest, needed = plan.largest_component(), needed_bytes(plan, target)
+    options = [text for text, _ in _alternatives(fitted, model_config, limit, target)]
+    memory = " (device and host: one memory on a CPU)" if target.one_memory else ""
     raise BudgetError(
-        f"nothing fits {budget_bytes / GIB:.2f} GiB (the budget less {reserve:.1%} kept for the "
+        f"nothing fits {limit / GIB:.2f} GiB (the budget less {reserve:.1%} kept for the "
         f"plan's error): the smallest plan "
         f"({', '.join(describe_changes(config, fitted)) or 'as configured'}) needs "
-        f"{plan.device_bytes / GIB:.2f} GiB, {shortfall:.2f} GiB short; largest component: "
-        f"{largest.name} ({largest.bytes / GIB:.2f} GiB). "
+        f"{needed / GIB:.2f} GiB{memory}, {(needed - limit) / GIB:.2f} GiB short; largest "
+        f"component: {largest.name} ({largest.bytes / GIB:.2f} GiB). "
         + (
             f"Options that fit: {'; '.join(options)}"
             if options

@@ -297,6 +297,7 @@ def plan_settings(
         "method": config.method,
         "dtype": config.model.dtype,
         "batch_size": config.batch_size,
+        "accumulation_steps": config.memory.accumulation_steps,
         "seq_len": config.data.seq_len,
         "optimizer": config.optimizer.name,
         "lora_rank": None if config.method == "full" else config.lora.rank,

@@ -47,7 +47,7 @@ from featherweight.memory.targets import (
     require_gpu_compiler,
     target_mesh,
 )
-from featherweight.models.attention_choice import AttentionTarget
+from featherweight.models.attention_choice import AttentionTarget, cudnn_library_refusal
 from featherweight.models.batch import Batch
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
@@ -55,7 +55,12 @@ from featherweight.parallel.backend import native_stderr_silenced
 from featherweight.parallel.memory_kinds import host_resident_bytes
 from featherweight.parallel.offload_rules import lower_for_gpu
 from featherweight.parallel.sharding import per_device_bytes
-from featherweight.recipe.build import abstract_split, build_train_step, split_params
+from featherweight.recipe.build import (
+    abstract_split,
+    attention_implementation,
+    build_train_step,
+    split_params,
+)
 from featherweight.recipe.optimizer import make_optimizer
 from featherweight.recipe.placement import arguments_on_host, place_abstract
 from featherweight.recipe.schema import TrainConfig
@@ -268,6 +273,12 @@ def measure_for_target(
     if resolved.platform == "cpu":
         return dataclasses.replace(measure_compiled(config, model_config), target=resolved.name)
     require_gpu_compiler(resolved)
+    refusal = cudnn_not_loadable(config, model_config, resolved.step_target)
+    if refusal:
+        raise ConfigError(
+            f"the step for the {resolved.short_name} cannot be compiled here: {refusal}; plan it "
+            "without compiling (--no-measure), or name memory.attention: blockwise"
+        )
     placed = arguments_on_host(config)
     if placed:
         try:
@@ -308,6 +319,19 @@ def measure_for_target(
         target=resolved.name,
         derived=derived,
     )
+
+
+def cudnn_not_loadable(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget
+) -> str | None:
+    """Why the step planned for `target` cannot be compiled in this process (None when it can):
+    it calls cuDNN's fused attention, as it runs on that GPU, and jax lowers a cuDNN call only
+    where cuDNN's library loads."""
+    attention = attention_implementation(config, model_config, target)
+    refusal = cudnn_library_refusal() if attention.startswith("cudnn") else None
+    if refusal is None:
+        return None
+    return f"its attention is cuDNN's fused kernel ({attention}), and {refusal}"
 
 
 class NotCompiledAsRun(Exception):

@@ -37,16 +37,28 @@ class AttentionTarget(NamedTuple):
     its compute capability ("8.0" A100, "8.9" Ada, "9.0" H100); None elsewhere. Every function
     that chooses an attention or plans a step takes it as an argument (`featherweight plan
     --target h100` plans for an H100 on a machine without one); their default is this
-    process's device (`of_device`)."""
+    process's device (`of_device`).
+
+    `local`: the step is built in this process for its own device, so a cuDNN call needs
+    cuDNN's library to load here. A target named for planning (`plan --target h100`) is planned
+    as `train` runs on it, where jax's CUDA wheels bring cuDNN: its library is not looked for
+    in this process."""
 
     platform: str
     compute_capability: str | None = None
+    local: bool = False
 
     @classmethod
     def of_device(cls, device: jax.Device | None = None) -> AttentionTarget:
         """The target of `device` (default: the first device, the one a run computes on)."""
         device = device or jax.devices()[0]
-        return cls(device.platform, getattr(device, "compute_capability", None))
+        return cls(device.platform, getattr(device, "compute_capability", None), local=True)
+
+    @property
+    def one_memory(self) -> bool:
+        """Whether the device's memory is the host's (XLA:CPU): a byte placed on the host is a
+        byte of the same memory, and moving it there saves nothing."""
+        return self.platform == "cpu"
 
     @property
     def compiler(self) -> str:

@@ -188,13 +188,16 @@ def attention_implementation(
     process's device), from `memory.attention` and the rows the run's batches hold:
     several documents each (`data.pack: true`) or one document and padding
     (`models.attention_choice.choose_attention`: "auto" is cuDNN where it masks those rows
-    exactly and forms the model's scores, blockwise otherwise)."""
+    exactly and forms the model's scores, blockwise otherwise; cuDNN's library is looked for
+    only on a local target, `AttentionTarget.local`)."""
+    target = target or AttentionTarget.of_device()
     return choose_attention(
         config.memory.attention,
-        target or AttentionTarget.of_device(),
+        target,
         config.model.dtype,
         model_config.head_dim,
         rows=batch_rows(config),
+        check_library=target.local,
         form=score_form(model_config),
     )
 
@@ -223,7 +226,12 @@ def attention_note(
         return None
     rows = batch_rows(config)
     refusal = cudnn_refusal(
-        target, config.model.dtype, model_config.head_dim, rows, form=score_form(model_config)
+        target,
+        config.model.dtype,
+        model_config.head_dim,
+        rows,
+        check_library=target.local,
+        form=score_form(model_config),
     )
     return (
         None if refusal is None else f"memory.attention: auto is blockwise on {target}: {refusal}"

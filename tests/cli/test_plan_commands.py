@@ -7,6 +7,7 @@ stops after that plan."""
 
 import io
 import json
+import re
 
 import pytest
 import yaml
@@ -186,3 +187,34 @@ def test_plan_for_a_gpu_target_is_what_train_plans_on_that_gpu(
     # the target matters: its compiler's calibration, not this CPU's
     assert planned["settings"]["calibration"] == "xla-gpu/bfloat16"
     assert on_cpu["planned_device_bytes"] != planned["planned_device_bytes"]
+
+
+def test_plan_for_a_gpu_names_every_setting_it_chose_and_assumes_its_cudnn():
+    # the 8B QLoRA at 5.5 GiB on an H100: cuDNN attention, as train runs on that GPU (this
+    # process need not load cuDNN), and the split of the batch in the settings line
+    result = CliRunner().invoke(
+        app,
+        ["plan", "Llama-3.1-8B", "--budget", "5.5GiB", "--target", "h100", "--no-measure"],
+        env={"COLUMNS": "300"},
+    )
+    assert result.exit_code == 0, result.output
+    settings = next(line for line in result.output.splitlines() if line.startswith("settings:"))
+    assert "attention=cudnn" in settings
+    changed = re.search(r"memory\.accumulation_steps: 1 -> (\d)", result.output)
+    assert changed and f"accumulation_steps={changed.group(1)}" in settings
+
+
+def test_a_gpu_target_without_its_compiler_answers_with_the_plan_and_says_how_to_compile(
+    monkeypatch,
+):
+    from featherweight.parallel import backend
+
+    monkeypatch.setattr(backend, "cuda_plugin_installed", lambda: False)
+    args = ["plan", "SmolLM2-135M", "--seq", "256", "--target", "h100"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "settings:" in result.output and "compiled" not in result.output.split("settings:")[0]
+    (line,) = [line for line in result.output.splitlines() if line.startswith("not compiled")]
+    assert 'pip install "featherweight[gpu-plan]"' in line
+    planned = _plan_json(*args[1:])
+    assert planned["measured"] is None and "gpu-plan" in planned["not_compiled"]

@@ -103,7 +103,8 @@ def test_loss_chunk_is_tried_first_when_the_logits_are_the_peak():
 @pytest.mark.parametrize("objective", ["sft", "dpo"])
 def test_micro_batch_comes_last_and_every_kept_change_is_needed(objective):
     # below what every other setting reaches: SFT splits the batch into micro-batches (the same
-    # training); DPO, whose pairs are averaged over one batch, cannot, and halves the batch
+    # training); DPO, whose pairs are averaged over one batch, cannot, and halves the batch. On a
+    # GPU, where the host placements make room (a CPU's host is its device's memory)
     values = {**LLAMA_QLORA, "objective": objective}
     config, model = config_of(**values), builtin_config("Llama-3.1-8B")
     everything_else = config_of(
@@ -119,22 +120,22 @@ def test_micro_batch_comes_last_and_every_kept_change_is_needed(objective):
         },
         optimizer={"name": "adamw_8bit"},
     )
-    floor = plan_for_config(everything_else, model).device_bytes
+    floor = plan_for_config(everything_else, model, GPU).device_bytes
     budget = floor - 2**20  # below what the other settings reach
-    fitted, plan = fit_budget(config, model, budget, reserve=0.0)
+    fitted, plan = fit_budget(config, model, budget, reserve=0.0, target=GPU)
     last = describe_changes(config, fitted)[-1]
     if objective == "sft":
         assert fitted.batch_size == 4 and fitted.memory.accumulation_steps > 1
     else:
         assert last.startswith("batch_size: 4 -> ")
     assert plan.device_bytes <= budget
-    start = resolve(config, model)
+    start = resolve(config, model, target=GPU)
     changed = [f for f in SEARCHED_FIELDS if _value(start, *f) != _value(fitted, *f)]
     assert len(changed) >= 2
     # undoing any one change no longer fits (or is refused); kept activations only spend room
     for section, field in (f for f in changed if f != ("memory", "save")):
         undone = _replace(fitted, section, **{field: _value(start, section, field)})
-        undone_plan = _plan_if_valid(undone, model, CPU)
+        undone_plan = _plan_if_valid(undone, model, GPU)
         assert undone_plan is None or undone_plan.device_bytes > budget
 
 
@@ -233,14 +234,15 @@ def test_the_base_goes_to_the_host_last_and_only_when_nothing_cheaper_fits():
             "model": {"dtype": "bfloat16"},
         }
     )
-    fitted, plan = fit_budget(config, model, 4 * GIB, reserve=0.0)
+    fitted, plan = fit_budget(config, model, 4 * GIB, reserve=0.0, target=GPU)
     assert fitted.memory.base == "host" and plan.device_bytes <= 4 * GIB
     assert "memory.base: device -> host" in describe_changes(config, fitted)
-    residuals = _replace(resolve(config, model), "memory", residuals="host")
-    budget = plan_for_config(residuals, model).device_bytes
-    base = _replace(resolve(config, model), "memory", base="host")
-    assert plan_for_config(base, model).device_bytes <= budget  # the base alone would fit too
-    fitted, _ = fit_budget(config, model, budget, reserve=0.0)
+    resolved = resolve(config, model, target=GPU)
+    residuals = _replace(resolved, "memory", residuals="host")
+    budget = plan_for_config(residuals, model, GPU).device_bytes
+    base = _replace(resolved, "memory", base="host")
+    assert plan_for_config(base, model, GPU).device_bytes <= budget  # the base alone fits too
+    fitted, _ = fit_budget(config, model, budget, reserve=0.0, target=GPU)
     assert fitted.memory.base == "device"
 
 
@@ -321,16 +323,17 @@ def test_a_device_budget_is_all_the_device_may_use_and_is_spent_on_speed():
 
 
 def test_the_search_weighs_time_at_the_platforms_rates():
-    # Llama-3.2-1B full fine-tuning b2 x 2048 at 8 GiB needs its AdamW state on the host. At a
-    # GPU's rates that state's trips over the host link dominate the step's estimate, so only the
-    # class saving the most time per byte clears the 1% resolution; on a CPU (one memory, no
-    # link) every class does. `plan --target` passes the target's platform.
+    # Llama-3.2-1B full fine-tuning b2 x 2048: on a GPU 8 GiB needs its AdamW state on the host,
+    # and at a GPU's rates that state's trips over the host link dominate the step's estimate,
+    # so only the class saving the most time per byte clears the 1% resolution. On a CPU (one
+    # memory, no link) the state stays where it is and, with room, every class is kept.
+    # `plan --target` passes the target.
     model = builtin_config("Llama-3.2-1B")
     config = resolve(config_of(method="full", batch_size=2, data={"seq_len": 2048}), model)
-    on_cpu, _ = fit_budget(config, model, 8 * GIB, target=CPU)
     on_gpu, _ = fit_budget(config, model, 8 * GIB, target=GPU)
-    assert on_cpu.memory.optimizer_state == on_gpu.memory.optimizer_state == "host"
-    assert on_cpu.memory.save == KEPT_ACTIVATIONS and on_gpu.memory.save == ("mlp_hidden",)
+    on_cpu, _ = fit_budget(config, model, 16 * GIB, target=CPU)
+    assert on_gpu.memory.optimizer_state == "host" and on_gpu.memory.save == ("mlp_hidden",)
+    assert on_cpu.memory.optimizer_state == "device" and on_cpu.memory.save == KEPT_ACTIVATIONS
 
 
 def _on_hopper_with_cudnn(monkeypatch) -> AttentionTarget:
@@ -467,3 +470,22 @@ def test_auto_attention_falls_back_to_blockwise_where_cudnns_workspace_would_not
     named_resolved = resolve(named, model, target=hopper)
     named_plan = plan_for_config(named_resolved, model, hopper)
     assert attention_that_fits(named, named_plan, model, small, hopper)[0] == named_resolved
+
+
+def test_a_budget_on_a_cpu_bounds_device_and_host_together():
+    """On a CPU the host is the device's memory: a budget bounds both, a host placement makes no
+    room (it is never chosen to fit), and the 8B QLoRA step at 5.5 GiB is answered "nothing
+    fits" with the bytes it needs, not fitted by moving 10.5 GiB "to the host"."""
+    model = builtin_config("SmolLM2-135M")
+    config = resolve(config_of(method="full", batch_size=4, data={"seq_len": 1024}), model)
+    whole = plan_for_config(config, model, CPU).cpu_comparable_bytes
+    budget = int(0.9 * whole)
+    fitted, plan = fit_budget(config, model, budget, reserve=0.0, target=CPU)
+    assert plan.device_bytes + plan.host_bytes <= budget
+    assert plan.host_bytes == 0
+    assert not any(": device -> host" in line for line in describe_changes(config, fitted))
+    _, gpu_plan = fit_budget(config, model, budget, reserve=0.0, target=GPU)
+    assert gpu_plan.host_bytes > 0  # on a GPU the host does make room
+    with pytest.raises(BudgetError, match=r"needs \d+\.\d+ GiB \(device and host: one memory"):
+        fit_budget(config_of(**{**LLAMA_QLORA, "batch_size": 2}), builtin_config("Llama-3.1-8B"),
+                   parse_budget("5.5GiB"), target=CPU)  # fmt: skip

@@ -28,6 +28,9 @@ from tests.memory.test_plan import (
 from tests.tiny_families import tiny_family
 
 H100 = get_target("h100").step_target  # the attention and calibration of a step for an H100
+# the steps here name blockwise attention: an H100 runs cuDNN for "auto", which this machine
+# cannot lower without cuDNN's library (`measure.cudnn_not_loadable`)
+BLOCKWISE = {"attention": "blockwise"}
 
 pytestmark = pytest.mark.skipif(
     not cuda_plugin_installed(),
@@ -37,7 +40,8 @@ pytestmark = pytest.mark.skipif(
 SMALL = {"model_type": "llama", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768,
          "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
          "head_dim": 32, "tie_word_embeddings": False, "max_position_embeddings": 4096}  # fmt: skip
-OPTIONS = ["--method", "full", "--batch", "2", "--seq", "128", "--dtype", "bfloat16"]
+OPTIONS = ["--method", "full", "--batch", "2", "--seq", "128", "--dtype", "bfloat16",
+           "--attention", "blockwise"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +83,7 @@ def test_the_plan_is_within_ten_percent_of_the_h100_compile(h100_report):
 def test_a_plan_that_forgets_the_offload_misses_the_compile(h100_report):
     # negative control: the same step planned with everything on the device is caught
     settings = {"method": "full", "batch_size": 2, "model": {"dtype": "bfloat16"},
-                "data": {"seq_len": 128}}  # fmt: skip
+                "data": {"seq_len": 128}, "memory": BLOCKWISE}  # fmt: skip
     plan = plan_for_config(parse_config(settings), config_from_hf_dict(SMALL, source="test"), H100)
     error = percent_difference(plan.device_bytes, h100_report["measured_device_bytes"])
     assert abs(error) > 10.0, error
@@ -95,7 +99,7 @@ def test_the_answer_to_a_budget_compiles_within_it():
     over the budget)."""
     model = builtin_config("Llama-3.1-8B")
     settings = {"method": "qlora", "batch_size": 2, "model": {"dtype": "bfloat16"},
-                "data": {"seq_len": 2048}}  # fmt: skip
+                "data": {"seq_len": 2048}, "memory": BLOCKWISE}  # fmt: skip
     budget = parse_budget("5.5GiB")
     fitted, _ = fit_budget(parse_config(settings), model, budget, target=H100)
     bare, bare_plan = fit_budget(parse_config(settings), model, budget, reserve=0.0, target=H100)
@@ -113,7 +117,7 @@ def test_kept_activations_are_planned_as_the_h100_compiles_them():
 
     def planned_and_compiled(save):
         settings = {"method": "lora", "batch_size": 8, "model": {"dtype": "bfloat16"},
-                    "data": {"seq_len": 2048}, "memory": {"save": save}}  # fmt: skip
+                    "data": {"seq_len": 2048}, "memory": {"save": save, **BLOCKWISE}}  # fmt: skip
         # the chunks chosen on the GPU compiler's counts
         config = resolve(parse_config(settings), model, target=H100)
         planned = plan_for_config(config, model, H100).device_bytes
@@ -159,7 +163,7 @@ SMALLEST_8B = {
     "data": {"seq_len": 2048},
     "optimizer": {"name": "adamw_8bit"},
     "memory": {"vocab_chunk": 16384, "loss_chunk": 256, "mlp_chunk": 256, "residuals": "host",
-               "embed": "host", "optimizer_state": "host", "base": "host"},
+               "embed": "host", "optimizer_state": "host", "base": "host", **BLOCKWISE},
 }  # fmt: skip
 
 
