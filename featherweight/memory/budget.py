@@ -2,49 +2,16 @@
 why nothing does.
 
 `fit_budget` plans the configured step (its "auto" chunks chosen from the shapes first,
-`memory/defaults.py`: `resolve`) and, while the plan's device bytes exceed the budget, changes one setting at
-a time: of each setting's next candidate that lowers the planned bytes, the one whose estimated
+`memory/defaults.py`: `resolve`) and, while the plan's device bytes exceed the budget, changes
+one setting at a time: of each setting's next candidate that lowers the planned bytes, the one whose estimated
 time per token rises least (`memory/step_cost.py`: matmul FLOPs, the LM head's bytes and host
 transfers counted from the shapes, checked against compiled programs; estimates within
 `COST_RESOLUTION` of the step are a tie, which goes to the order below). Settings that keep the
 step's result are searched first, then those that change its numerics, then the base on the host,
 the micro-batch last. Once a plan fits, every change it does not need is undone (the costliest
-first), so a setting that saves nothing is never kept. The settings, each with what it costs:
-
-1. vocabulary chunk: the LM head 16384 rows at a time, then halved (down to 2048) -- same result;
-   for a frozen head no extra FLOPs and no more reads of the head (one sweep), for a trained one
-   one more LM-head forward;
-2. loss chunk: halve the LM-head/cross-entropy chunk (down to 64 tokens) -- same result, no extra
-   FLOPs, but the head streams through its matmuls once more per chunk; helps when the loss
-   phase is the peak (large vocabularies);
-3. saved intermediates: drop them (memory.save = ()) -- the backward pass recomputes them;
-4. MLP chunk: halve the MLP's sequence chunk (down to 256) -- same result; long context;
-5. accumulation: twice the micro-batches (`memory.accumulation_steps`), each half as large --
-   the same batch and update (gradients summed in float32 before it), the weights read once
-   more per micro-batch; where the batch splits so;
-6. residual offload: memory.residuals = "host" -- same result, the residual stream crosses the
-   host link twice (transfers overlap compute);
-7. embedding on host: memory.embed = "host" -- same result, only a batch's rows come over;
-8. optimizer state on host: memory.optimizer_state = "host" -- same result, the state crosses the
-   link in and out, one layer at a time (one device only, like 7);
-9. blockwise attention: memory.attention = "blockwise" where cuDNN's fused kernel would run --
-   same result (exact masks both), without cuDNN's backward workspace (Llama-3.1-8B at
-   b2 x 2048 in the packed layout: 0.5 GiB at the default 4 document slots a row, 4 GiB at 32),
-   at blockwise's measured extra time on a GPU
-   (`step_cost.DeviceRates.blockwise_attention_extra`);
-10. quantized head (QLoRA): model.quantize_head = true -- the LM head (or tied embedding) in NF4;
-11. optimizer-state dtype: adamw -> adamw_8bit -- 2 bytes of state per parameter instead of 8;
-12. base on host (LoRA/QLoRA): memory.base = "host" -- same result, but the whole frozen layer
-   stack crosses the host link twice a step (forward, and the backward's recompute), the
-   costliest transfer of all: it is tried after every other setting that keeps the batch;
-13. micro-batch: halve batch_size (down to 1) -- the streamed step updates per micro-batch, so
-   this changes the effective batch; it comes last, where the batch cannot split into more
-   micro-batches (5.: a preference objective, or micro-batches of one row). The plan of a split
-   batch is within 10% of XLA's GPU compile at the smallest Llama-3.1-8B QLoRA settings (two
-   micro-batches of one row: +4.3%, deviceless H100), since the plan counts the layer's
-   dequantized weights at the backward's peak (`working_set.dequantized_layer_bytes`); before,
-   it fell 19% below and the search did not split batches. A budget's room merges them again
-   (`_spend_on_speed`).
+first), so a setting that saves nothing is never kept. On a CPU the budget bounds the device
+and host bytes together (`needed_bytes`: one memory). The settings, in the order searched, each
+with its tier and what it costs, are one table, `SEARCH_ORDER`.
 
 When the last plan still does not fit, `BudgetError` names the largest component, the shortfall in
 GiB, and the changes that would fit (shorter sequence, another method, a smaller LoRA rank).
@@ -59,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import jax
 
@@ -263,43 +231,123 @@ def _micro_batches(config: TrainConfig) -> Iterator[TrainConfig]:
 # FLOPs and the bytes of the head and the host link, not everything a step does)
 COST_RESOLUTION = 0.01
 
-# (name, candidates from the current config and model, most preferred first: of the same
-# estimated cost, what keeps everything on the device and streams the LM head fewest times)
-PREFERENCE: tuple[
-    tuple[str, Callable[[TrainConfig, ModelConfig, AttentionTarget], Iterator[TrainConfig]]], ...
-] = (
-    ("vocabulary chunk", lambda c, m, t: _vocab_chunks(c, m.vocab_size)),
-    ("loss chunk", lambda c, m, t: _loss_chunks(c)),
-    ("saved intermediates", lambda c, m, t: _no_saved(c)),
-    ("MLP chunk", lambda c, m, t: _mlp_chunks(c)),
-    ("accumulation", lambda c, m, t: _more_accumulation(c)),
-    ("residual offload", lambda c, m, t: _offload(c)),
-    ("embedding on host", lambda c, m, t: _embedding_on_host(c, m.tie_word_embeddings)),
-    ("quantized head", lambda c, m, t: _quantized_head(c)),
-    ("optimizer state on host", lambda c, m, t: _optimizer_state_on_host(c)),
-    ("blockwise attention", _blockwise_attention),
-    ("8-bit optimizer state", lambda c, m, t: _eight_bit_state(c)),
-    ("base on host", lambda c, m, t: _base_on_host(c)),
-    ("micro-batch", lambda c, m, t: _micro_batches(c)),
-)
+
+class SearchedSetting(NamedTuple):
+    """A setting the budget search may change: how `describe_changes` and the docs name it, the
+    config field it changes (`section` None: a top-level field), its tier (0: keeps the step's
+    result, taken by estimated time; 1: changes its numerics; 2: the base on the host, the whole
+    frozen stack over the host link twice a step; 3: the micro-batch, the effective batch), what
+    it costs, and its candidates from the current config, model and target, next first."""
+
+    name: str
+    section: str | None
+    field: str
+    tier: int
+    costs: str
+    candidates: Callable[[TrainConfig, ModelConfig, AttentionTarget], Iterator[TrainConfig]]
 
 
+# Every setting the search may change, in the order it prefers them: by tier, then (of the same
+# estimated cost) what keeps everything on the device and streams the LM head fewest times.
+SEARCH_ORDER = (
+    SearchedSetting(
+        "vocabulary chunk", "memory", "vocab_chunk", 0,
+        "the LM head 16384 rows at a time, then halved (down to 2048) -- same result; for a "
+        "frozen head no extra FLOPs and no more reads of the head (one sweep), for a trained one "
+        "one more LM-head forward",
+        lambda c, m, t: _vocab_chunks(c, m.vocab_size),
+    ),
+    SearchedSetting(
+        "loss chunk", "memory", "loss_chunk", 0,
+        "halve the LM-head/cross-entropy chunk (down to 64 tokens) -- same result, no extra "
+        "FLOPs, but the head streams through its matmuls once more per chunk; helps when the "
+        "loss phase is the peak (large vocabularies)",
+        lambda c, m, t: _loss_chunks(c),
+    ),
+    SearchedSetting(
+        "saved intermediates", "memory", "save", 0,
+        "drop them (memory.save = ()) -- the backward pass recomputes them",
+        lambda c, m, t: _no_saved(c),
+    ),
+    SearchedSetting(
+        "MLP chunk", "memory", "mlp_chunk", 0,
+        "halve the MLP's sequence chunk (down to 256) -- same result; long context",
+        lambda c, m, t: _mlp_chunks(c),
+    ),
+    SearchedSetting(
+        "accumulation", "memory", "accumulation_steps", 0,
+        "twice the micro-batches, each half as large -- the same batch and update (gradients "
+        "summed in float32 before it), the weights read once more per micro-batch; where the "
+        "batch splits so",
+        lambda c, m, t: _more_accumulation(c),
+    ),
+    SearchedSetting(
+        "residual offload", "memory", "residuals", 0,
+        'memory.residuals = "host" -- same result, the residual stream crosses the host link '
+        "twice (transfers overlap compute)",
+        lambda c, m, t: _offload(c),
+    ),
+    SearchedSetting(
+        "embedding on host", "memory", "embed", 0,
+        'memory.embed = "host" -- same result, only a batch\'s rows come over',
+        lambda c, m, t: _embedding_on_host(c, m.tie_word_embeddings),
+    ),
+    SearchedSetting(
+        "optimizer state on host", "memory", "optimizer_state", 0,
+        'memory.optimizer_state = "host" -- same result, the state crosses the link in and out, '
+        "one layer at a time (one device only, like the embedding)",
+        lambda c, m, t: _optimizer_state_on_host(c),
+    ),
+    SearchedSetting(
+        "blockwise attention", "memory", "attention", 0,
+        'memory.attention = "blockwise" where cuDNN\'s fused kernel would run -- same result '
+        "(exact masks both), without cuDNN's backward workspace (Llama-3.1-8B at b2 x 2048 in "
+        "the packed layout: 0.5 GiB at the default 4 document slots a row, 4 GiB at 32), at "
+        "blockwise's measured extra time on a GPU (`step_cost.DeviceRates"
+        ".blockwise_attention_extra`)",
+        _blockwise_attention,
+    ),
+    SearchedSetting(
+        "quantized head", "model", "quantize_head", 1,
+        "QLoRA: model.quantize_head = true -- the LM head (or tied embedding) in NF4",
+        lambda c, m, t: _quantized_head(c),
+    ),
+    SearchedSetting(
+        "8-bit optimizer state", "optimizer", "name", 1,
+        "adamw -> adamw_8bit -- 2 bytes of state per parameter instead of 8",
+        lambda c, m, t: _eight_bit_state(c),
+    ),
+    SearchedSetting(
+        "base on host", "memory", "base", 2,
+        'LoRA/QLoRA: memory.base = "host" -- same result, but the whole frozen layer stack '
+        "crosses the host link twice a step (forward, and the backward's recompute), the "
+        "costliest transfer of all: tried after every other setting that keeps the batch",
+        lambda c, m, t: _base_on_host(c),
+    ),
+    SearchedSetting(
+        "micro-batch", None, "batch_size", 3,
+        "halve batch_size (down to 1) -- the streamed step updates per micro-batch, so this "
+        "changes the effective batch; last, where the batch cannot split into more "
+        "micro-batches (a preference objective, or micro-batches of one row). The plan of a "
+        "split batch is within 10% of XLA's GPU compile at the smallest Llama-3.1-8B QLoRA "
+        "settings (two micro-batches of one row: +4.3%, deviceless H100), since the plan counts "
+        "the layer's dequantized weights at the backward's peak "
+        "(`working_set.dequantized_layer_bytes`); before, it fell 19% below and the search did "
+        "not split batches. A budget's room merges them again (`_spend_on_speed`)",
+        lambda c, m, t: _micro_batches(c),
+    ),
+)  # fmt: skip
 # (section, field) of every setting the search may change, as `describe_changes` names them
-SEARCHED_FIELDS = (
-    ("memory", "vocab_chunk"),
-    ("memory", "loss_chunk"),
-    ("memory", "save"),
-    ("memory", "mlp_chunk"),
-    ("memory", "accumulation_steps"),
-    ("memory", "residuals"),
-    ("memory", "embed"),
-    ("memory", "optimizer_state"),
-    ("memory", "attention"),
-    ("model", "quantize_head"),
-    ("optimizer", "name"),
-    ("memory", "base"),
-    (None, "batch_size"),
+SEARCHED_FIELDS = tuple((setting.section, setting.field) for setting in SEARCH_ORDER)
+TIERS = tuple(
+    tuple(setting for setting in SEARCH_ORDER if setting.tier == tier)
+    for tier in sorted({setting.tier for setting in SEARCH_ORDER})
 )
+
+
+def _tier_of(section: str | None, field: str) -> int:
+    """The search tier of the setting that changes `section.field`."""
+    return next(s.tier for s in SEARCH_ORDER if (s.section, s.field) == (section, field))
 
 
 def _value(config: TrainConfig, section: str | None, field: str):
@@ -349,14 +397,6 @@ def _plan_if_valid(
         return None
 
 
-# The settings searched in turn: those that keep the step's result (tier 0, taken by estimated
-# time), those that change its numerics (1), the base on the host (2: the whole frozen stack over
-# the host link twice a step), then the micro-batch (3: the effective batch).
-_TIER_OF = {"quantized head": 1, "8-bit optimizer state": 1, "base on host": 2, "micro-batch": 3}
-_FIELD_TIER = {"quantize_head": 1, "name": 1, "base": 2, "batch_size": 3}  # the tiers, by field
-TIERS = tuple(tuple(p for p in PREFERENCE if _TIER_OF.get(p[0], 0) == tier) for tier in range(4))
-
-
 def _cheapest_step(
     config: TrainConfig,
     plan: MemoryPlan,
@@ -366,13 +406,13 @@ def _cheapest_step(
 ) -> tuple[TrainConfig, MemoryPlan] | None:
     """The next change: of each setting's next candidate that lowers the planned bytes, the one
     whose estimated time per token is least, from the first tier that has one; estimates within
-    `COST_RESOLUTION` of the step's time of each other are a tie, taken in `PREFERENCE` order.
+    `COST_RESOLUTION` of the step's time of each other are a tie, taken in `SEARCH_ORDER`.
     None when no setting lowers the plan."""
     step = COST_RESOLUTION * seconds_per_token(config, model_config, rates, target)
     for tier in TIERS:
         options = []
-        for order, (_, candidates) in enumerate(tier):
-            for candidate in candidates(config, model_config, target):
+        for order, setting in enumerate(tier):
+            for candidate in setting.candidates(config, model_config, target):
                 candidate_plan = _plan_if_valid(candidate, model_config, target)
                 if candidate_plan is not None and needed_bytes(
                     candidate_plan, target
@@ -407,7 +447,7 @@ def _drop_unneeded(
         seconds = seconds_per_token(config, model_config, rates, target) - seconds_per_token(
             undone, model_config, rates, target
         )
-        return _FIELD_TIER.get(field[1], 0), seconds
+        return _tier_of(*field), seconds
 
     for section, field in sorted(changed, key=cost, reverse=True):
         undone = _replace(config, section, **{field: _value(start, section, field)})
@@ -555,7 +595,7 @@ def fit_budget(
 ) -> tuple[TrainConfig, MemoryPlan]:
     """(config that fits `budget_bytes` of device memory -- on a CPU, of device and host memory
     together: `needed_bytes` -- and its plan), changing settings in the
-    order of `PREFERENCE` only as far as needed, then spending the room left on speed (kept
+    order of `SEARCH_ORDER` only as far as needed, then spending the room left on speed (kept
     activations, fewer and larger micro-batches: `_spend_on_speed`). Raises `BudgetError` when
     nothing fits.
 

@@ -489,3 +489,17 @@ def test_a_budget_on_a_cpu_bounds_device_and_host_together():
     with pytest.raises(BudgetError, match=r"needs \d+\.\d+ GiB \(device and host: one memory"):
         fit_budget(config_of(**{**LLAMA_QLORA, "batch_size": 2}), builtin_config("Llama-3.1-8B"),
                    parse_budget("5.5GiB"), target=CPU)  # fmt: skip
+
+
+def test_the_search_order_is_one_table_of_real_settings():
+    # SEARCH_ORDER is the one table: every record changes a field the config has, once, in
+    # tier order; the fields `describe_changes` names and the search's tiers come from it
+    from featherweight.memory.budget import SEARCH_ORDER, TIERS
+
+    config = config_of(**LLAMA_QLORA)
+    for setting in SEARCH_ORDER:
+        _value(config, setting.section, setting.field)  # an AttributeError for a wrong name
+    assert len({s.name for s in SEARCH_ORDER}) == len(SEARCH_ORDER) == len(set(SEARCHED_FIELDS))
+    assert [s.tier for s in SEARCH_ORDER] == sorted(s.tier for s in SEARCH_ORDER)
+    assert [s for tier in TIERS for s in tier] == list(SEARCH_ORDER)
+    assert tuple((s.section, s.field) for s in SEARCH_ORDER) == SEARCHED_FIELDS
