@@ -205,7 +205,10 @@ def target_report(args, model) -> list[str]:
     for index, (name, method, memory, quantize_head) in enumerate(VARIANTS[args.method]):
         if index and args.only not in name:
             continue
-        requested = _config(method, memory, quantize_head, args.batch, args.seq, args.dtype)
+        # blockwise unless named: the GPU runs cuDNN for "auto", which a machine without
+        # cuDNN's library cannot compile (`measure.cudnn_not_loadable`)
+        compiled = {"attention": "blockwise", **memory}
+        requested = _config(method, compiled, quantize_head, args.batch, args.seq, args.dtype)
         config = resolve(requested, model, target=step_target)
         if not memory:
             name = _chosen_name(name, config)

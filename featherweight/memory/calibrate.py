@@ -430,7 +430,7 @@ def measure(
         config = resolve(config, model)
         case = _case_id(model, config)
         if case not in done or (again_if_host and arguments_on_host(config)):
-            measured = measure_for_target(config, model, target)
+            measured = measure_for_target(_as_fitted(config, target), model, target)
             done[case] = {
                 "model": model.to_hf_dict(),
                 "config": config.model_dump(mode="json"),
@@ -449,6 +449,16 @@ def measure(
         records.append(done[case])
         print(f"  {index + 1}/{len(cases)} temp {done[case]['temp_bytes']:,} B", file=sys.stderr)
     return records
+
+
+def _as_fitted(config: TrainConfig, target: str) -> TrainConfig:
+    """`config` as the fit measures it: on a GPU target its "auto" attention compiled blockwise,
+    the attention a plan for the compiler alone chooses (`compiler_target`: no GPU generation
+    named), not the cuDNN kernel the GPU itself would run."""
+    if get_target(target).platform != "gpu" or config.memory.attention != "auto":
+        return config
+    memory = config.memory.model_copy(update={"attention": "blockwise"})
+    return config.model_copy(update={"memory": memory})
 
 
 def case_of(record: dict[str, Any]) -> tuple[ModelConfig, TrainConfig]:
