@@ -38,7 +38,7 @@ from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import format_bytes
 from featherweight.memory.step_cost import host_base_estimate
 from featherweight.memory.targets import get_target
-from featherweight.memory.working_set import calibration_for
+from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.batch import batch_from_tokens
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
@@ -85,8 +85,8 @@ def planned_rows(compile_steps: bool) -> list[str]:
     for name, (model_name, batch, seq, budget, goal) in CASES.items():
         model = builtin_config(model_name)
         start = requested(batch, seq)
-        with calibration_for("xla-gpu"):
-            fitted, plan = fit_budget(start, model, budget * GIB)
+        # XLA's GPU compiler's counts (no GPU generation named: blockwise attention)
+        fitted, plan = fit_budget(start, model, budget * GIB, target=AttentionTarget("gpu"))
         planned32 = compiled_device = compiled_host = "-"
         if compile_steps:
             check = as_float32(fitted)

@@ -35,6 +35,7 @@ from featherweight.memory.defaults import with_lean_defaults
 from featherweight.memory.measure import measurement_of
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.working_set import plan_reserve
+from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.batch import Batch, batch_from_tokens
 from featherweight.models.config import ModelConfig
 from featherweight.models.registry import builtin_config
@@ -79,7 +80,8 @@ class Scale:
 def _tiny_budget(config: TrainConfig, model: ModelConfig) -> int:
     """`--tiny`'s budget: the search's plan must come to 85% of QLoRA's default plan, which
     the same-result settings reach (the budget less the plan's reserve, `budget.fit_budget`)."""
-    reserve = plan_reserve(with_lean_defaults(config, model))
+    here = AttentionTarget.of_device()  # the run's own device
+    reserve = plan_reserve(with_lean_defaults(config, model), here)
     return int(0.85 * plan_for_config(config, model).device_bytes / (1 - reserve))
 
 

@@ -25,7 +25,6 @@ from featherweight.dev import calibrate
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import format_bytes, percent_difference
 from featherweight.memory.targets import get_target
-from featherweight.memory.working_set import calibration_for
 from featherweight.recipe.placement import arguments_on_host
 
 CALIBRATIONS = json.loads(calibrate.calibration_path().read_text())["calibrations"]
@@ -79,8 +78,7 @@ def main() -> None:
     ]
     errors = []
     for (model, config), record in zip(cases, records):
-        with calibration_for(f"xla-{target.platform}"):
-            plan = plan_for_config(config, model)
+        plan = plan_for_config(config, model, calibrate.compiler_target(f"xla-{target.platform}"))
         error = percent_difference(plan.device_bytes, record["device_bytes"])
         errors.append(error)
         as_run = bool(arguments_on_host(config))

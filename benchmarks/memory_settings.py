@@ -47,7 +47,6 @@ from featherweight.memory.measure import (
 )
 from featherweight.memory.step_cost import ACCELERATOR_RATES, step_flops, step_seconds
 from featherweight.memory.targets import get_target
-from featherweight.memory.working_set import calibration_for
 from featherweight.models.registry import builtin_config
 from featherweight.parallel.memory_kinds import to_device
 from featherweight.recipe.placement import place
@@ -198,21 +197,23 @@ def target_report(args, model) -> list[str]:
     """Every variant compiled for a GPU target by XLA's GPU compiler (no GPU needed): bytes, with
     the plan beside them, FLOPs from the shapes and the planner's estimated time ratio."""
     target = get_target(args.target)
-    rows = []
-    with calibration_for("xla-gpu"):
-        for index, (name, method, memory, quantize_head) in enumerate(VARIANTS[args.method]):
-            if index and args.only not in name:
-                continue
-            config = resolve(
-                _config(method, memory, quantize_head, args.batch, args.seq, args.dtype), model
-            )
-            if not memory:
-                name = _chosen_name(name, config)
-            measured = measure_for_target(config, model, target.name)
-            planned = plan_one_device(config, model).device_bytes
-            seconds = step_seconds(config, model, ACCELERATOR_RATES)
-            rows.append((name, measured, planned, step_flops(config, model).total, seconds))
-            print(f"compiled {name}: {measured.device_bytes / MIB:.1f} MiB", flush=True)
+    rows, step_target = [], target.step_target
+    for index, (name, method, memory, quantize_head) in enumerate(VARIANTS[args.method]):
+        if index and args.only not in name:
+            continue
+        # blockwise unless named: the GPU runs cuDNN for "auto", which a machine without
+        # cuDNN's library cannot compile (`measure.cudnn_not_loadable`)
+        compiled = {"attention": "blockwise", **memory}
+        requested = _config(method, compiled, quantize_head, args.batch, args.seq, args.dtype)
+        config = resolve(requested, model, target=step_target)
+        if not memory:
+            name = _chosen_name(name, config)
+        measured = measure_for_target(config, model, target.name)
+        planned = plan_one_device(config, model, step_target).device_bytes
+        seconds = step_seconds(config, model, ACCELERATOR_RATES, step_target)
+        flops = step_flops(config, model, step_target).total
+        rows.append((name, measured, planned, flops, seconds))
+        print(f"compiled {name}: {measured.device_bytes / MIB:.1f} MiB", flush=True)
     _, base, _, base_flops, base_seconds = rows[0]
     lines = [
         f"# Memory settings vs the default, compiled for {target.name}: {args.model} shapes, "

@@ -8,9 +8,7 @@ import pytest
 
 from featherweight.memory import capacity
 from featherweight.memory.budget import parse_budget, plan_within_budget
-from featherweight.memory.defaults import resolve
 from featherweight.memory.targets import get_target
-from featherweight.memory.working_set import calibration_for
 from featherweight.models.registry import builtin_config
 from featherweight.recipe.build import check_method_settings
 from featherweight.recipe.schema import load_config
@@ -43,8 +41,8 @@ def test_an_example_is_planned_and_fits_the_device_it_is_written_for(name):
     model = builtin_config(model_name)
     check_method_settings(config, model)
     target = None if target_name is None else get_target(target_name)
-    with calibration_for("xla-gpu") if target else calibration_for("xla-cpu"):
-        planned, plan = plan_within_budget(resolve(config, model), model)
+    step_target = get_target(target_name or "cpu").step_target  # as `plan --target` plans it
+    planned, plan = plan_within_budget(config, model, step_target, capacity.of_machine(target))
     assert not planned.memory.unresolved
     if target is not None:
         judged = capacity.verdict(plan, capacity.of_target(target))

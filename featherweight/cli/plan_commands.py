@@ -3,7 +3,6 @@ options, or for a training config exactly as `train` would build it."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Annotated, Any, NamedTuple
 
@@ -108,7 +107,7 @@ def plan(
 
     requested, model_source = _requested(ctx)
     mesh_key = "mesh" if is_config_file(model) else "--mesh"  # where the mesh was written
-    chosen = _check_target_and_mesh(target, requested.mesh, measure, mesh_key)
+    chosen = _check_target_and_mesh(target, requested.mesh, mesh_key)
     budget_bytes = _budget_bytes(requested, chosen)
     model_config = model_config_from(model_source)
     planned = _plan_on_target(requested, model_config, chosen, budget_bytes, measure)
@@ -120,9 +119,10 @@ def plan(
 def _budget_bytes(requested, target) -> int | None:
     """The bytes of the config's memory.budget (`--budget` or the config's), for `target`."""
     from featherweight.memory.budget import budget_bytes_of
+    from featherweight.memory.capacity import of_machine
 
     budget = requested.memory.budget
-    return None if budget is None else budget_bytes_of(budget, target)
+    return None if budget is None else budget_bytes_of(budget, of_machine(target))
 
 
 def _requested(ctx: typer.Context):
@@ -159,23 +159,20 @@ def _plot_plan(planned: PlannedStep, plot: Path, budget_bytes: int | None, say_w
         console.print(f"plot: {plot}")
 
 
-def _check_target_and_mesh(target: str | None, mesh, measure: bool, mesh_key: str = "--mesh"):
+def _check_target_and_mesh(target: str | None, mesh, mesh_key: str = "--mesh"):
     """The target (None: this machine), refusing a mesh (`MeshSettings`) with a GPU target and a
     mesh larger than plan can compile; the virtual CPU devices a mesh needs requested before JAX
     starts."""
     from featherweight.errors import ConfigError, ShardingError
-    from featherweight.memory.targets import get_target, require_gpu_compiler
+    from featherweight.memory.targets import get_target
     from featherweight.parallel.sharding import request_cpu_devices, requested_devices
 
     chosen = None if target is None else get_target(target)
-    if chosen is not None and chosen.platform == "gpu":
-        if mesh is not None:
-            raise ConfigError(
-                f"--target {chosen.name} compiles for one device; drop the mesh (a mesh is "
-                "planned per device of this machine's virtual CPU devices)"
-            )
-        if measure:
-            require_gpu_compiler(chosen)
+    if chosen is not None and chosen.platform == "gpu" and mesh is not None:
+        raise ConfigError(
+            f"--target {chosen.name} compiles for one device; drop the mesh (a mesh is "
+            "planned per device of this machine's virtual CPU devices)"
+        )
     devices = None if mesh is None else requested_devices(mesh)
     if (devices or 0) > PLANNED_DEVICES:
         sizes = mesh.model_dump().items()
@@ -239,11 +236,13 @@ def _print_plan(planned: PlannedStep, model_config, target, json_output: bool) -
         planned.verdict,
         planned.changes,
     )
+    not_compiled = planned.not_compiled
     estimate = _host_base_estimate(config, model_config, target)
     if json_output:
         report = report_json(memory_plan, planned.measurement, changes, judged)
         report["config"] = config.model_dump(mode="json")
         report["host_base_estimate"] = None if estimate is None else estimate._asdict()
+        report["not_compiled"] = not_compiled
         typer.echo(json.dumps(report, indent=2))
         return
     if judged is not None:
@@ -259,6 +258,8 @@ def _print_plan(planned: PlannedStep, model_config, target, json_output: bool) -
         console.print(line, highlight=False)
     if judged is not None:
         console.print(f"[dim]note: {judged.limit_note}[/]", highlight=False)
+    if not_compiled is not None:
+        console.print(not_compiled, style="yellow", markup=False, highlight=False)
 
 
 def _host_base_estimate(config, model_config, target):
@@ -268,77 +269,92 @@ def _host_base_estimate(config, model_config, target):
     if config.memory.base != "host" or target is None or target.peak_flops is None:
         return None
     return host_base_estimate(
-        config, model_config, target.host_link_bytes_per_second, target.peak_flops
+        config,
+        model_config,
+        target.host_link_bytes_per_second,
+        target.peak_flops,
+        target.step_target,
     )
 
 
 class PlannedStep(NamedTuple):
     """What `plan` shows: the resolved config (fitted to the budget when one is given), its plan,
-    the compiled step's measurement (None with --no-measure), the verdict (None without a limit)
-    and the budget's changes to the resolved settings."""
+    the compiled step's measurement (None with --no-measure), the verdict (None without a limit),
+    the budget's changes to the resolved settings, and why the step was not compiled where
+    compiling was asked for and cannot be done here (None otherwise)."""
 
     config: Any
     plan: Any
     measurement: Any
     verdict: Any
     changes: list[str]
+    not_compiled: str | None = None
 
 
 def _plan_on_target(requested, model_config, target, budget_bytes, measure) -> PlannedStep:
-    """The plan of `requested` for `target` (None: this machine's backend), resolved as train
-    resolves it, with the target compiler's calibration and fitted to the budget when one is
-    given; the step compiled for the target, its attention chosen for the target's GPU; and,
-    where the plan does not fit a GPU, the settings the budget search would pick as an option."""
-    from featherweight.models.attention_choice import AttentionTarget, compiling_for
+    """The plan of `requested` for `target` (None: this machine's device) by the trainer's own
+    planning function (`budget.plan_within_budget`: resolved as train resolves it, fitted to the
+    budget when one is given, "auto" attention chosen for the target's GPU); the step compiled
+    for the target; and, where the plan does not fit a GPU, the settings a budget of its usable
+    memory would pick, as an option."""
+    from featherweight.memory import capacity
+    from featherweight.memory.budget import describe_changes, plan_within_budget
+    from featherweight.memory.defaults import resolve
+    from featherweight.models.attention_choice import AttentionTarget
+
+    step_target = AttentionTarget.of_device() if target is None else target.step_target
+    config, memory_plan = plan_within_budget(
+        requested, model_config, step_target, capacity.of_machine(target)
+    )
+    resolved = resolve(requested, model_config, target=step_target)
+    on_target, options = capacity.of_target(target), []
+    if budget_bytes is None and on_target is not None:
+        options = _options_on_target(resolved, memory_plan, model_config, on_target, step_target)
+    not_compiled = _not_compiled_here(config, model_config, target) if measure else None
+    measured = measure and not_compiled is None
+    measurement = _measure(config, model_config, target) if measured else None
+    limit = on_target
+    if budget_bytes is not None:
+        limit = capacity.of_budget(budget_bytes, target, holds_host=step_target.one_memory)
+    judged = capacity.verdict(memory_plan, limit, measurement, options)
+    changes = describe_changes(resolved, config, model_config, step_target)  # est. step time
+    return PlannedStep(config, memory_plan, measurement, judged, changes, not_compiled)
+
+
+def _not_compiled_here(config, model_config, target) -> str | None:
+    """Why the step planned for a GPU target cannot be compiled on this machine, with how to
+    compile it (None where it can): XLA's GPU compiler is not installed (the `gpu-plan` extra),
+    or the step calls cuDNN, whose library does not load here. The plan answers either way."""
+    from featherweight.memory.measure import cudnn_not_loadable
+    from featherweight.memory.targets import install_command
+    from featherweight.parallel.backend import cuda_plugin_installed
+
+    if target is None or target.platform != "gpu":
+        return None
+    if not cuda_plugin_installed():
+        return (
+            f"not compiled for the {target.short_name}: XLA's GPU compiler is not installed; "
+            f'to compile here: pip install "featherweight[gpu-plan]" ({install_command()})'
+        )
+    refusal = cudnn_not_loadable(config, model_config, target.step_target)
+    if refusal is None:
+        return None
+    return (
+        f"not compiled for the {target.short_name}: {refusal}; compile it where cuDNN's library "
+        "loads (the GPU itself), or compare with memory.attention: blockwise"
+    )
+
+
+def _measure(config, model_config, target):
+    """The step compiled for `target` (None: this machine) on abstract shapes."""
+    from featherweight.memory.measure import measure_compiled, measure_for_target
 
     if target is None:
-        return _plan_and_measure(requested, model_config, target, budget_bytes, measure)
-    capability = target.facts.get("compute_capability")
-    attention_target = AttentionTarget(
-        target.platform, None if capability is None else ".".join(map(str, capability))
-    )
-    with compiling_for(attention_target):
-        return _plan_and_measure(requested, model_config, target, budget_bytes, measure)
+        return measure_compiled(config, model_config)
+    return measure_for_target(config, model_config, target.name)
 
 
-def _plan_and_measure(requested, model_config, target, budget_bytes, measure) -> PlannedStep:
-    """`_plan_on_target`'s plan, measurement and verdict, with the attention target set."""
-    from featherweight.memory import capacity
-    from featherweight.memory.budget import attention_that_fits, describe_changes, fit_budget
-    from featherweight.memory.defaults import resolve
-    from featherweight.memory.measure import measure_compiled, measure_for_target
-    from featherweight.memory.plan import plan_for_config
-    from featherweight.memory.working_set import calibration_for
-
-    compiler = None if target is None else f"xla-{target.platform}"
-    on_target = capacity.of_target(target)
-    limit = on_target if budget_bytes is None else capacity.of_budget(budget_bytes, target)
-    resolved, options = resolve(requested, model_config), []
-    platform = None if target is None else target.platform  # time weighed at its rates
-    with calibration_for(compiler) if compiler else contextlib.nullcontext():
-        if budget_bytes is None:  # as train: "auto" attention falls back where it cannot fit
-            memory_plan = plan_for_config(resolved, model_config)
-            config, memory_plan = attention_that_fits(
-                requested, memory_plan, model_config, on_target
-            )
-        else:
-            config, memory_plan = fit_budget(
-                resolved, model_config, budget_bytes, platform=platform
-            )
-        if budget_bytes is None and on_target is not None:
-            options = _options_on_target(resolved, memory_plan, model_config, on_target)
-    if not measure:
-        measurement = None
-    elif target is None:
-        measurement = measure_compiled(config, model_config)
-    else:
-        measurement = measure_for_target(config, model_config, target.name)
-    judged = capacity.verdict(memory_plan, limit, measurement, options)
-    changes = describe_changes(resolved, config, model_config, platform)  # with est. step time
-    return PlannedStep(config, memory_plan, measurement, judged, changes)
-
-
-def _options_on_target(resolved, memory_plan, model_config, on_target) -> list[str]:
+def _options_on_target(resolved, memory_plan, model_config, on_target, step_target) -> list[str]:
     """Where the plan does not fit the target GPU: the settings a budget of its usable memory
     would pick, or what else would help."""
     from featherweight.errors import BudgetError
@@ -347,7 +363,7 @@ def _options_on_target(resolved, memory_plan, model_config, on_target) -> list[s
     if on_target.needed_bytes(memory_plan) <= on_target.limit_bytes:
         return []
     try:
-        fitted, _ = fit_budget(resolved, model_config, on_target.limit_bytes)
+        fitted, _ = fit_budget(resolved, model_config, on_target.limit_bytes, target=step_target)
     except BudgetError:
         return ["a GPU with more memory, a shorter sequence or a lighter method"]
     changes = ", ".join(describe_changes(resolved, fitted))

@@ -56,6 +56,7 @@ from featherweight.memory.family_terms import FAMILY_TERMS
 from featherweight.memory.measure import measure_for_target
 from featherweight.memory.report import percent_difference
 from featherweight.memory.targets import Target, get_target
+from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.config import ModelConfig, config_from_hf_dict
 from featherweight.models.registry import builtin_config
 from featherweight.recipe.placement import arguments_on_host
@@ -429,7 +430,7 @@ def measure(
         config = resolve(config, model)
         case = _case_id(model, config)
         if case not in done or (again_if_host and arguments_on_host(config)):
-            measured = measure_for_target(config, model, target)
+            measured = measure_for_target(_as_fitted(config, target), model, target)
             done[case] = {
                 "model": model.to_hf_dict(),
                 "config": config.model_dump(mode="json"),
@@ -450,6 +451,16 @@ def measure(
     return records
 
 
+def _as_fitted(config: TrainConfig, target: str) -> TrainConfig:
+    """`config` as the fit measures it: on a GPU target its "auto" attention compiled blockwise,
+    the attention a plan for the compiler alone chooses (`compiler_target`: no GPU generation
+    named), not the cuDNN kernel the GPU itself would run."""
+    if get_target(target).platform != "gpu" or config.memory.attention != "auto":
+        return config
+    memory = config.memory.model_copy(update={"attention": "blockwise"})
+    return config.model_copy(update={"memory": memory})
+
+
 def case_of(record: dict[str, Any]) -> tuple[ModelConfig, TrainConfig]:
     model = config_from_hf_dict(record["model"], source="calibration record")
     return model, TrainConfig.model_validate(record["config"])
@@ -458,7 +469,9 @@ def case_of(record: dict[str, Any]) -> tuple[ModelConfig, TrainConfig]:
 STORED = ("residual_stream", "saved_intermediates", DEQUANTIZED_WEIGHTS)
 
 
-def _outside_working_set(record: dict[str, Any], config: TrainConfig, model: ModelConfig) -> int:
+def _outside_working_set(
+    record: dict[str, Any], config: TrainConfig, model: ModelConfig, target: AttentionTarget
+) -> int:
     """Bytes of a record's temporaries that no count multiplies: the stored activations
     (planned exactly, wherever placed) and the host arrays a step rebuilds (`REBUILT_ON_HOST`):
     measured where the compiler keeps host temporaries apart (a GPU compile: its host bytes
@@ -466,7 +479,7 @@ def _outside_working_set(record: dict[str, Any], config: TrainConfig, model: Mod
     (XLA:CPU counts them in temp)."""
     # the stored activations do not depend on the counts: any counts do (the stored ones may
     # predate a new count)
-    plan = plan_one_device(config, model, calibration=dict.fromkeys(COUNTS, 1.0))
+    plan = plan_one_device(config, model, target, calibration=dict.fromkeys(COUNTS, 1.0))
     stored = [c for c in plan.components if c.name in STORED]
     stored_on_host = sum(c.bytes for c in stored if c.placement == HOST)
     rebuilt = sum(c.bytes for c in plan.components if c.name in REBUILT_ON_HOST)
@@ -477,10 +490,13 @@ def _outside_working_set(record: dict[str, Any], config: TrainConfig, model: Mod
     return sum(c.bytes for c in stored) + rebuilt
 
 
-def _phase_rows(record: dict[str, Any]) -> dict[str, tuple[np.ndarray, float]]:
-    """Per phase: (the term each count multiplies, the fixed bytes), and the target temp."""
+def _phase_rows(
+    record: dict[str, Any], target: AttentionTarget
+) -> dict[str, tuple[np.ndarray, float]]:
+    """Per phase: (the term each count multiplies, the fixed bytes), and the target temp, as
+    planned for `target` (the compiler the record was compiled by)."""
     model, config = case_of(record)
-    terms = working_set.raw_terms(config, model)
+    terms = working_set.raw_terms(config, model, target)
     rows = {}
     for phase in FIXED:  # a phase without terms (no trained embedding) is 0 and never the peak
         coefficients = np.array(
@@ -490,9 +506,16 @@ def _phase_rows(record: dict[str, Any]) -> dict[str, tuple[np.ndarray, float]]:
         rows[phase] = (coefficients, float(sum(terms[name] for name in FIXED[phase])))
     return (
         rows,
-        float(record["temp_bytes"] - _outside_working_set(record, config, model)),
+        float(record["temp_bytes"] - _outside_working_set(record, config, model, target)),
         float(record["total_bytes"]) / record.get("weight", 1.0),  # a weight scales the residual
     )
+
+
+def compiler_target(compiler: str) -> AttentionTarget:
+    """The target a record compiled by `compiler` ("xla-cpu", "xla-gpu") is planned for: the
+    compiler's platform, with no GPU generation named (its attention blockwise, as the fit
+    grid's steps were built on this machine)."""
+    return AttentionTarget(compiler.removeprefix("xla-"))
 
 
 def fit(
@@ -502,8 +525,8 @@ def fit(
 ) -> dict[str, float]:
     """Counts that minimise the error of planned temporaries, relative to each step's total;
     `compiler`: the one the records were compiled by, whose plans they are compared with."""
-    with working_set.calibration_for(compiler):
-        prepared = [_phase_rows(record) for record in records]
+    target = compiler_target(compiler)
+    prepared = [_phase_rows(record, target) for record in records]
     counts = np.array([(start or {}).get(name, 1.0) for name in COUNTS], dtype=np.float64)
     assignment: list[str] | None = None
     for _ in range(20):
@@ -535,11 +558,10 @@ def errors_of(
     """Planned (for `compiler`, the one the records were compiled by) vs measured for each record
     with `counts`, in percent: temp, total (device + host) and, where the record has them (GPU),
     the device bytes alone."""
-    rows = []
+    rows, target = [], compiler_target(compiler)
     for record in records:
         model, config = case_of(record)
-        with working_set.calibration_for(compiler):
-            plan = plan_one_device(config, model, calibration=counts)
+        plan = plan_one_device(config, model, target, calibration=counts)
         planned_temp = plan.measured_groups()["temporaries"]
         row = {
             "method": config.method,

@@ -2,57 +2,23 @@
 why nothing does.
 
 `fit_budget` plans the configured step (its "auto" chunks chosen from the shapes first,
-`memory/defaults.py`: `resolve`) and, while the plan's device bytes exceed the budget, changes one setting at
-a time: of each setting's next candidate that lowers the planned bytes, the one whose estimated
+`memory/defaults.py`: `resolve`) and, while the plan's device bytes exceed the budget, changes
+one setting at a time: of each setting's next candidate that lowers the planned bytes, the one whose estimated
 time per token rises least (`memory/step_cost.py`: matmul FLOPs, the LM head's bytes and host
 transfers counted from the shapes, checked against compiled programs; estimates within
 `COST_RESOLUTION` of the step are a tie, which goes to the order below). Settings that keep the
 step's result are searched first, then those that change its numerics, then the base on the host,
 the micro-batch last. Once a plan fits, every change it does not need is undone (the costliest
-first), so a setting that saves nothing is never kept. The settings, each with what it costs:
-
-0. rollout chunk (GRPO): fewer completions sampled together (`memory.rollout_chunk`) when the
-   rollout phase is the peak -- the same completions (per-row keys), the step unchanged; the
-   rollouts decode in more, smaller batches (not in the step-time estimate);
-1. vocabulary chunk: the LM head 16384 rows at a time, then halved (down to 2048) -- same result;
-   for a frozen head no extra FLOPs and no more reads of the head (one sweep), for a trained one
-   one more LM-head forward;
-2. loss chunk: halve the LM-head/cross-entropy chunk (down to 64 tokens) -- same result, no extra
-   FLOPs, but the head streams through its matmuls once more per chunk; helps when the loss
-   phase is the peak (large vocabularies);
-3. saved intermediates: drop them (memory.save = ()) -- the backward pass recomputes them;
-4. MLP chunk: halve the MLP's sequence chunk (down to 256) -- same result; long context;
-5. accumulation: twice the micro-batches (`memory.accumulation_steps`), each half as large --
-   the same batch and update (gradients summed in float32 before it), the weights read once
-   more per micro-batch; where the batch splits so;
-6. residual offload: memory.residuals = "host" -- same result, the residual stream crosses the
-   host link twice (transfers overlap compute);
-7. embedding on host: memory.embed = "host" -- same result, only a batch's rows come over;
-8. optimizer state on host: memory.optimizer_state = "host" -- same result, the state crosses the
-   link in and out, one layer at a time (one device only, like 7);
-9. blockwise attention: memory.attention = "blockwise" where cuDNN's fused kernel would run --
-   same result (exact masks both), without cuDNN's backward workspace (Llama-3.1-8B at
-   b2 x 2048 in the packed layout: 0.5 GiB at the default 4 document slots a row, 4 GiB at 32),
-   at blockwise's measured extra time on a GPU
-   (`step_cost.DeviceRates.blockwise_attention_extra`);
-10. quantized head (QLoRA): model.quantize_head = true -- the LM head (or tied embedding) in NF4;
-11. optimizer-state dtype: adamw -> adamw_8bit -- 2 bytes of state per parameter instead of 8;
-12. base on host (LoRA/QLoRA): memory.base = "host" -- same result, but the whole frozen layer
-   stack crosses the host link twice a step (forward, and the backward's recompute), the
-   costliest transfer of all: it is tried after every other setting that keeps the batch;
-13. micro-batch: halve batch_size (down to 1) -- the streamed step updates per micro-batch, so
-   this changes the effective batch; it comes last, where the batch cannot split into more
-   micro-batches (5.: a preference objective, or micro-batches of one row). The plan of a split
-   batch is within 10% of XLA's GPU compile at the smallest Llama-3.1-8B QLoRA settings (two
-   micro-batches of one row: +4.3%, deviceless H100), since the plan counts the layer's
-   dequantized weights at the backward's peak (`working_set.dequantized_layer_bytes`); before,
-   it fell 19% below and the search did not split batches. A budget's room merges them again
-   (`_spend_on_speed`).
+first), so a setting that saves nothing is never kept. On a CPU the budget bounds the device
+and host bytes together (`needed_bytes`: one memory). The settings, in the order searched, each
+with its tier and what it costs, are one table, `SEARCH_ORDER`.
 
 When the last plan still does not fit, `BudgetError` names the largest component, the shortfall in
 GiB, and the changes that would fit (shorter sequence, another method, a smaller LoRA rank).
-The trainer calls the same function (`plan_within_budget`); `describe_changes` gives each change
-with its estimated step-time cost, as `featherweight plan --budget` shows it.
+The trainer and `featherweight plan` call one planning function, `plan_within_budget`, with the
+target they plan for (`AttentionTarget`: the trainer's own device, or `plan --target`'s GPU);
+`describe_changes` gives each change with its estimated step-time cost, as `featherweight plan
+--budget` shows it.
 """
 
 from __future__ import annotations
@@ -60,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import jax
 
@@ -68,8 +35,8 @@ from featherweight.memory import capacity
 from featherweight.memory.defaults import resolve
 from featherweight.memory.plan import MemoryPlan, plan_for_config
 from featherweight.memory.step_cost import DeviceRates, rates_for, seconds_per_token
-from featherweight.memory.targets import Target
 from featherweight.memory.working_set import plan_reserve
+from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.config import ModelConfig
 from featherweight.parallel.sharding import planning_mesh
 from featherweight.recipe.build import (
@@ -121,22 +88,21 @@ def parse_budget(text: str) -> int:
 DEVICE_BUDGET = "device"
 
 
-def budget_bytes_of(text: str, target: Target | None = None) -> int:
+def budget_bytes_of(text: str, room: capacity.Capacity | None = None) -> int:
     """Bytes of a budget: a size (`parse_budget`), or "device": all a step may use of the device
-    -- `target`'s usable memory when planning for a GPU target, else this process's device
-    (`capacity.of_device`: JAX's pool less the library allowance on a GPU, the physical memory on
-    a CPU). With a budget the room the plan leaves is spent on speed (kept activations, fewer
-    and larger micro-batches)."""
+    planned for, `room` (default: this process's device, `capacity.of_device`: JAX's pool less
+    the library allowance on a GPU, the physical memory on a CPU; a GPU target's usable memory:
+    `capacity.of_machine`). With a budget the room the plan leaves is spent on speed (kept
+    activations, fewer and larger micro-batches)."""
     if str(text).strip().lower() != DEVICE_BUDGET:
         return parse_budget(text)
-    on_target = target is not None and target.platform == "gpu"
-    usable = capacity.of_target(target) if on_target else capacity.of_device()
-    if usable is None:
-        where = f"target {target.name} has" if on_target else "this device reports"
+    room = capacity.of_device() if room is None else room
+    if room is None:
         raise ConfigError(
-            f"budget 'device': {where} no memory size to fill; give a size, e.g. 8GiB"
+            "budget 'device': the device planned for reports no memory size to fill; give a "
+            "size, e.g. 8GiB"
         )
-    return usable.limit_bytes
+    return room.limit_bytes
 
 
 def _replace(config: TrainConfig, section: str | None, **values) -> TrainConfig:
@@ -199,8 +165,10 @@ def _base_on_host(config: TrainConfig) -> Iterator[TrainConfig]:
         yield _replace(config, "memory", base="host")
 
 
-def _blockwise_attention(config: TrainConfig, model_config: ModelConfig) -> Iterator[TrainConfig]:
-    if attention_implementation(config, model_config) != "blockwise":
+def _blockwise_attention(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget
+) -> Iterator[TrainConfig]:
+    if attention_implementation(config, model_config, target) != "blockwise":
         yield _replace(config, "memory", attention="blockwise")
 
 
@@ -276,43 +244,130 @@ def _micro_batches(config: TrainConfig) -> Iterator[TrainConfig]:
 # FLOPs and the bytes of the head and the host link, not everything a step does)
 COST_RESOLUTION = 0.01
 
-# (name, candidates from the current config and model, most preferred first: of the same
-# estimated cost, what keeps everything on the device and streams the LM head fewest times)
-PREFERENCE: tuple[tuple[str, Callable[[TrainConfig, ModelConfig], Iterator[TrainConfig]]], ...] = (
-    ("rollout chunk", lambda c, m: _rollout_chunks(c)),
-    ("vocabulary chunk", lambda c, m: _vocab_chunks(c, m.vocab_size)),
-    ("loss chunk", lambda c, m: _loss_chunks(c)),
-    ("saved intermediates", lambda c, m: _no_saved(c)),
-    ("MLP chunk", lambda c, m: _mlp_chunks(c)),
-    ("accumulation", lambda c, m: _more_accumulation(c)),
-    ("residual offload", lambda c, m: _offload(c)),
-    ("embedding on host", lambda c, m: _embedding_on_host(c, m.tie_word_embeddings)),
-    ("quantized head", lambda c, m: _quantized_head(c)),
-    ("optimizer state on host", lambda c, m: _optimizer_state_on_host(c)),
-    ("blockwise attention", _blockwise_attention),
-    ("8-bit optimizer state", lambda c, m: _eight_bit_state(c)),
-    ("base on host", lambda c, m: _base_on_host(c)),
-    ("micro-batch", lambda c, m: _micro_batches(c)),
-)
+
+class SearchedSetting(NamedTuple):
+    """A setting the budget search may change: how `describe_changes` and the docs name it, the
+    config field it changes (`section` None: a top-level field), its tier (0: keeps the step's
+    result, taken by estimated time; 1: changes its numerics; 2: the base on the host, the whole
+    frozen stack over the host link twice a step; 3: the micro-batch, the effective batch), what
+    it costs, and its candidates from the current config, model and target, next first."""
+
+    name: str
+    section: str | None
+    field: str
+    tier: int
+    costs: str
+    candidates: Callable[[TrainConfig, ModelConfig, AttentionTarget], Iterator[TrainConfig]]
 
 
+# Every setting the search may change, in the order it prefers them: by tier, then (of the same
+# estimated cost) what keeps everything on the device and streams the LM head fewest times.
+SEARCH_ORDER = (
+    SearchedSetting(
+        "rollout chunk", "memory", "rollout_chunk", 0,
+        "GRPO: fewer completions sampled together when the rollout phase is the peak -- the same "
+        "completions (per-row keys), the step unchanged; the rollouts decode in more, smaller "
+        "batches (not in the step-time estimate)",
+        lambda c, m, t: _rollout_chunks(c),
+    ),
+    SearchedSetting(
+        "vocabulary chunk", "memory", "vocab_chunk", 0,
+        "the LM head 16384 rows at a time, then halved (down to 2048) -- same result; for a "
+        "frozen head no extra FLOPs and no more reads of the head (one sweep), for a trained one "
+        "one more LM-head forward",
+        lambda c, m, t: _vocab_chunks(c, m.vocab_size),
+    ),
+    SearchedSetting(
+        "loss chunk", "memory", "loss_chunk", 0,
+        "halve the LM-head/cross-entropy chunk (down to 64 tokens) -- same result, no extra "
+        "FLOPs, but the head streams through its matmuls once more per chunk; helps when the "
+        "loss phase is the peak (large vocabularies)",
+        lambda c, m, t: _loss_chunks(c),
+    ),
+    SearchedSetting(
+        "saved intermediates", "memory", "save", 0,
+        "drop them (memory.save = ()) -- the backward pass recomputes them",
+        lambda c, m, t: _no_saved(c),
+    ),
+    SearchedSetting(
+        "MLP chunk", "memory", "mlp_chunk", 0,
+        "halve the MLP's sequence chunk (down to 256) -- same result; long context",
+        lambda c, m, t: _mlp_chunks(c),
+    ),
+    SearchedSetting(
+        "accumulation", "memory", "accumulation_steps", 0,
+        "twice the micro-batches, each half as large -- the same batch and update (gradients "
+        "summed in float32 before it), the weights read once more per micro-batch; where the "
+        "batch splits so",
+        lambda c, m, t: _more_accumulation(c),
+    ),
+    SearchedSetting(
+        "residual offload", "memory", "residuals", 0,
+        'memory.residuals = "host" -- same result, the residual stream crosses the host link '
+        "twice (transfers overlap compute)",
+        lambda c, m, t: _offload(c),
+    ),
+    SearchedSetting(
+        "embedding on host", "memory", "embed", 0,
+        'memory.embed = "host" -- same result, only a batch\'s rows come over',
+        lambda c, m, t: _embedding_on_host(c, m.tie_word_embeddings),
+    ),
+    SearchedSetting(
+        "optimizer state on host", "memory", "optimizer_state", 0,
+        'memory.optimizer_state = "host" -- same result, the state crosses the link in and out, '
+        "one layer at a time (one device only, like the embedding)",
+        lambda c, m, t: _optimizer_state_on_host(c),
+    ),
+    SearchedSetting(
+        "blockwise attention", "memory", "attention", 0,
+        'memory.attention = "blockwise" where cuDNN\'s fused kernel would run -- same result '
+        "(exact masks both), without cuDNN's backward workspace (Llama-3.1-8B at b2 x 2048 in "
+        "the packed layout: 0.5 GiB at the default 4 document slots a row, 4 GiB at 32), at "
+        "blockwise's measured extra time on a GPU (`step_cost.DeviceRates"
+        ".blockwise_attention_extra`)",
+        _blockwise_attention,
+    ),
+    SearchedSetting(
+        "quantized head", "model", "quantize_head", 1,
+        "QLoRA: model.quantize_head = true -- the LM head (or tied embedding) in NF4",
+        lambda c, m, t: _quantized_head(c),
+    ),
+    SearchedSetting(
+        "8-bit optimizer state", "optimizer", "name", 1,
+        "adamw -> adamw_8bit -- 2 bytes of state per parameter instead of 8",
+        lambda c, m, t: _eight_bit_state(c),
+    ),
+    SearchedSetting(
+        "base on host", "memory", "base", 2,
+        'LoRA/QLoRA: memory.base = "host" -- same result, but the whole frozen layer stack '
+        "crosses the host link twice a step (forward, and the backward's recompute), the "
+        "costliest transfer of all: tried after every other setting that keeps the batch",
+        lambda c, m, t: _base_on_host(c),
+    ),
+    SearchedSetting(
+        "micro-batch", None, "batch_size", 3,
+        "halve batch_size (down to 1) -- the streamed step updates per micro-batch, so this "
+        "changes the effective batch; last, where the batch cannot split into more "
+        "micro-batches (a preference objective, or micro-batches of one row). The plan of a "
+        "split batch is within 10% of XLA's GPU compile at the smallest Llama-3.1-8B QLoRA "
+        "settings (two micro-batches of one row: +4.3%, deviceless H100), since the plan counts "
+        "the layer's dequantized weights at the backward's peak "
+        "(`working_set.dequantized_layer_bytes`); before, it fell 19% below and the search did "
+        "not split batches. A budget's room merges them again (`_spend_on_speed`)",
+        lambda c, m, t: _micro_batches(c),
+    ),
+)  # fmt: skip
 # (section, field) of every setting the search may change, as `describe_changes` names them
-SEARCHED_FIELDS = (
-    ("memory", "rollout_chunk"),
-    ("memory", "vocab_chunk"),
-    ("memory", "loss_chunk"),
-    ("memory", "save"),
-    ("memory", "mlp_chunk"),
-    ("memory", "accumulation_steps"),
-    ("memory", "residuals"),
-    ("memory", "embed"),
-    ("memory", "optimizer_state"),
-    ("memory", "attention"),
-    ("model", "quantize_head"),
-    ("optimizer", "name"),
-    ("memory", "base"),
-    (None, "batch_size"),
+SEARCHED_FIELDS = tuple((setting.section, setting.field) for setting in SEARCH_ORDER)
+TIERS = tuple(
+    tuple(setting for setting in SEARCH_ORDER if setting.tier == tier)
+    for tier in sorted({setting.tier for setting in SEARCH_ORDER})
 )
+
+
+def _tier_of(section: str | None, field: str) -> int:
+    """The search tier of the setting that changes `section.field`."""
+    return next(s.tier for s in SEARCH_ORDER if (s.section, s.field) == (section, field))
 
 
 def _value(config: TrainConfig, section: str | None, field: str):
@@ -323,11 +378,11 @@ def describe_changes(
     before: TrainConfig,
     after: TrainConfig,
     model_config: ModelConfig | None = None,
-    platform: str | None = None,
+    target: AttentionTarget | None = None,
 ) -> list[str]:
     """Human-readable `setting: old -> new` lines for the fields a budget search changed; with
-    `model_config`, each with its estimated step-time cost (`change_costs`)."""
-    costs = {} if model_config is None else change_costs(before, after, model_config, platform)
+    `model_config`, each with its estimated step-time cost on `target` (`change_costs`)."""
+    costs = {} if model_config is None else change_costs(before, after, model_config, target)
     lines = []
     for section, field in SEARCHED_FIELDS:
         old, new = _value(before, section, field), _value(after, section, field)
@@ -339,7 +394,17 @@ def describe_changes(
     return lines
 
 
-def _plan_if_valid(config: TrainConfig, model_config: ModelConfig) -> MemoryPlan | None:
+def needed_bytes(plan: MemoryPlan, target: AttentionTarget) -> int:
+    """What of `plan` a budget for `target` bounds: its device bytes and, where the device's
+    memory is the host's (a CPU, `AttentionTarget.one_memory`), its host bytes too -- a byte
+    moved to the host there is still in the same memory, so a host placement never makes room.
+    The device bytes are the peak phase's (GRPO's rollouts may be the larger)."""
+    return plan.device_bytes + plan.host_bytes if target.one_memory else plan.device_bytes
+
+
+def _plan_if_valid(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget
+) -> MemoryPlan | None:
     """The plan of a candidate, or None when the config validation refuses it (e.g. 8-bit AdamW
     after the embedding moved to the host with full fine-tuning): the search never proposes a
     configuration the trainer would then refuse."""
@@ -348,34 +413,32 @@ def _plan_if_valid(config: TrainConfig, model_config: ModelConfig) -> MemoryPlan
         check_placements(config, model_config)  # host placements the trainer would refuse
         check_clipping_and_accumulation(config)  # e.g. two-pass clipping with accumulation
         check_preference_settings(config)  # preference pairs are averaged over one batch
-        return plan_for_config(config, model_config)
+        return plan_for_config(config, model_config, target)
     except (ConfigError, ValueError):
         return None
 
 
-# The settings searched in turn: those that keep the step's result (tier 0, taken by estimated
-# time), those that change its numerics (1), the base on the host (2: the whole frozen stack over
-# the host link twice a step), then the micro-batch (3: the effective batch).
-_TIER_OF = {"quantized head": 1, "8-bit optimizer state": 1, "base on host": 2, "micro-batch": 3}
-_FIELD_TIER = {"quantize_head": 1, "name": 1, "base": 2, "batch_size": 3}  # the tiers, by field
-TIERS = tuple(tuple(p for p in PREFERENCE if _TIER_OF.get(p[0], 0) == tier) for tier in range(4))
-
-
 def _cheapest_step(
-    config: TrainConfig, plan: MemoryPlan, model_config: ModelConfig, rates: DeviceRates
+    config: TrainConfig,
+    plan: MemoryPlan,
+    model_config: ModelConfig,
+    rates: DeviceRates,
+    target: AttentionTarget,
 ) -> tuple[TrainConfig, MemoryPlan] | None:
     """The next change: of each setting's next candidate that lowers the planned bytes, the one
     whose estimated time per token is least, from the first tier that has one; estimates within
-    `COST_RESOLUTION` of the step's time of each other are a tie, taken in `PREFERENCE` order.
+    `COST_RESOLUTION` of the step's time of each other are a tie, taken in `SEARCH_ORDER`.
     None when no setting lowers the plan."""
-    step = COST_RESOLUTION * seconds_per_token(config, model_config, rates)
+    step = COST_RESOLUTION * seconds_per_token(config, model_config, rates, target)
     for tier in TIERS:
         options = []
-        for order, (_, candidates) in enumerate(tier):
-            for candidate in candidates(config, model_config):
-                candidate_plan = _plan_if_valid(candidate, model_config)
-                if candidate_plan is not None and candidate_plan.device_bytes < plan.device_bytes:
-                    cost = seconds_per_token(candidate, model_config, rates)
+        for order, setting in enumerate(tier):
+            for candidate in setting.candidates(config, model_config, target):
+                candidate_plan = _plan_if_valid(candidate, model_config, target)
+                if candidate_plan is not None and needed_bytes(
+                    candidate_plan, target
+                ) < needed_bytes(plan, target):
+                    cost = seconds_per_token(candidate, model_config, rates, target)
                     options.append((cost, order, candidate, candidate_plan))
                     break
         if options:
@@ -392,6 +455,7 @@ def _drop_unneeded(
     model_config: ModelConfig,
     budget: int,
     rates: DeviceRates,
+    target: AttentionTarget,
 ) -> tuple[TrainConfig, MemoryPlan]:
     """`config` with every change from `start` undone that the fit does not need, the costliest
     first (the micro-batch, then what changes the numerics, then by estimated time): a setting
@@ -401,38 +465,39 @@ def _drop_unneeded(
 
     def cost(field) -> tuple[int, float]:
         undone = _replace(config, field[0], **{field[1]: _value(start, *field)})
-        seconds = seconds_per_token(config, model_config, rates) - seconds_per_token(
-            undone, model_config, rates
+        seconds = seconds_per_token(config, model_config, rates, target) - seconds_per_token(
+            undone, model_config, rates, target
         )
-        return _FIELD_TIER.get(field[1], 0), seconds
+        return _tier_of(*field), seconds
 
     for section, field in sorted(changed, key=cost, reverse=True):
         undone = _replace(config, section, **{field: _value(start, section, field)})
-        undone_plan = _plan_if_valid(undone, model_config)
-        if undone_plan is not None and undone_plan.device_bytes <= budget:
+        undone_plan = _plan_if_valid(undone, model_config, target)
+        if undone_plan is not None and needed_bytes(undone_plan, target) <= budget:
             config = undone
-    return config, plan_for_config(config, model_config)
+    return config, plan_for_config(config, model_config, target)
 
 
 def _search(
-    config: TrainConfig, model_config: ModelConfig, budget: int, rates: DeviceRates | None = None
+    config: TrainConfig, model_config: ModelConfig, budget: int, target: AttentionTarget
 ) -> tuple[TrainConfig, MemoryPlan]:
-    """The configuration that fits `budget` at the least estimated step time; else the smallest.
+    """The configuration that fits `budget` on `target` at the least estimated step time (at
+    the target platform's rates); else the smallest.
 
     One change at a time, each the cheapest in estimated time per token (`step_cost`: matmul
     FLOPs and host transfers) of the changes that lower the plan, the same-result settings
     before those that change the numerics and the micro-batch last; once the plan fits, every
     change it does not need is undone.
     """
-    rates = rates or rates_for(jax.default_backend())
-    start, plan = config, plan_for_config(config, model_config)
-    while plan.device_bytes > budget:
-        step = _cheapest_step(config, plan, model_config, rates)
+    rates = rates_for(target.platform)
+    start, plan = config, plan_for_config(config, model_config, target)
+    while needed_bytes(plan, target) > budget:
+        step = _cheapest_step(config, plan, model_config, rates, target)
         if step is None:
             break
         config, plan = step
-    if plan.device_bytes <= budget and config != start:
-        config, plan = _drop_unneeded(start, config, model_config, budget, rates)
+    if needed_bytes(plan, target) <= budget and config != start:
+        config, plan = _drop_unneeded(start, config, model_config, budget, rates, target)
     return config, plan
 
 
@@ -441,7 +506,7 @@ def _spend_on_speed(
     plan: MemoryPlan,
     model_config: ModelConfig,
     budget: int,
-    rates: DeviceRates,
+    target: AttentionTarget,
 ) -> tuple[TrainConfig, MemoryPlan]:
     """Memory for speed: while the budget has room, take the change that saves the most
     estimated time per byte it adds (`step_cost`) -- a class of activations kept (the matmuls
@@ -449,16 +514,17 @@ def _spend_on_speed(
     weights read fewer times for the same tokens; the same batch and update); a saving within
     `COST_RESOLUTION` of the step is none. A fitted plan's room goes to speed only here, so
     without a budget the step stays as lean as configured."""
+    rates = rates_for(target.platform)
     while True:
-        now = seconds_per_token(config, model_config, rates)
+        now = seconds_per_token(config, model_config, rates, target)
         options = []
         for candidate in (*_kept_activations(config), *_fewer_accumulation(config)):
-            candidate_plan = _plan_if_valid(candidate, model_config)
-            if candidate_plan is None or candidate_plan.device_bytes > budget:
+            candidate_plan = _plan_if_valid(candidate, model_config, target)
+            if candidate_plan is None or needed_bytes(candidate_plan, target) > budget:
                 continue
-            saved = now - seconds_per_token(candidate, model_config, rates)
+            saved = now - seconds_per_token(candidate, model_config, rates, target)
             if saved > COST_RESOLUTION * now:
-                added = max(candidate_plan.device_bytes - plan.device_bytes, 1)
+                added = max(needed_bytes(candidate_plan, target) - needed_bytes(plan, target), 1)
                 options.append((saved / added, candidate, candidate_plan))
         if not options:
             return config, plan
@@ -466,63 +532,81 @@ def _spend_on_speed(
 
 
 def smallest_settings(
-    config: TrainConfig, model_config: ModelConfig, keep_batch: bool = True
+    config: TrainConfig,
+    model_config: ModelConfig,
+    keep_batch: bool = True,
+    target: AttentionTarget | None = None,
 ) -> tuple[TrainConfig, MemoryPlan]:
-    """Every change the budget search makes when nothing fits (a budget of 0 bytes): the
-    smallest step it can plan, and its plan. With `keep_batch`, the micro-batch is set back to
-    the config's (the search's last resort halves it), so the row keeps its shapes."""
-    smallest, plan = _search(resolve(config, model_config), model_config, 0)
+    """Every change the budget search makes when nothing fits (a budget of 0 bytes) on `target`
+    (default: this process's device): the smallest step it can plan, and its plan. With
+    `keep_batch`, the micro-batch is set back to the config's (the search's last resort halves
+    it), so the row keeps its shapes."""
+    target = target or AttentionTarget.of_device()
+    smallest, plan = _search(resolve(config, model_config, target=target), model_config, 0, target)
     if keep_batch and smallest.batch_size != config.batch_size:
         smallest = _replace(smallest, None, batch_size=config.batch_size)
-        plan = plan_for_config(smallest, model_config)
+        plan = plan_for_config(smallest, model_config, target)
     return smallest, plan
 
 
 def change_costs(
-    before: TrainConfig, after: TrainConfig, model_config: ModelConfig, platform: str | None = None
+    before: TrainConfig,
+    after: TrainConfig,
+    model_config: ModelConfig,
+    target: AttentionTarget | None = None,
 ) -> dict[str, float]:
     """{"memory.vocab_chunk": fraction, ...}: each change's estimated step-time cost per token
-    (`step_cost`), as a fraction of `before`'s, made alone on `before`."""
-    rates = rates_for(platform or jax.default_backend())
-    base = seconds_per_token(before, model_config, rates)
+    on `target` (default: this process's device; `step_cost`), as a fraction of `before`'s, made
+    alone on `before`."""
+    target = target or AttentionTarget.of_device()
+    rates = rates_for(target.platform)
+    base = seconds_per_token(before, model_config, rates, target)
     costs = {}
     for section, field in SEARCHED_FIELDS:
         if _value(before, section, field) != _value(after, section, field):
             alone = _replace(before, section, **{field: _value(after, section, field)})
             name = field if section is None else f"{section}.{field}"
-            costs[name] = seconds_per_token(alone, model_config, rates) / base - 1.0
+            costs[name] = seconds_per_token(alone, model_config, rates, target) / base - 1.0
     return costs
 
 
 def _alternatives(
-    config: TrainConfig, model_config: ModelConfig, budget: int
+    config: TrainConfig, model_config: ModelConfig, budget: int, target: AttentionTarget
 ) -> Iterator[tuple[str, int]]:
-    """Changes outside the automatic search that fit, each with its planned bytes."""
-    seq = config.data.seq_len // 2
+    """Changes outside the automatic search that fit, each with its planned bytes: the longest
+    shorter sequence, the first lighter method, the largest smaller LoRA rank."""
+    shorter = []
     # a GRPO row must still hold a prompt token and the longest completion
     shortest = config.grpo.max_completion_length if config.objective == "grpo" else 0
-    while seq >= max(MIN_LOSS_CHUNK, shortest):
-        shorter = _replace(config, "data", seq_len=seq)
+    for seq in _halvings(config.data.seq_len, max(MIN_LOSS_CHUNK, shortest)):
+        changed = _replace(config, "data", seq_len=seq)
         if config.memory.loss_chunk and seq % config.memory.loss_chunk:
-            shorter = _replace(shorter, "memory", loss_chunk=None)
-        _, plan = _search(shorter, model_config, budget)
-        if plan.device_bytes <= budget:
-            yield f"seq {seq} fits at {plan.device_bytes / GIB:.2f} GiB", plan.device_bytes
-            break
-        seq //= 2
+            changed = _replace(changed, "memory", loss_chunk=None)
+        shorter.append((f"seq {seq}", changed))
     lighter = {"full": ("lora", "qlora"), "lora": ("qlora",)}.get(config.method, ())
-    for method in lighter:
-        _, plan = _search(_replace(config, None, method=method), model_config, budget)
-        if plan.device_bytes <= budget:
-            yield f"method {method} fits at {plan.device_bytes / GIB:.2f} GiB", plan.device_bytes
-            break
-    rank = config.lora.rank // 2
-    while config.method != "full" and rank >= 1:
-        _, plan = _search(_replace(config, "lora", rank=rank), model_config, budget)
-        if plan.device_bytes <= budget:
-            yield f"LoRA rank {rank} fits at {plan.device_bytes / GIB:.2f} GiB", plan.device_bytes
-            break
-        rank //= 2
+    ranks = () if config.method == "full" else _halvings(config.lora.rank, 1)
+    for kind in (
+        shorter,
+        [(f"method {method}", _replace(config, None, method=method)) for method in lighter],
+        [(f"LoRA rank {rank}", _replace(config, "lora", rank=rank)) for rank in ranks],
+    ):
+        for label, changed in kind:
+            _, plan = _search(changed, model_config, budget, target)
+            if needed_bytes(plan, target) <= budget:
+                yield (
+                    f"{label} fits at {needed_bytes(plan, target) / GIB:.2f} GiB",
+                    plan.device_bytes,
+                )
+                break
+
+
+def _halvings(value: int, minimum: int) -> list[int]:
+    """value // 2, value // 4, ... down to `minimum`."""
+    halves, value = [], value // 2
+    while value >= minimum:
+        halves.append(value)
+        value //= 2
+    return halves
 
 
 def fit_budget(
@@ -530,36 +614,37 @@ def fit_budget(
     model_config: ModelConfig,
     budget_bytes: int,
     reserve: float | None = None,
-    platform: str | None = None,
+    target: AttentionTarget | None = None,
 ) -> tuple[TrainConfig, MemoryPlan]:
-    """(config that fits `budget_bytes` of device memory, its plan), changing settings in the
-    order of `PREFERENCE` only as far as needed, then spending the room left on speed (kept
+    """(config that fits `budget_bytes` of device memory -- on a CPU, of device and host memory
+    together: `needed_bytes` -- and its plan), changing settings in the
+    order of `SEARCH_ORDER` only as far as needed, then spending the room left on speed (kept
     activations, fewer and larger micro-batches: `_spend_on_speed`). Raises `BudgetError` when
     nothing fits.
 
     The plan must fit the budget less `reserve` (a fraction; default the calibration's
     `plan_reserve`: how far below its compiled step a plan fell at worst on the held-out grid),
-    so that the compiled step, not only its plan, fits the budget. Time is weighed at the rates
-    of `platform` ("gpu" for a GPU target planned here; default: this process's backend)."""
+    so that the compiled step, not only its plan, fits the budget. Everything is planned for
+    `target` (default: this process's device): its attention, its compiler's calibration, time
+    weighed at its platform's rates."""
     if budget_bytes <= 0:
         raise ConfigError(f"budget of {budget_bytes} bytes must be positive, e.g. 8GiB")
-    config = resolve(config, model_config)
-    reserve = plan_reserve(config) if reserve is None else reserve
-    target = int(budget_bytes * (1 - reserve))
-    rates = rates_for(platform or jax.default_backend())
-    fitted, plan = _search(config, model_config, target, rates)
-    if plan.device_bytes <= target:
-        return _spend_on_speed(fitted, plan, model_config, target, rates)
-    largest = plan.largest_component()
-    shortfall = (plan.device_bytes - target) / GIB
-    budget_bytes = target
-    options = [text for text, _ in _alternatives(fitted, model_config, budget_bytes)]
+    target = target or AttentionTarget.of_device()
+    config = resolve(config, model_config, target=target)
+    reserve = plan_reserve(config, target) if reserve is None else reserve
+    limit = int(budget_bytes * (1 - reserve))
+    fitted, plan = _search(config, model_config, limit, target)
+    if needed_bytes(plan, target) <= limit:
+        return _spend_on_speed(fitted, plan, model_config, limit, target)
+    largest, needed = plan.largest_component(), needed_bytes(plan, target)
+    options = [text for text, _ in _alternatives(fitted, model_config, limit, target)]
+    memory = " (device and host: one memory on a CPU)" if target.one_memory else ""
     raise BudgetError(
-        f"nothing fits {budget_bytes / GIB:.2f} GiB (the budget less {reserve:.1%} kept for the "
+        f"nothing fits {limit / GIB:.2f} GiB (the budget less {reserve:.1%} kept for the "
         f"plan's error): the smallest plan "
         f"({', '.join(describe_changes(config, fitted)) or 'as configured'}) needs "
-        f"{plan.device_bytes / GIB:.2f} GiB, {shortfall:.2f} GiB short; largest component: "
-        f"{largest.name} ({largest.bytes / GIB:.2f} GiB). "
+        f"{needed / GIB:.2f} GiB{memory}, {(needed - limit) / GIB:.2f} GiB short; largest "
+        f"component: {largest.name} ({largest.bytes / GIB:.2f} GiB). "
         + (
             f"Options that fit: {'; '.join(options)}"
             if options
@@ -573,35 +658,47 @@ def attention_that_fits(
     plan: MemoryPlan,
     model_config: ModelConfig,
     room: capacity.Capacity | None = None,
+    target: AttentionTarget | None = None,
 ) -> tuple[TrainConfig, MemoryPlan]:
-    """`memory.attention: auto` chose a fused kernel whose plan does not fit `room` (default:
-    this process's device, `capacity.of_device`): blockwise instead -- the same result, without
+    """`memory.attention: auto` chose a fused kernel on `target` (default: this process's device)
+    whose plan does not fit `room` (default: this process's device, `capacity.of_device`):
+    blockwise instead -- the same result, without
     cuDNN's backward workspace (Llama-3.1-8B at b2 x 2048 in the packed layout: 0.5 GiB at 4
     document slots a row, 4 GiB at 32), slower -- so that a step which fits without it is not
     refused; its "auto" chunks chosen again for blockwise (`resolve`: the loss phase may become
     the peak). `config` as requested (settings still "auto"), `plan` its resolved plan; the
     resolved config and plan come back, unchanged where the plan fits, where no room is known,
     or where the attention is named."""
-    resolved = resolve(config, model_config)
+    target = target or AttentionTarget.of_device()
+    resolved = resolve(config, model_config, target=target)
     if config.memory.attention != "auto":
         return resolved, plan
-    if attention_implementation(resolved, model_config) == "blockwise":
+    if attention_implementation(resolved, model_config, target) == "blockwise":
         return resolved, plan
     room = capacity.of_device() if room is None else room  # read only when it can matter
     if room is None or room.needed_bytes(plan) <= room.limit_bytes:
         return resolved, plan
-    blockwise = resolve(_replace(config, "memory", attention="blockwise"), model_config)
-    return blockwise, plan_for_config(blockwise, model_config)
+    blockwise = resolve(
+        _replace(config, "memory", attention="blockwise"), model_config, target=target
+    )
+    return blockwise, plan_for_config(blockwise, model_config, target)
 
 
 def plan_within_budget(
-    config: TrainConfig, model_config: ModelConfig, room: capacity.Capacity | None = None
+    config: TrainConfig,
+    model_config: ModelConfig,
+    target: AttentionTarget | None = None,
+    room: capacity.Capacity | None = None,
 ) -> tuple[TrainConfig, MemoryPlan]:
-    """The trainer's planning step: (the resolved config, fitted to `memory.budget` when set;
-    its plan). Without a budget the config runs as it is, but for "auto" attention, which falls
-    back to blockwise where the fused kernel's workspace would not fit `room` (default: this
-    process's device, `capacity.of_device`; `attention_that_fits`)."""
+    """The one planning step of `train` and `featherweight plan`: (the resolved config, fitted to
+    `memory.budget` when set; its plan), for `target` (default: this process's device) whose
+    memory is `room` (default: this process's device, `capacity.of_device`; a GPU target's:
+    `capacity.of_machine`). Without a budget the config runs as it is, but for "auto" attention,
+    which falls back to blockwise where the fused kernel's workspace would not fit `room`
+    (`attention_that_fits`); a budget of "device" is all of `room`."""
+    target = target or AttentionTarget.of_device()
     if config.memory.budget is None:
-        plan = plan_for_config(resolve(config, model_config), model_config)
-        return attention_that_fits(config, plan, model_config, room)
-    return fit_budget(config, model_config, budget_bytes_of(config.memory.budget))
+        plan = plan_for_config(resolve(config, model_config, target=target), model_config, target)
+        return attention_that_fits(config, plan, model_config, room, target)
+    budget_bytes = budget_bytes_of(config.memory.budget, room)
+    return fit_budget(config, model_config, budget_bytes, target=target)

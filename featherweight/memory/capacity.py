@@ -98,13 +98,18 @@ def of_target(target: Target | None) -> Capacity | None:
     return Capacity(usable, f"on the {target.short_name}", usable_note(target))
 
 
-def of_budget(budget_bytes: int, target: Target | None = None) -> Capacity:
-    """A budget; its note says so when it is more than `target` can hold."""
+def of_budget(
+    budget_bytes: int, target: Target | None = None, holds_host: bool = False
+) -> Capacity:
+    """A budget; its note says so when it is more than `target` can hold. `holds_host`: the
+    device planned for is a CPU, whose memory is the host's (the budget bounds both)."""
     note = f"limit: the budget, {_gib(budget_bytes)} GiB"
+    if holds_host:
+        note += " of this machine's memory, host bytes included (a CPU's device is the host)"
     beyond = of_target(target)
     if beyond is not None and budget_bytes > beyond.limit_bytes:
         note += f" -- more than the {beyond.note}"
-    return Capacity(budget_bytes, "in the budget", note)
+    return Capacity(budget_bytes, "in the budget", note, holds_host=holds_host)
 
 
 def of_device() -> Capacity | None:
@@ -125,6 +130,14 @@ def of_device() -> Capacity | None:
         note = "the physical memory of the CPU backend, host bytes included"
         return Capacity(physical, "in this machine's memory", note, holds_host=True)
     return None
+
+
+def of_machine(target: Target | None) -> Capacity | None:
+    """What a step may use on the device a plan is for: a GPU target's usable memory
+    (`of_target`), else this process's device (`of_device`)."""
+    if target is not None and target.platform == "gpu":
+        return of_target(target)
+    return of_device()
 
 
 class Verdict(NamedTuple):

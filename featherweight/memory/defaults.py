@@ -38,6 +38,7 @@ from __future__ import annotations
 from featherweight.errors import ConfigError
 from featherweight.memory.device_plan import micro_batch_config, plan_one_device
 from featherweight.memory.working_set import phase_working_sets
+from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.config import ModelConfig
 from featherweight.parallel.sharding import planning_mesh
 from featherweight.recipe.placement import placement_allowed
@@ -50,8 +51,10 @@ MIN_GAIN = 0.02  # a smaller chunk must lower the planned step by this fraction 
 AUTO_VOCAB_CHUNKS = (16384, 8192, 4096, 2048)  # rows of the LM head at a time
 
 
-def _phase_bytes(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
-    phases = phase_working_sets(config, model_config)
+def _phase_bytes(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget
+) -> dict[str, int]:
+    phases = phase_working_sets(config, model_config, target)
     return {name: sum(buffer.bytes for buffer in buffers) for name, buffers in phases.items()}
 
 
@@ -59,25 +62,31 @@ def _with_memory(config: TrainConfig, **values) -> TrainConfig:
     return config.model_copy(update={"memory": config.memory.model_copy(update=values)})
 
 
-def _planned_bytes(config: TrainConfig, model_config: ModelConfig) -> int | None:
+def _planned_bytes(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget
+) -> int | None:
     """The one-device plan's device bytes (None when the config cannot be planned: the caller's
     own checks say why, so no chunk is chosen for it here)."""
     try:
-        return plan_one_device(config, model_config).device_bytes
+        return plan_one_device(config, model_config, target).device_bytes
     except ConfigError:
         return None
 
 
-def _loss_is_lean(config: TrainConfig, model_config: ModelConfig) -> bool:
-    phases = _phase_bytes(config, model_config)
+def _loss_is_lean(config: TrainConfig, model_config: ModelConfig, target: AttentionTarget) -> bool:
+    phases = _phase_bytes(config, model_config, target)
     return phases["loss"] <= phases["backward"]
 
 
 def auto_loss_chunk(
-    config: TrainConfig, model_config: ModelConfig, sharded: bool = False
+    config: TrainConfig,
+    model_config: ModelConfig,
+    sharded: bool = False,
+    target: AttentionTarget | None = None,
 ) -> int | None:
-    """The sequence chunk of the loss for these shapes and `config`'s vocabulary chunk (None: the
-    whole sequence is lean, or no chunk keeps enough rows). `sharded`: on a mesh, where no
+    """The sequence chunk of the loss for these shapes and `config`'s vocabulary chunk on
+    `target` (default: this process's device; None: the whole sequence is lean, or no chunk
+    keeps enough rows). `sharded`: on a mesh, where no
     vocabulary chunk follows, a frozen head's chunk keeps only `MIN_AUTO_LOSS_CHUNK` tokens.
 
     Each chunk streams the whole head through its matmuls (logits and d_hidden) and, for a
@@ -86,11 +95,12 @@ def auto_loss_chunk(
     chunk) that traffic is a visible share of the step (SmolLM2-135M, b2 x 256, on a CPU: 4
     chunks of 128 rows cost 2.5-3% with a trained head, 2-5% with a frozen one).
     """
+    target = target or AttentionTarget.of_device()
     seq = config.data.seq_len
     rows = micro_batch_config(config).batch_size
     least = MIN_HEAD_ROWS if config.method == "full" or not sharded else 0
     chunk, chosen = seq, None
-    while not _loss_is_lean(_with_memory(config, loss_chunk=chosen), model_config):
+    while not _loss_is_lean(_with_memory(config, loss_chunk=chosen), model_config, target):
         chunk //= 2
         if chunk < MIN_AUTO_LOSS_CHUNK or seq % chunk or rows * chunk < least:
             break
@@ -99,7 +109,10 @@ def auto_loss_chunk(
 
 
 def auto_vocab_chunk(
-    config: TrainConfig, model_config: ModelConfig, sharded: bool = False
+    config: TrainConfig,
+    model_config: ModelConfig,
+    target: AttentionTarget,
+    sharded: bool = False,
 ) -> int | None:
     """The LM head's vocabulary chunk (None: the whole vocabulary) of a frozen head on one device,
     at `config`'s loss chunk: the largest of `AUTO_VOCAB_CHUNKS` whose loss phase is no larger
@@ -107,26 +120,30 @@ def auto_vocab_chunk(
     and on a mesh (`sharded`: it may gather the head)."""
     if config.method == "full" or sharded:
         return None
-    if _loss_is_lean(_with_memory(config, vocab_chunk=None), model_config):
+    if _loss_is_lean(_with_memory(config, vocab_chunk=None), model_config, target):
         return None
     chunks = [chunk for chunk in AUTO_VOCAB_CHUNKS if chunk < model_config.vocab_size]
     for chunk in chunks:
-        if _loss_is_lean(_with_memory(config, vocab_chunk=chunk), model_config):
+        if _loss_is_lean(_with_memory(config, vocab_chunk=chunk), model_config, target):
             return chunk
     return chunks[-1] if chunks else None
 
 
 def _with_head_chunks(
-    config: TrainConfig, model_config: ModelConfig, auto: frozenset[str], sharded: bool = False
+    config: TrainConfig,
+    model_config: ModelConfig,
+    auto: frozenset[str],
+    target: AttentionTarget,
+    sharded: bool = False,
 ) -> TrainConfig:
     """`config` with the head's chunks named in `auto` chosen (`config` holds None for them):
     the sequence first (down to `MIN_HEAD_ROWS` rows), then a frozen head's vocabulary on one
     device."""
     if "loss_chunk" in auto:
-        chunk = auto_loss_chunk(config, model_config, sharded)
+        chunk = auto_loss_chunk(config, model_config, sharded, target)
         config = _with_memory(config, loss_chunk=chunk)
     if "vocab_chunk" in auto:
-        chunk = auto_vocab_chunk(config, model_config, sharded)
+        chunk = auto_vocab_chunk(config, model_config, target, sharded)
         config = _with_memory(config, vocab_chunk=chunk or config.memory.vocab_chunk)
     return config
 
@@ -148,10 +165,12 @@ def needed_vocab_chunk(config: TrainConfig, model_config: ModelConfig) -> int | 
 def auto_mlp_chunk(
     config: TrainConfig,
     model_config: ModelConfig,
+    target: AttentionTarget,
     sharded: bool = False,
     auto_head: frozenset[str] = frozenset(),
 ) -> int | None:
-    """The MLP's sequence chunk for these shapes (None: the whole sequence), the head's chunks
+    """The MLP's sequence chunk for these shapes on `target` (None: the whole sequence), the
+    head's chunks
     named in `auto_head` (None in `config`) chosen with each candidate (a smaller backward phase
     may call for smaller head chunks). `sharded`: the step runs on a mesh, which splits the
     batch: the MLP is left whole."""
@@ -159,12 +178,14 @@ def auto_mlp_chunk(
         return None
     seq, batch = config.data.seq_len, micro_batch_config(config).batch_size
     chosen = None
-    best = _planned_bytes(_with_head_chunks(config, model_config, auto_head), model_config)
+    best = _planned_bytes(
+        _with_head_chunks(config, model_config, auto_head, target), model_config, target
+    )
     chunk = seq // 2
     while best is not None and batch * chunk >= MIN_AUTO_MLP_TOKENS and not seq % chunk:
+        chunked = _with_memory(config, mlp_chunk=chunk)
         planned = _planned_bytes(
-            _with_head_chunks(_with_memory(config, mlp_chunk=chunk), model_config, auto_head),
-            model_config,
+            _with_head_chunks(chunked, model_config, auto_head, target), model_config, target
         )
         if planned is None or planned > (1 - MIN_GAIN) * best:
             break
@@ -182,15 +203,20 @@ def is_sharded(config: TrainConfig, mesh: object | None = None) -> bool:
 
 
 def resolve(
-    config: TrainConfig, model_config: ModelConfig, mesh: object | None = None
+    config: TrainConfig,
+    model_config: ModelConfig,
+    mesh: object | None = None,
+    target: AttentionTarget | None = None,
 ) -> TrainConfig:
     """`config` with every setting still "auto" chosen from the shapes (`mlp_chunk`,
-    `loss_chunk`, `vocab_chunk`): the config that is planned, built and recorded. `mesh`: the
-    mesh the step is built for when not the one `config.mesh` describes (None: that one, or one
-    device). A resolved config is returned as it is."""
+    `loss_chunk`, `vocab_chunk`) of the step compiled for `target` (default: this process's
+    device): the config that is planned, built and recorded. `mesh`: the mesh the step is built
+    for when not the one `config.mesh` describes (None: that one, or one device). A resolved
+    config is returned as it is."""
     auto = frozenset(config.memory.unresolved)
     if not auto:
         return config
+    target = target or AttentionTarget.of_device()
     sharded = is_sharded(config, mesh)
     # what each "auto" is measured from: no chunk, or the vocabulary chunk the config needs
     config = _with_memory(config, **dict.fromkeys(auto, None))
@@ -198,9 +224,9 @@ def resolve(
         config = _with_memory(config, vocab_chunk=needed_vocab_chunk(config, model_config))
     auto_head = auto - {"mlp_chunk"}
     if "mlp_chunk" in auto:
-        chunk = auto_mlp_chunk(config, model_config, sharded, auto_head)
+        chunk = auto_mlp_chunk(config, model_config, target, sharded, auto_head)
         config = _with_memory(config, mlp_chunk=chunk)
-    return _with_head_chunks(config, model_config, auto_head, sharded)
+    return _with_head_chunks(config, model_config, auto_head, target, sharded)
 
 
 with_lean_defaults = resolve  # the name benchmarks/gpu_check.py still imports

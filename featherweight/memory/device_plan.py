@@ -63,6 +63,7 @@ from featherweight.memory.components import (
 )
 from featherweight.memory.rollout_plan import rollout_components
 from featherweight.memory.state_bytes import (
+    compute_itemsize,
     frozen_base_bytes,
     host_base_bytes,
     host_embedding_bytes,
@@ -79,6 +80,7 @@ from featherweight.memory.working_set import (
     saved_width,
     working_set_floor,
 )
+from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.config import ModelConfig
 from featherweight.recipe.build import attention_note, check_method_settings
 from featherweight.recipe.schema import TrainConfig, require_resolved
@@ -91,8 +93,10 @@ def _output_buffers(config: TrainConfig, model_config: ModelConfig) -> int:
     return output_buffer_count(config, model_config)
 
 
-def _persistent(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
-    shapes = StepShapes(config, model_config)
+def _persistent(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget
+) -> list[PlanComponent]:
+    shapes = StepShapes(config, model_config, target)
     uses_key = config.method != "full" and config.lora.dropout > 0
     batch = jax.tree.leaves(batch_shapes(config))
     batch_bytes = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in batch)
@@ -164,13 +168,13 @@ def batch_shapes(config: TrainConfig):
     return abstract_batch(config.step_objective, config.batch_size, config.data.seq_len)
 
 
-def objective_notes(config: TrainConfig, model_config: ModelConfig) -> tuple[str, ...]:
+def objective_notes(config: TrainConfig) -> tuple[str, ...]:
     """What an objective costs beyond its batch arrays (the plan's notes, `plan_note` on the
     objective seam); nothing for next-token cross-entropy."""
     objective = config.step_objective
     if objective is None:
         return ()
-    return (objective.plan_note(StepShapes(config, model_config).tokens),)
+    return (objective.plan_note(config.batch_size * config.data.seq_len),)
 
 
 def _rebuilt_on_host(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
@@ -200,8 +204,10 @@ def _rebuilt_on_host(config: TrainConfig, model_config: ModelConfig) -> list[Pla
     return rebuilt
 
 
-def _stored(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponent]:
-    shapes, save = StepShapes(config, model_config), config.memory.save
+def _stored(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget
+) -> list[PlanComponent]:
+    shapes, save = StepShapes(config, model_config, target), config.memory.save
     placement = config.memory.residuals
     width = saved_width(config, shapes)
     stored = [
@@ -234,8 +240,11 @@ def _stored(config: TrainConfig, model_config: ModelConfig) -> list[PlanComponen
     return stored
 
 
-def check_plan_inputs(config: TrainConfig, model_config: ModelConfig) -> tuple[str, ...]:
-    """Refuse what cannot be planned; return warnings about what can but may surprise.
+def check_plan_inputs(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget | None = None
+) -> tuple[str, ...]:
+    """Refuse what cannot be planned for `target` (default: this process's device); return
+    warnings about what can but may surprise.
 
     Batch and sequence must be positive; the sequence may exceed the model's
     `max_position_embeddings` only when llama3 rope scaling extends the context
@@ -244,7 +253,7 @@ def check_plan_inputs(config: TrainConfig, model_config: ModelConfig) -> tuple[s
     batch, seq = config.batch_size, config.data.seq_len
     if batch <= 0 or seq <= 0:
         raise ConfigError(f"batch={batch} and seq={seq} must both be positive, e.g. --batch 2")
-    check_method_settings(config, model_config)
+    check_method_settings(config, model_config, target)
     limit, scaling = model_config.max_position_embeddings, model_config.rope_scaling
     if seq <= limit:
         return ()
@@ -264,14 +273,17 @@ def check_plan_inputs(config: TrainConfig, model_config: ModelConfig) -> tuple[s
     )
 
 
-def plan_settings(config: TrainConfig, model_config: ModelConfig) -> dict[str, Any]:
+def plan_settings(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget
+) -> dict[str, Any]:
     """The choices a plan describes, as plain values (JSON-ready); `attention` is the
-    implementation the step calls (auto resolved for this process's device)."""
+    implementation the step calls on `target` (auto resolved for it)."""
     memory = config.memory
     return {
         "method": config.method,
         "dtype": config.model.dtype,
         "batch_size": config.batch_size,
+        "accumulation_steps": config.memory.accumulation_steps,
         "seq_len": config.data.seq_len,
         "optimizer": config.optimizer.name,
         "lora_rank": None if config.method == "full" else config.lora.rank,
@@ -283,10 +295,10 @@ def plan_settings(config: TrainConfig, model_config: ModelConfig) -> dict[str, A
         "optimizer_state": memory.optimizer_state,
         "embed": memory.embed,
         "base": memory.base,
-        "attention": attention_of(config, model_config),
+        "attention": attention_of(config, model_config, target),
         "save": list(memory.save),
         "step": memory.step,
-        "calibration": calibration_key(config),
+        "calibration": calibration_key(config, target),
         **_objective_settings(config),
     }
 
@@ -330,35 +342,39 @@ def gradient_buffers(config: TrainConfig, model_config: ModelConfig) -> list[Pla
     if memory.step == "streamed" and clip and settings.clipping == "two_pass":
         if model_config.tie_word_embeddings:
             return []
-        shapes = StepShapes(config, model_config)
+        itemsize = compute_itemsize(config)
         return [
             PlanComponent(
                 "head_gradient_kept",
-                shapes.vocab * shapes.hidden * shapes.itemsize,
+                model_config.vocab_size * model_config.hidden_size * itemsize,
                 DEVICE,
-                f"V x D x {shapes.itemsize}: the head's gradient, kept between the two clipping "
-                "passes",
+                f"V x D x {itemsize}: the head's gradient, kept between the two clipping passes",
             )
         ]
     return []
 
 
 def plan_one_device(
-    config: TrainConfig, model_config: ModelConfig, calibration: dict[str, float] | None = None
+    config: TrainConfig,
+    model_config: ModelConfig,
+    target: AttentionTarget | None = None,
+    calibration: dict[str, float] | None = None,
 ) -> MemoryPlan:
     """The memory plan of the train step `config` describes on one device (`config.mesh` is not
-    read): no weights read, nothing compiled. Raises `ConfigError` for inputs that cannot be
-    planned, a config still "auto" included (`memory/defaults.py`: `resolve`)."""
+    read) compiled for `target` (default: this process's device): no weights read, nothing
+    compiled. Raises `ConfigError` for inputs that cannot be planned, a config still "auto"
+    included (`memory/defaults.py`: `resolve`)."""
     require_resolved(config, "the memory plan")
-    warnings = check_plan_inputs(config, model_config) + objective_notes(config, model_config)
-    note = attention_note(config, model_config)
+    target = target or AttentionTarget.of_device()
+    warnings = check_plan_inputs(config, model_config, target) + objective_notes(config)
+    note = attention_note(config, model_config, target)
     warnings += () if note is None else (note,)
     micro = micro_batch_config(config)  # activations are one micro-batch's
-    phases = phase_working_sets(micro, model_config, calibration)
+    phases = phase_working_sets(micro, model_config, target, calibration)
     phase_bytes = {name: sum(b.bytes for b in buffers) for name, buffers in phases.items()}
     peak = max(phase_bytes, key=phase_bytes.get)
     working = [PlanComponent(b.name, b.bytes, DEVICE, b.formula) for b in phases[peak]]
-    before = _persistent(config, model_config) + _stored(micro, model_config)
+    before = _persistent(config, model_config, target) + _stored(micro, model_config, target)
     outputs = PlanComponent(
         OUTPUTS,
         METRIC_BYTES + 8 * _output_buffers(config, model_config),
@@ -384,8 +400,8 @@ def plan_one_device(
         components=(*before, *working, outputs),
         phases=phase_bytes,
         peak_phase=peak,
-        lower_bound_bytes=on_device + working_set_floor(micro, model_config),
-        settings=plan_settings(config, model_config),
+        lower_bound_bytes=on_device + working_set_floor(micro, model_config, target),
+        settings=plan_settings(config, model_config, target),
         warnings=warnings,
-        rollout=rollout_components(config, model_config),
+        rollout=rollout_components(config, model_config, target),
     )

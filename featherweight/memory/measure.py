@@ -47,6 +47,7 @@ from featherweight.memory.targets import (
     require_gpu_compiler,
     target_mesh,
 )
+from featherweight.models.attention_choice import AttentionTarget, cudnn_library_refusal
 from featherweight.models.batch import Batch
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
@@ -54,7 +55,12 @@ from featherweight.parallel.backend import native_stderr_silenced
 from featherweight.parallel.memory_kinds import host_resident_bytes
 from featherweight.parallel.offload_rules import lower_for_gpu
 from featherweight.parallel.sharding import per_device_bytes
-from featherweight.recipe.build import abstract_split, build_train_step, split_params
+from featherweight.recipe.build import (
+    abstract_split,
+    attention_implementation,
+    build_train_step,
+    split_params,
+)
 from featherweight.recipe.optimizer import make_optimizer
 from featherweight.recipe.placement import arguments_on_host, place_abstract
 from featherweight.recipe.schema import TrainConfig
@@ -124,16 +130,22 @@ def abstract_batch(batch_size: int, seq_len: int, config: TrainConfig | None = N
     return objective_batch(None if config is None else config.step_objective, batch_size, seq_len)
 
 
-def abstract_step_arguments(config: TrainConfig, model_config: ModelConfig, mesh=None):
+def abstract_step_arguments(
+    config: TrainConfig,
+    model_config: ModelConfig,
+    mesh=None,
+    target: AttentionTarget | None = None,
+):
     """(step, (trainable, opt_state, frozen, batch, key)) as abstract shapes, as `prepare_run`
-    builds them; on `mesh` (default: the one `config.mesh` describes) the step is the sharded
-    one. Settings still "auto" are chosen for that mesh (`resolve`), as the trainer and the plan
-    choose them (a mesh of one device, a target's, is one device)."""
-    config = resolve(config, model_config, mesh)
+    builds them, for `target` (default: this process's device); on `mesh` (default: the one
+    `config.mesh` describes) the step is the sharded one. Settings still "auto" are chosen for
+    that mesh and target (`resolve`), as the trainer and the plan choose them (a mesh of one
+    device, a target's, is one device)."""
+    config = resolve(config, model_config, mesh, target)
     trainable, frozen = abstract_split(config, model_config)
     optimizer = make_optimizer(config.optimizer, config.steps)
     step, init_opt_state = build_train_step(
-        config, model_config, trainable, frozen, optimizer, mesh
+        config, model_config, trainable, frozen, optimizer, mesh, target
     )
     opt_state = jax.eval_shape(init_opt_state, trainable)
     trainable, opt_state, frozen = place_abstract(config, trainable, opt_state, frozen)
@@ -251,6 +263,12 @@ def measure_for_target(
     if resolved.platform == "cpu":
         return dataclasses.replace(measure_compiled(config, model_config), target=resolved.name)
     require_gpu_compiler(resolved)
+    refusal = cudnn_not_loadable(config, model_config, resolved.step_target)
+    if refusal:
+        raise ConfigError(
+            f"the step for the {resolved.short_name} cannot be compiled here: {refusal}; plan it "
+            "without compiling (--no-measure), or name memory.attention: blockwise"
+        )
     placed = arguments_on_host(config)
     if placed:
         try:
@@ -262,7 +280,9 @@ def measure_for_target(
     as_device = config.model_copy(
         update={"memory": config.memory.model_copy(update=dict.fromkeys(placed, "device"))}
     )
-    step, arguments = abstract_step_arguments(as_device, model_config, target_mesh(resolved.name))
+    step, arguments = abstract_step_arguments(
+        as_device, model_config, target_mesh(resolved.name), resolved.step_target
+    )
     trainable, opt_state, frozen, _, _ = arguments
     start = time.perf_counter()
     lowered = step.lower(*arguments)
@@ -291,6 +311,19 @@ def measure_for_target(
     )
 
 
+def cudnn_not_loadable(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget
+) -> str | None:
+    """Why the step planned for `target` cannot be compiled in this process (None when it can):
+    it calls cuDNN's fused attention, as it runs on that GPU, and jax lowers a cuDNN call only
+    where cuDNN's library loads."""
+    attention = attention_implementation(config, model_config, target)
+    refusal = cudnn_library_refusal() if attention.startswith("cudnn") else None
+    if refusal is None:
+        return None
+    return f"its attention is cuDNN's fused kernel ({attention}), and {refusal}"
+
+
 class NotCompiledAsRun(Exception):
     """This jax cannot compile host-resident arguments for a GPU target without the GPU."""
 
@@ -298,7 +331,9 @@ class NotCompiledAsRun(Exception):
 def _measure_as_run(config: TrainConfig, model_config: ModelConfig, target: str):
     """The step with its host-resident arguments, lowered for CUDA here and compiled for
     `target` by XLA's GPU compiler: the program a GPU runs, host-offload pass included."""
-    step, arguments = abstract_step_arguments(config, model_config)
+    step, arguments = abstract_step_arguments(
+        config, model_config, target=get_target(target).step_target
+    )
     trainable, opt_state, frozen, _, _ = arguments
     start = time.perf_counter()
     try:

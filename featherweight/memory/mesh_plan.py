@@ -52,6 +52,7 @@ from featherweight.memory.components import DEVICE, OUTPUTS, MemoryPlan, PlanCom
 from featherweight.memory.device_plan import plan_one_device
 from featherweight.memory.state_bytes import compute_itemsize
 from featherweight.memory.working_set import phase_working_sets
+from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.config import ModelConfig
 from featherweight.parallel.sharding import (
     DATA,
@@ -141,23 +142,28 @@ def _split(component: PlanComponent, fsdp: int) -> PlanComponent:
 
 
 def plan_for_mesh(
-    config: TrainConfig, model_config: ModelConfig, mesh: Mesh | AbstractMesh
+    config: TrainConfig,
+    model_config: ModelConfig,
+    mesh: Mesh | AbstractMesh,
+    target: AttentionTarget | None = None,
 ) -> MemoryPlan:
-    """The plan of one device of `mesh` (see the module docstring). `config.batch_size` is per
-    process, as the trainer reads it; the global batch must split over data x fsdp."""
+    """The plan of one device of `mesh`, compiled for `target` (default: this process's device;
+    see the module docstring). `config.batch_size` is per process, as the trainer reads it; the
+    global batch must split over data x fsdp."""
     require_resolved(config, "the memory plan")
-    check_method_settings(config, model_config)  # with the mesh: e.g. host placements refused
+    target = target or AttentionTarget.of_device()
+    check_method_settings(config, model_config, target)  # e.g. host placements refused
     rows = mesh.shape[DATA] * mesh.shape[FSDP]
     fsdp = mesh.shape[FSDP]
     global_batch = config.batch_size * jax.process_count()
     check_batch_size(global_batch, mesh)
     local = config.model_copy(update={"batch_size": global_batch // rows, "mesh": None})
-    plan = plan_one_device(local, model_config)
+    plan = plan_one_device(local, model_config, target)
     shards = sharded_state_bytes(config, model_config, mesh)
 
     phases = {
         phase: [_split(PlanComponent(b.name, b.bytes, DEVICE, b.formula), fsdp) for b in buffers]
-        for phase, buffers in phase_working_sets(local, model_config).items()
+        for phase, buffers in phase_working_sets(local, model_config, target).items()
     }
     phases["loss"] += mesh_loss_buffers(local, model_config, mesh.shape[DATA], fsdp)
     phase_bytes = {phase: sum(c.bytes for c in parts) for phase, parts in phases.items()}

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from featherweight.inference.generate import empty_cache
 from featherweight.memory.components import DEVICE, PlanComponent
 from featherweight.memory.working_set import calibration_key
+from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.config import ModelConfig
 from featherweight.recipe.schema import TrainConfig
 
@@ -67,9 +68,11 @@ def cache_bytes(model_config: ModelConfig, rows: int, positions: int, dtype) -> 
     return total, layer
 
 
-def rollout_components(config: TrainConfig, model_config: ModelConfig) -> tuple[PlanComponent, ...]:
-    """What the rollout phase holds beyond the resident weights and optimizer state (module
-    docstring); nothing for an objective that samples nothing."""
+def rollout_components(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget
+) -> tuple[PlanComponent, ...]:
+    """What the rollout phase compiled for `target` holds beyond the resident weights and
+    optimizer state (module docstring); nothing for an objective that samples nothing."""
     if config.objective != "grpo":
         return ()
     rows, grpo = rollout_rows(config), config.grpo
@@ -78,7 +81,7 @@ def rollout_components(config: TrainConfig, model_config: ModelConfig) -> tuple[
     dtype = jnp.dtype(config.model.dtype)
     itemsize = dtype.itemsize
     kv, layer = cache_bytes(model_config, rows, positions, dtype)
-    plain, top_p = SAMPLING_BUFFERS[calibration_key(config).split("/")[0]]
+    plain, top_p = SAMPLING_BUFFERS[calibration_key(config, target).split("/")[0]]
     buffers = plain + (top_p if grpo.top_p < 1 else 0)
     vocab = model_config.vocab_size
     shape = f"{rows} rows x {positions} positions ({prompt} prompt + {completion} completion)"

@@ -27,7 +27,7 @@ from featherweight.memory.state_bytes import (
     optimizer_state_bytes,
 )
 from featherweight.models.attention import block_size
-from featherweight.models.attention_choice import score_form
+from featherweight.models.attention_choice import AttentionTarget, score_form
 from featherweight.models.config import ModelConfig
 from featherweight.models.linear import LINEAR_NAMES
 from featherweight.models.shapes import layer_shapes
@@ -79,8 +79,11 @@ def _projection_flops(config: TrainConfig, model_config: ModelConfig) -> dict[st
 SAVED_PROJECTIONS = {"qkv": ("q", "k", "v"), "attention": ("o",), "mlp_hidden": ("gate", "up")}
 
 
-def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
-    """The streamed step's matmul FLOPs from the shapes (what `hlo_dot_flops` counts).
+def step_flops(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget | None = None
+) -> StepFlops:
+    """The streamed step's matmul FLOPs from the shapes (what `hlo_dot_flops` counts), compiled
+    for `target` (default: this process's device: which attention runs).
 
     Each block runs forward, again in the backward pass (remat), then its input gradient (as
     many FLOPs as the forward) and -- for trained weights -- their gradient (as many again).
@@ -118,7 +121,7 @@ def step_flops(config: TrainConfig, model_config: ModelConfig) -> StepFlops:
     chunked_vocab = vocab_chunk is not None and vocab_chunk < m.vocab_size
     recompute = head_forward if chunked_vocab and head_trained else 0  # a frozen head: one sweep
     # attention: forward, remat, and the two operands' gradients of both matmuls
-    layers = m.num_layers * per_layer + attention_flops(config, model_config)
+    layers = m.num_layers * per_layer + attention_flops(config, model_config, target)
     return StepFlops(layers, head, recompute)
 
 
@@ -131,7 +134,9 @@ def _not_recomputed(config: TrainConfig) -> set[str]:
     }
 
 
-def _attention_forward_flops(config: TrainConfig, model_config: ModelConfig) -> int:
+def _attention_forward_flops(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget | None
+) -> int:
     """Every layer's attention matmuls in the forward: the scores and the weighted sum, 2 x 2 B H
     S x keys x h, the keys a query is scored against: the whole sequence (the whole square) on
     a global layer, the window's min(S, W) on a sliding one (blockwise attention visits only
@@ -139,33 +144,42 @@ def _attention_forward_flops(config: TrainConfig, model_config: ModelConfig) -> 
     block), which computes the whole square and masks it."""
     m, seq = model_config, config.data.seq_len
     window = score_form(m).window
-    lone_tile = seq <= block_size(seq) and attention_implementation(config, m) == "blockwise"
+    lone_tile = (
+        seq <= block_size(seq) and attention_implementation(config, m, target) == "blockwise"
+    )
     sliding = sum(m.sliding_layers) if window is not None and not lone_tile else 0
     keys = (m.num_layers - sliding) * seq + sliding * min(seq, window or seq)
     return 2 * 2 * config.batch_size * m.num_heads * seq * keys * m.head_dim
 
 
-def attention_flops(config: TrainConfig, model_config: ModelConfig) -> int:
-    """The attention's matmul FLOPs in a step, every layer: the forward's, the remat forward's
-    and the backward's two operand gradients of each (4 x `_attention_forward_flops`)."""
-    return 4 * _attention_forward_flops(config, model_config)
+def attention_flops(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget | None = None
+) -> int:
+    """The attention's matmul FLOPs in a step on `target` (default: this process's device),
+    every layer: the forward's, the remat forward's and the backward's two operand gradients of
+    each (4 x `_attention_forward_flops`)."""
+    return 4 * _attention_forward_flops(config, model_config, target)
 
 
 def blockwise_attention_seconds(
-    config: TrainConfig, model_config: ModelConfig, rates: DeviceRates
+    config: TrainConfig,
+    model_config: ModelConfig,
+    rates: DeviceRates,
+    target: AttentionTarget | None = None,
 ) -> float:
-    """What blockwise attention adds to a step where a fused kernel could run instead (0 where
-    the rates know no fused kernel, or the step calls another implementation)."""
+    """What blockwise attention adds to a step on `target` (default: this process's device)
+    where a fused kernel could run instead (0 where the rates know no fused kernel, or the step
+    calls another implementation)."""
     if not rates.blockwise_attention_extra or config.memory.attention not in ("auto", "blockwise"):
         return 0.0
-    if attention_implementation(config, model_config) != "blockwise":
+    if attention_implementation(config, model_config, target) != "blockwise":
         return 0.0
-    memory = config.memory.model_copy(update={"attention": "auto"})
-    if attention_implementation(config.model_copy(update={"memory": memory}), model_config) == (
-        "blockwise"
-    ):
+    auto = config.model_copy(
+        update={"memory": config.memory.model_copy(update={"attention": "auto"})}
+    )
+    if attention_implementation(auto, model_config, target) == "blockwise":
         return 0.0  # no fused kernel runs on this target (float32, a CPU, ...)
-    extra = rates.blockwise_attention_extra * attention_flops(config, model_config)
+    extra = rates.blockwise_attention_extra * attention_flops(config, model_config, target)
     return extra / rates.flops_per_second
 
 
@@ -331,11 +345,16 @@ class HostBaseEstimate(NamedTuple):
 
 
 def host_base_estimate(
-    config: TrainConfig, model_config: ModelConfig, link_bytes_per_second: float, peak_flops: float
+    config: TrainConfig,
+    model_config: ModelConfig,
+    link_bytes_per_second: float,
+    peak_flops: float,
+    target: AttentionTarget | None = None,
 ) -> HostBaseEstimate:
-    """The transfer and compute estimates of `memory.base: host` at a target's rates."""
+    """The transfer and compute estimates of `memory.base: host` at a target's rates (`target`:
+    the step's, default this process's device)."""
     moved = host_base_transfer_bytes(config, model_config)
-    flops = step_flops(config, model_config).total
+    flops = step_flops(config, model_config, target).total
     transfer = moved / link_bytes_per_second
     tokens = config.batch_size * config.data.seq_len
     per_token_seconds = flops / tokens / peak_flops
@@ -383,22 +402,34 @@ def dequantization_seconds(
     return seconds
 
 
-def step_seconds(config: TrainConfig, model_config: ModelConfig, rates: DeviceRates) -> float:
-    """Estimated seconds of one train step: its matmul FLOPs at the device's rate, the bytes the
+def step_seconds(
+    config: TrainConfig,
+    model_config: ModelConfig,
+    rates: DeviceRates,
+    target: AttentionTarget | None = None,
+) -> float:
+    """Estimated seconds of one train step on `target` (default: this process's device, whose
+    attention runs): its matmul FLOPs at the device's rate, the bytes the
     LM head's and the layers' matmuls read of their weights at its memory's rate, blockwise
     attention's extra time where a fused kernel could run, QLoRA's dequantizations, plus its host
     transfers at the link's rate (not overlapped: an upper bound on what they add)."""
-    seconds = step_flops(config, model_config).total / rates.flops_per_second
+    seconds = step_flops(config, model_config, target).total / rates.flops_per_second
     weights = head_matmul_bytes(config, model_config) + layer_weight_bytes(config, model_config)
     seconds += weights / rates.memory_bytes_per_second
-    seconds += blockwise_attention_seconds(config, model_config, rates)
+    seconds += blockwise_attention_seconds(config, model_config, rates, target)
     seconds += dequantization_seconds(config, model_config, rates)
     if rates.link_bytes_per_second is not None:
         seconds += host_transfer_bytes(config, model_config) / rates.link_bytes_per_second
     return seconds
 
 
-def seconds_per_token(config: TrainConfig, model_config: ModelConfig, rates: DeviceRates) -> float:
-    """`step_seconds` per trained token: what compares steps of different micro-batches."""
+def seconds_per_token(
+    config: TrainConfig,
+    model_config: ModelConfig,
+    rates: DeviceRates,
+    target: AttentionTarget | None = None,
+) -> float:
+    """`step_seconds` per trained token on `target`: what compares steps of different
+    micro-batches."""
     tokens = config.batch_size * config.data.seq_len
-    return step_seconds(config, model_config, rates) / tokens
+    return step_seconds(config, model_config, rates, target) / tokens

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from featherweight.errors import ConfigError
+from featherweight.models.attention_choice import AttentionTarget
 from featherweight.parallel.backend import cuda_plugin_installed, native_stderr_silenced
 
 TARGETS_FILE = Path(__file__).with_name("targets.json")
@@ -81,6 +82,15 @@ class Target:
     def peak_flops(self) -> float | None:
         """The published dense bf16 tensor-core peak, None for the CPU."""
         return self.facts.get("peak_bf16_flops")
+
+    @property
+    def step_target(self) -> AttentionTarget:
+        """What a step for this device is compiled for: its platform and compute capability
+        (the attention it runs, the calibration its plan uses)."""
+        capability = self.facts.get("compute_capability")
+        return AttentionTarget(
+            self.platform, None if capability is None else ".".join(map(str, capability))
+        )
 
     def calibration_key(self, dtype: str) -> str:
         """The working-set calibration for this target's compiler and `dtype`."""

@@ -20,11 +20,8 @@ and jax#24934 reports it slower than cuDNN on Hopper; name it to use it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-from collections.abc import Iterator
-from contextvars import ContextVar
 from typing import NamedTuple
 
 import jax
@@ -36,23 +33,38 @@ from featherweight.models.fused_attention import Rows, cudnn_packed_refusal
 
 
 class AttentionTarget(NamedTuple):
-    """What the attention is compiled for: the platform ("cpu", "gpu", "tpu") and, for an NVIDIA
-    GPU, its compute capability ("8.0" A100, "8.9" Ada, "9.0" H100); None elsewhere."""
+    """What a step is compiled for: the platform ("cpu", "gpu", "tpu") and, for an NVIDIA GPU,
+    its compute capability ("8.0" A100, "8.9" Ada, "9.0" H100); None elsewhere. Every function
+    that chooses an attention or plans a step takes it as an argument (`featherweight plan
+    --target h100` plans for an H100 on a machine without one); their default is this
+    process's device (`of_device`).
+
+    `local`: the step is built in this process for its own device, so a cuDNN call needs
+    cuDNN's library to load here. A target named for planning (`plan --target h100`) is planned
+    as `train` runs on it, where jax's CUDA wheels bring cuDNN: its library is not looked for
+    in this process."""
 
     platform: str
     compute_capability: str | None = None
+    local: bool = False
 
     @classmethod
     def of_device(cls, device: jax.Device | None = None) -> AttentionTarget:
         """The target of `device` (default: the first device, the one a run computes on)."""
         device = device or jax.devices()[0]
-        return cls(device.platform, getattr(device, "compute_capability", None))
+        return cls(device.platform, getattr(device, "compute_capability", None), local=True)
 
-    @classmethod
-    def current(cls) -> AttentionTarget:
-        """The target a step is built for: the one `compiling_for` names (a GPU compiled for
-        without it), else the device this process computes on."""
-        return _COMPILING_FOR.get() or cls.of_device()
+    @property
+    def one_memory(self) -> bool:
+        """Whether the device's memory is the host's (XLA:CPU): a byte placed on the host is a
+        byte of the same memory, and moving it there saves nothing."""
+        return self.platform == "cpu"
+
+    @property
+    def compiler(self) -> str:
+        """The XLA compiler of the target ("xla-cpu", "xla-gpu"): whose working-set calibration
+        a plan for it uses."""
+        return f"xla-{self.platform}"
 
     @property
     def hopper_or_later(self) -> bool:
@@ -64,20 +76,6 @@ class AttentionTarget(NamedTuple):
         if self.compute_capability is None:
             return self.platform
         return f"{self.platform} (compute capability {self.compute_capability})"
-
-
-_COMPILING_FOR: ContextVar[AttentionTarget | None] = ContextVar("compiling_for", default=None)
-
-
-@contextlib.contextmanager
-def compiling_for(target: AttentionTarget) -> Iterator[None]:
-    """Steps built inside choose their attention for `target` (`featherweight plan --target`
-    compiles for a GPU on a machine without one), not for this process's device."""
-    token = _COMPILING_FOR.set(target)
-    try:
-        yield
-    finally:
-        _COMPILING_FOR.reset(token)
 
 
 @functools.lru_cache(maxsize=1)

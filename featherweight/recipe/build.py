@@ -132,9 +132,11 @@ def build_train_step(
     frozen: Params,
     optimizer: optax.GradientTransformation,
     mesh: Mesh | None = None,
+    target: AttentionTarget | None = None,
 ) -> tuple[Callable, Callable[[Params], Any]]:
     """(jitted donated step, init_opt_state) for the configured step kind, memory policy,
-    clipping and accumulation.
+    clipping and accumulation, its attention chosen for `target` (default: this process's
+    device; `plan --target` compiles for a GPU without one).
 
     With a device mesh (`mesh`, default: the one `config.mesh` describes, which several
     processes always have) both are compiled for it: the step with the partition rules of
@@ -144,7 +146,8 @@ def build_train_step(
     require_resolved(config, "build_train_step")
     lora = lora_config_of(config)
     spec: LoraSpec | None = None if lora is None else lora.spec
-    attention, slots = attention_implementation(config, model_config), packed_slots(config)
+    attention = attention_implementation(config, model_config, target)
+    slots = packed_slots(config)
     policy = dataclasses.replace(config.memory.policy, attention=attention, packed_slots=slots)
     init_opt_state = opt_state_initializer(config, optimizer)
     accumulation_steps = config.memory.accumulation_steps
@@ -181,17 +184,20 @@ def build_train_step(
 def attention_implementation(
     config: TrainConfig, model_config: ModelConfig, target: AttentionTarget | None = None
 ) -> str:
-    """The attention implementation the configured step calls on `target` (default: the target
-    a step is built for, `AttentionTarget.current`), from `memory.attention` and the rows the run's batches hold:
+    """The attention implementation the configured step calls on `target` (default: this
+    process's device), from `memory.attention` and the rows the run's batches hold:
     several documents each (`data.pack: true`) or one document and padding
     (`models.attention_choice.choose_attention`: "auto" is cuDNN where it masks those rows
-    exactly and forms the model's scores, blockwise otherwise)."""
+    exactly and forms the model's scores, blockwise otherwise; cuDNN's library is looked for
+    only on a local target, `AttentionTarget.local`)."""
+    target = target or AttentionTarget.of_device()
     return choose_attention(
         config.memory.attention,
-        target or AttentionTarget.current(),
+        target,
         config.model.dtype,
         model_config.head_dim,
         rows=batch_rows(config),
+        check_library=target.local,
         form=score_form(model_config),
     )
 
@@ -209,24 +215,35 @@ def packed_slots(config: TrainConfig) -> int:
     return config.data.max_documents_per_row or DEFAULT_PACKED_SLOTS
 
 
-def attention_note(config: TrainConfig, model_config: ModelConfig) -> str | None:
-    """Why "auto" runs blockwise rather than cuDNN on the GPU a step is built for (None where it
-    runs cuDNN, is not "auto", or the target is no GPU): the plan says so, nothing silently."""
-    target = AttentionTarget.current()
+def attention_note(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget | None = None
+) -> str | None:
+    """Why "auto" runs blockwise rather than cuDNN on the GPU a step is built for (`target`,
+    default this process's device; None where it runs cuDNN, is not "auto", or the target is no
+    GPU): the plan says so, nothing silently."""
+    target = target or AttentionTarget.of_device()
     if config.memory.attention != "auto" or target.platform != "gpu":
         return None
     rows = batch_rows(config)
     refusal = cudnn_refusal(
-        target, config.model.dtype, model_config.head_dim, rows, form=score_form(model_config)
+        target,
+        config.model.dtype,
+        model_config.head_dim,
+        rows,
+        check_library=target.local,
+        form=score_form(model_config),
     )
     return (
         None if refusal is None else f"memory.attention: auto is blockwise on {target}: {refusal}"
     )
 
 
-def check_method_settings(config: TrainConfig, model_config: ModelConfig) -> None:
-    """Refuse combinations that cannot work, before any weights are read."""
-    attention_implementation(config, model_config)
+def check_method_settings(
+    config: TrainConfig, model_config: ModelConfig, target: AttentionTarget | None = None
+) -> None:
+    """Refuse combinations that cannot work on `target` (default: this process's device),
+    before any weights are read."""
+    attention_implementation(config, model_config, target)
     lora = lora_config_of(config)
     if lora is not None:
         lora.check_model(model_config)

@@ -7,6 +7,7 @@ stops after that plan."""
 
 import io
 import json
+import re
 
 import pytest
 import yaml
@@ -115,7 +116,8 @@ def test_plan_of_a_config_is_what_train_of_that_config_builds(tiny_model_dir, de
     assert planned["config"] == trained.config.model_dump(mode="json")
     assert planned["planned_device_bytes"] == trained.plan.device_bytes
     assert planned["config"]["data"]["seq_len"] == 128
-    assert planned["config"]["memory"]["embed"] == "host"  # the budget changed a setting
+    assert planned["changes"]  # the budget changed a setting (on this CPU none to the host)
+    assert planned["config"]["memory"]["embed"] == "device"
     assert not (tmp_path / "run").exists()  # the dry run wrote nothing
 
 
@@ -137,3 +139,83 @@ def test_train_dry_run_stops_after_the_plan(tiny_model_dir, demo_data, tmp_path)
     assert result.exit_code == 0, result.output
     assert "memory plan:" in result.output and "dry run: stopped after the plan" in result.output
     assert not (tmp_path / "run").exists()
+
+
+def _train_as_on(target, monkeypatch):
+    """This process as if it computed on `target` (a `memory.targets.Target`): its device's
+    attention, calibration and rates, and its usable memory -- what `train` sees on that GPU."""
+    from featherweight.memory import capacity
+    from featherweight.models.attention_choice import AttentionTarget
+
+    monkeypatch.setattr(
+        AttentionTarget, "of_device", classmethod(lambda cls, device=None: target.step_target)
+    )
+    monkeypatch.setattr(capacity, "of_device", lambda: capacity.of_target(target))
+
+
+def test_plan_for_a_gpu_target_is_what_train_plans_on_that_gpu(
+    tiny_model_dir, demo_data, tmp_path, monkeypatch
+):
+    # a config with a budget, planned for an H100: `plan CONFIG --target h100` and `train CONFIG
+    # --dry-run` on an H100 call the one planning function (`budget.plan_within_budget`) for
+    # the same target and give the same resolved config and plan
+    from featherweight.memory import budget
+    from featherweight.memory.targets import get_target
+    from featherweight.models.attention_choice import AttentionTarget
+
+    settings = run_settings(tiny_model_dir, demo_data, tmp_path / "run", batch_size=4)
+    settings["model"]["dtype"] = "bfloat16"
+    settings["memory"] = {"budget": "20MiB"}
+    config = write_config(tmp_path / "run.yaml", settings)
+    targets = []
+    plan_within_budget = budget.plan_within_budget
+
+    def spy(config, model_config, target=None, room=None):
+        targets.append(target or AttentionTarget.of_device())  # None: this process's device
+        return plan_within_budget(config, model_config, target, room)
+
+    monkeypatch.setattr(budget, "plan_within_budget", spy)
+    monkeypatch.setattr(loop, "plan_within_budget", spy)
+    on_cpu = _plan_json(str(config), "--target", "cpu", "--no-measure")
+    planned = _plan_json(str(config), "--target", "h100", "--no-measure")
+    h100 = get_target("h100")
+    _train_as_on(h100, monkeypatch)
+    trained = dry_run(load_config(config), console=Console(file=io.StringIO()))
+    assert targets[1:] == [h100.step_target, h100.step_target]  # the plan's, then train's
+    assert planned["config"] == trained.config.model_dump(mode="json")
+    assert planned["planned_device_bytes"] == trained.plan.device_bytes
+    assert planned["settings"] == trained.plan.settings
+    # the target matters: its compiler's calibration, not this CPU's
+    assert planned["settings"]["calibration"] == "xla-gpu/bfloat16"
+    assert on_cpu["planned_device_bytes"] != planned["planned_device_bytes"]
+
+
+def test_plan_for_a_gpu_names_every_setting_it_chose_and_assumes_its_cudnn():
+    # the 8B QLoRA at 5.5 GiB on an H100: cuDNN attention, as train runs on that GPU (this
+    # process need not load cuDNN), and the split of the batch in the settings line
+    result = CliRunner().invoke(
+        app,
+        ["plan", "Llama-3.1-8B", "--budget", "5.5GiB", "--target", "h100", "--no-measure"],
+        env={"COLUMNS": "300"},
+    )
+    assert result.exit_code == 0, result.output
+    settings = next(line for line in result.output.splitlines() if line.startswith("settings:"))
+    assert "attention=cudnn" in settings
+    changed = re.search(r"memory\.accumulation_steps: 1 -> (\d)", result.output)
+    assert changed and f"accumulation_steps={changed.group(1)}" in settings
+
+
+def test_a_gpu_target_without_its_compiler_answers_with_the_plan_and_says_how_to_compile(
+    monkeypatch,
+):
+    from featherweight.parallel import backend
+
+    monkeypatch.setattr(backend, "cuda_plugin_installed", lambda: False)
+    args = ["plan", "SmolLM2-135M", "--seq", "256", "--target", "h100"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "settings:" in result.output and "compiled" not in result.output.split("settings:")[0]
+    (line,) = [line for line in result.output.splitlines() if line.startswith("not compiled")]
+    assert 'pip install "featherweight[gpu-plan]"' in line
+    planned = _plan_json(*args[1:])
+    assert planned["measured"] is None and "gpu-plan" in planned["not_compiled"]

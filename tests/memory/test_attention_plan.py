@@ -22,12 +22,11 @@ from featherweight.memory.working_set import (
     StepShapes,
     attention_bytes,
     attention_of,
-    calibration_for,
     raw_terms,
 )
 from featherweight.models import attention_choice
 from featherweight.models.attention import attend
-from featherweight.models.attention_choice import AttentionTarget, compiling_for
+from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.fused_attention import pallas_attention
 from featherweight.models.registry import builtin_config
 from featherweight.parallel.backend import cuda_plugin_installed
@@ -38,6 +37,7 @@ from tests.tiny_families import tiny_family
 MODEL = tiny_config(max_position_embeddings=4096)
 # the planner's accuracy on temporaries (tests/memory/test_calibration.py: held-out worst case)
 TEMP_WORST = 0.5
+CPU, HOPPER = AttentionTarget("cpu"), AttentionTarget("gpu", "9.0")
 
 
 def _config(attention: str, seq: int, batch: int = 1):
@@ -52,7 +52,7 @@ def _config(attention: str, seq: int, batch: int = 1):
 
 
 def _planned_attention(config) -> int:
-    terms = raw_terms(config, MODEL)
+    terms = raw_terms(config, MODEL, CPU)
     return terms["attention_scores"] + terms["attention_blockwise"]
 
 
@@ -113,7 +113,7 @@ def test_the_plan_of_each_implementation_matches_its_compiled_step(attention):
     assert miss(planned_temp(attention)) < TEMP_WORST
     # negative control: planning the other implementation misses the compiled step by far more
     assert miss(planned_temp(other)) > 4 * TEMP_WORST
-    assert StepShapes(config, MODEL).attention == attention
+    assert StepShapes(config, MODEL, CPU).attention == attention
 
 
 def _pallas_shapes(heads: int, kv_heads: int, seq: int = 2048, batch: int = 1):
@@ -181,8 +181,7 @@ def test_the_plan_says_why_auto_is_not_cudnn_on_a_gpu():
     bf16 = config.model_copy(
         update={"model": config.model.model_copy(update={"dtype": "bfloat16"})}
     )
-    with attention_choice.compiling_for(AttentionTarget("gpu", "8.0")):
-        warnings = plan_one_device(bf16, MODEL).warnings
+    warnings = plan_one_device(bf16, MODEL, AttentionTarget("gpu", "8.0")).warnings
     assert any("auto is blockwise" in w and "Hopper and later" in w for w in warnings)
     # on a CPU target blockwise is the only choice: no note
     assert not any("auto is blockwise" in w for w in plan_one_device(bf16, MODEL).warnings)
@@ -217,10 +216,9 @@ def test_8b_qlora_plans_with_cudnn_are_within_10_percent_of_the_h200_peak(monkey
         "data": {"seq_len": seq, "max_documents_per_row": 32},
         "optimizer": {"name": "adamw", "learning_rate": 1e-3, "schedule": "constant"},
     }
-    with compiling_for(AttentionTarget("gpu", "9.0")), calibration_for("xla-gpu"):
-        config = with_lean_defaults(parse_config(settings), model)
-        plan = plan_for_config(config, model)
-        assert attention_of(config, model) == "cudnn"
+    config = with_lean_defaults(parse_config(settings), model, target=HOPPER)
+    plan = plan_for_config(config, model, HOPPER)
+    assert attention_of(config, model, HOPPER) == "cudnn"
     assert abs(plan.device_bytes / H200_PEAKS[batch, seq] - 1) < 0.10
 
 
@@ -241,10 +239,9 @@ def _8b_qlora_plan(monkeypatch, data: dict):
         "data": {"seq_len": 2048, **data},
         "optimizer": {"name": "adamw", "learning_rate": 1e-3, "schedule": "constant"},
     }
-    with compiling_for(AttentionTarget("gpu", "9.0")), calibration_for("xla-gpu"):
-        config = with_lean_defaults(parse_config(settings), model)
-        assert attention_of(config, model) == "cudnn"
-        return plan_for_config(config, model)
+    config = with_lean_defaults(parse_config(settings), model, target=HOPPER)
+    assert attention_of(config, model, HOPPER) == "cudnn"
+    return plan_for_config(config, model, HOPPER)
 
 
 def test_cudnn_slots_are_the_packers_limit_and_default_to_a_lean_four(monkeypatch):
@@ -274,11 +271,10 @@ def test_a_softcapped_model_plans_blockwise_on_an_h100_and_says_why_in_one_line(
     gemma2 = tiny_family("gemma2")
     settings = {"method": "lora", "batch_size": 1, "model": {"dtype": "bfloat16"},
                 "data": {"seq_len": 64}}  # fmt: skip
-    with attention_choice.compiling_for(AttentionTarget("gpu", "9.0")):
-        plan = plan_one_device(resolve(parse_config(settings), gemma2), gemma2)
-        notes = [w for w in plan.warnings if "auto is blockwise" in w]
-        assert plan.settings["attention"] == "blockwise"
-        assert len(notes) == 1 and "no softcap" in notes[0] and "\n" not in notes[0]
-        explicit = parse_config({**settings, "memory": {"attention": "cudnn"}})
-        with pytest.raises(StepConfigError, match=r"cannot run: .*no softcap"):
-            plan_one_device(resolve(explicit, gemma2), gemma2)
+    plan = plan_one_device(resolve(parse_config(settings), gemma2, target=HOPPER), gemma2, HOPPER)
+    notes = [w for w in plan.warnings if "auto is blockwise" in w]
+    assert plan.settings["attention"] == "blockwise"
+    assert len(notes) == 1 and "no softcap" in notes[0] and "\n" not in notes[0]
+    explicit = parse_config({**settings, "memory": {"attention": "cudnn"}})
+    with pytest.raises(StepConfigError, match=r"cannot run: .*no softcap"):
+        plan_one_device(resolve(explicit, gemma2, target=HOPPER), gemma2, HOPPER)

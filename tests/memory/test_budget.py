@@ -30,13 +30,16 @@ from featherweight.memory.step_cost import (
     seconds_per_token,
     step_seconds,
 )
-from featherweight.memory.targets import get_target
-from featherweight.memory.working_set import calibration_for, plan_reserve
+from featherweight.memory.targets import get_target, usable_bytes
+from featherweight.memory.working_set import plan_reserve
+from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.registry import builtin_config
 from featherweight.recipe.schema import parse_config
 from featherweight.step.policy import KEPT_ACTIVATIONS, SAVEABLE
 
 GIB = 2**30
+CPU = AttentionTarget("cpu")
+GPU = AttentionTarget("gpu")  # XLA's GPU compiler, no generation named: blockwise attention
 
 
 @pytest.mark.parametrize(
@@ -100,7 +103,8 @@ def test_loss_chunk_is_tried_first_when_the_logits_are_the_peak():
 @pytest.mark.parametrize("objective", ["sft", "dpo"])
 def test_micro_batch_comes_last_and_every_kept_change_is_needed(objective):
     # below what every other setting reaches: SFT splits the batch into micro-batches (the same
-    # training); DPO, whose pairs are averaged over one batch, cannot, and halves the batch
+    # training); DPO, whose pairs are averaged over one batch, cannot, and halves the batch. On a
+    # GPU, where the host placements make room (a CPU's host is its device's memory)
     values = {**LLAMA_QLORA, "objective": objective}
     config, model = config_of(**values), builtin_config("Llama-3.1-8B")
     everything_else = config_of(
@@ -116,22 +120,22 @@ def test_micro_batch_comes_last_and_every_kept_change_is_needed(objective):
         },
         optimizer={"name": "adamw_8bit"},
     )
-    floor = plan_for_config(everything_else, model).device_bytes
+    floor = plan_for_config(everything_else, model, GPU).device_bytes
     budget = floor - 2**20  # below what the other settings reach
-    fitted, plan = fit_budget(config, model, budget, reserve=0.0)
+    fitted, plan = fit_budget(config, model, budget, reserve=0.0, target=GPU)
     last = describe_changes(config, fitted)[-1]
     if objective == "sft":
         assert fitted.batch_size == 4 and fitted.memory.accumulation_steps > 1
     else:
         assert last.startswith("batch_size: 4 -> ")
     assert plan.device_bytes <= budget
-    start = resolve(config, model)
+    start = resolve(config, model, target=GPU)
     changed = [f for f in SEARCHED_FIELDS if _value(start, *f) != _value(fitted, *f)]
     assert len(changed) >= 2
     # undoing any one change no longer fits (or is refused); kept activations only spend room
     for section, field in (f for f in changed if f != ("memory", "save")):
         undone = _replace(fitted, section, **{field: _value(start, section, field)})
-        undone_plan = _plan_if_valid(undone, model)
+        undone_plan = _plan_if_valid(undone, model, GPU)
         assert undone_plan is None or undone_plan.device_bytes > budget
 
 
@@ -146,7 +150,7 @@ def test_the_search_weighs_time_a_vocabulary_chunk_only_when_needed():
     for method, extra in (("full", head_forward), ("lora", 0)):
         config = resolve(config_of(method=method, batch_size=2, data={"seq_len": 256}), model)
         chunked = _replace(config, "memory", vocab_chunk=16384)
-        costs = change_costs(config, chunked, model, "cpu")
+        costs = change_costs(config, chunked, model, CPU)
         base = step_seconds(config, model, CPU_RATES)
         extra_bytes = head_matmul_bytes(chunked, model) - head_matmul_bytes(config, model)
         expected = (extra / CPU_RATES.flops_per_second) + (
@@ -163,9 +167,9 @@ def test_the_search_weighs_time_a_vocabulary_chunk_only_when_needed():
         ):  # the search added it (not the lean defaults): undoing it no longer fits
             undone = _replace(fitted, "memory", vocab_chunk=None)
             assert plan_for_config(undone, model).device_bytes > plan.device_bytes - 2**20
-    offload = change_costs(config, _replace(config, "memory", residuals="host"), model, "gpu")
+    offload = change_costs(config, _replace(config, "memory", residuals="host"), model, GPU)
     assert offload["memory.residuals"] > 0
-    assert change_costs(config, _replace(config, "memory", residuals="host"), model, "cpu") == {
+    assert change_costs(config, _replace(config, "memory", residuals="host"), model, CPU) == {
         "memory.residuals": 0.0
     }
 
@@ -181,8 +185,8 @@ def test_a_frozen_heads_sequence_chunk_costs_the_heads_bytes_and_comes_after_its
         data={"seq_len": 256},
         memory={"loss_chunk": None, "vocab_chunk": None, "mlp_chunk": None},
     )
-    by_sequence = change_costs(whole, _replace(whole, "memory", loss_chunk=64), model, "cpu")
-    by_vocabulary = change_costs(whole, _replace(whole, "memory", vocab_chunk=4096), model, "cpu")
+    by_sequence = change_costs(whole, _replace(whole, "memory", loss_chunk=64), model, CPU)
+    by_vocabulary = change_costs(whole, _replace(whole, "memory", vocab_chunk=4096), model, CPU)
     assert by_sequence["memory.loss_chunk"] > 5 * by_vocabulary["memory.vocab_chunk"] > 0
     plan = plan_for_config(whole, model)
     fitted, _ = fit_budget(whole, model, plan.device_bytes - 2**20, reserve=0.0)
@@ -191,7 +195,7 @@ def test_a_frozen_heads_sequence_chunk_costs_the_heads_bytes_and_comes_after_its
 
 def test_nothing_fits_names_the_largest_component_the_shortfall_and_options():
     config, model = config_of(**LLAMA_QLORA), builtin_config("Llama-3.1-8B")
-    _, smallest = _search(resolve(config, model), model, 0)  # every change that helps
+    _, smallest = _search(resolve(config, model), model, 0, CPU)  # every change that helps
     with pytest.raises(BudgetError) as error:
         fit_budget(
             config, model, smallest.device_bytes - 2**20, reserve=0.0
@@ -230,14 +234,15 @@ def test_the_base_goes_to_the_host_last_and_only_when_nothing_cheaper_fits():
             "model": {"dtype": "bfloat16"},
         }
     )
-    fitted, plan = fit_budget(config, model, 4 * GIB, reserve=0.0)
+    fitted, plan = fit_budget(config, model, 4 * GIB, reserve=0.0, target=GPU)
     assert fitted.memory.base == "host" and plan.device_bytes <= 4 * GIB
     assert "memory.base: device -> host" in describe_changes(config, fitted)
-    residuals = _replace(resolve(config, model), "memory", residuals="host")
-    budget = plan_for_config(residuals, model).device_bytes
-    base = _replace(resolve(config, model), "memory", base="host")
-    assert plan_for_config(base, model).device_bytes <= budget  # the base alone would fit too
-    fitted, _ = fit_budget(config, model, budget, reserve=0.0)
+    resolved = resolve(config, model, target=GPU)
+    residuals = _replace(resolved, "memory", residuals="host")
+    budget = plan_for_config(residuals, model, GPU).device_bytes
+    base = _replace(resolved, "memory", base="host")
+    assert plan_for_config(base, model, GPU).device_bytes <= budget  # the base alone fits too
+    fitted, _ = fit_budget(config, model, budget, reserve=0.0, target=GPU)
     assert fitted.memory.base == "device"
 
 
@@ -264,12 +269,11 @@ def test_a_budget_keeps_the_plans_error_in_reserve():
     model = builtin_config("Llama-3.1-8B")
     config = config_of(method="qlora", batch_size=2, data={"seq_len": 2048})
     budget = parse_budget("5.5GiB")
-    with calibration_for("xla-gpu"):
-        reserve = plan_reserve(resolve(config, model))
-        assert 0.0 < reserve < 0.15
-        _, plan = fit_budget(config, model, budget)
-        assert plan.device_bytes <= budget * (1 - reserve)
-        _, without = fit_budget(config, model, budget, reserve=0.0)
+    reserve = plan_reserve(resolve(config, model, target=GPU), GPU)
+    assert 0.0 < reserve < 0.15
+    _, plan = fit_budget(config, model, budget, target=GPU)
+    assert plan.device_bytes <= budget * (1 - reserve)
+    _, without = fit_budget(config, model, budget, reserve=0.0, target=GPU)
     assert without.device_bytes > budget * (1 - reserve)  # the reserve changed the answer
 
 
@@ -283,7 +287,7 @@ def test_a_generous_budget_buys_kept_activations_cheapest_time_saving_first():
     )
     fitted, plan = fit_budget(config, model, 16 * GIB)
     assert fitted.memory.save == KEPT_ACTIVATIONS and plan.bytes_of("saved_intermediates") > 0
-    (line,) = describe_changes(config, fitted, model, "cpu")
+    (line,) = describe_changes(config, fitted, model, CPU)
     saving = re.fullmatch(
         r"memory\.save: \[\] -> \['qkv', 'attention', 'mlp_hidden'\] \(est\. step time -(\d+\.\d)%\)",
         line,
@@ -302,8 +306,10 @@ def test_a_device_budget_is_all_the_device_may_use_and_is_spent_on_speed():
     h100 = get_target("h100")
     assert budget_bytes_of("8GiB") == 8 * GIB
     assert budget_bytes_of("device") == capacity.of_device().limit_bytes  # this machine's
-    assert budget_bytes_of(" Device ", h100) == capacity.of_target(h100).limit_bytes
-    assert budget_bytes_of("device", get_target("cpu")) == capacity.of_device().limit_bytes
+    assert budget_bytes_of(" Device ", capacity.of_machine(h100)) == usable_bytes(h100)
+    assert budget_bytes_of("device", capacity.of_machine(get_target("cpu"))) == (
+        capacity.of_device().limit_bytes
+    )
     model = builtin_config("SmolLM2-135M")
     settings = {"method": "lora", "batch_size": 2, "data": {"seq_len": 256}}
     fitted, plan = plan_within_budget(config_of(**settings, memory={"budget": "device"}), model)
@@ -317,26 +323,26 @@ def test_a_device_budget_is_all_the_device_may_use_and_is_spent_on_speed():
 
 
 def test_the_search_weighs_time_at_the_platforms_rates():
-    # Llama-3.2-1B full fine-tuning b2 x 2048 at 8 GiB needs its AdamW state on the host. At a
-    # GPU's rates that state's trips over the host link dominate the step's estimate, so only the
-    # class saving the most time per byte clears the 1% resolution; on a CPU (one memory, no
-    # link) every class does. `plan --target` passes the target's platform.
+    # Llama-3.2-1B full fine-tuning b2 x 2048: on a GPU 8 GiB needs its AdamW state on the host,
+    # and at a GPU's rates that state's trips over the host link dominate the step's estimate,
+    # so only the class saving the most time per byte clears the 1% resolution. On a CPU (one
+    # memory, no link) the state stays where it is and, with room, every class is kept.
+    # `plan --target` passes the target.
     model = builtin_config("Llama-3.2-1B")
     config = resolve(config_of(method="full", batch_size=2, data={"seq_len": 2048}), model)
-    with calibration_for("xla-gpu"):
-        on_cpu, _ = fit_budget(config, model, 8 * GIB, platform="cpu")
-        on_gpu, _ = fit_budget(config, model, 8 * GIB, platform="gpu")
-    assert on_cpu.memory.optimizer_state == on_gpu.memory.optimizer_state == "host"
-    assert on_cpu.memory.save == KEPT_ACTIVATIONS and on_gpu.memory.save == ("mlp_hidden",)
+    on_gpu, _ = fit_budget(config, model, 8 * GIB, target=GPU)
+    on_cpu, _ = fit_budget(config, model, 16 * GIB, target=CPU)
+    assert on_gpu.memory.optimizer_state == "host" and on_gpu.memory.save == ("mlp_hidden",)
+    assert on_cpu.memory.optimizer_state == "device" and on_cpu.memory.save == KEPT_ACTIVATIONS
 
 
-def _on_hopper_with_cudnn(monkeypatch):
-    """Plan as for a Hopper GPU with cuDNN at hand (auto resolves to cuDNN's packed layout)."""
+def _on_hopper_with_cudnn(monkeypatch) -> AttentionTarget:
+    """A Hopper GPU to plan for, with cuDNN at hand (auto resolves to cuDNN's packed layout)."""
     from featherweight.models import attention_choice
 
     monkeypatch.setattr(attention_choice, "cudnn_library_refusal", lambda: None)
     monkeypatch.setattr(attention_choice, "cudnn_packed_refusal", lambda: None)
-    return attention_choice.compiling_for(attention_choice.AttentionTarget("gpu", "9.0"))
+    return AttentionTarget("gpu", "9.0")
 
 
 def _qlora_8b_bf16():
@@ -360,13 +366,12 @@ def test_a_gpu_budget_keeps_qloras_dequantized_weights_only_where_that_saves_tim
     model = builtin_config("Llama-3.1-8B")
     settings = {"method": "qlora", "batch_size": 1, "model": {"dtype": "bfloat16"}}
     long = parse_config({**settings, "data": {"seq_len": 16384}, "memory": {"mlp_chunk": 512}})
-    with calibration_for("xla-gpu"):
-        roomy, plan = fit_budget(long, model, parse_budget("32GiB"), platform="gpu")
-        tight, _ = fit_budget(long, model, parse_budget("24GiB"), platform="gpu")
-        short, _ = fit_budget(_qlora_8b_bf16(), model, parse_budget("80GiB"), platform="gpu")
+    roomy, plan = fit_budget(long, model, parse_budget("32GiB"), target=GPU)
+    tight, _ = fit_budget(long, model, parse_budget("24GiB"), target=GPU)
+    short, _ = fit_budget(_qlora_8b_bf16(), model, parse_budget("80GiB"), target=GPU)
     assert roomy.memory.save == ("dequantized",) and "dequantized" not in tight.memory.save
     assert plan.bytes_of("dequantized_weights") == 32 * 218_103_808 * 2  # L x linears x bf16
-    (line,) = describe_changes(resolve(long, model), roomy, model, "gpu")
+    (line,) = describe_changes(resolve(long, model, target=GPU), roomy, model, GPU)
     assert re.fullmatch(
         r"memory\.save: \[\] -> \['dequantized'\] \(est\. step time -\d\.\d%\)", line
     )
@@ -385,17 +390,17 @@ def test_a_tight_budget_on_a_gpu_trades_cudnn_for_blockwise_attention(monkeypatc
     one_row = _qlora_8b_bf16().model_copy(
         update={"batch_size": 1, "data": _qlora_8b_bf16().data.model_copy(update={"seq_len": 4096})}
     )
-    with _on_hopper_with_cudnn(monkeypatch), calibration_for("xla-gpu"):
-        tight, plan = fit_budget(one_row, model, parse_budget("5GiB"), platform="gpu")
-        assert tight.memory.attention == "blockwise"
-        assert plan.device_bytes <= parse_budget("5GiB")
-        start = resolve(one_row, model)
-        lines = describe_changes(start, tight, model, "gpu")
-        assert any(line.startswith("memory.attention: auto -> blockwise (est.") for line in lines)
-        roomy, _ = fit_budget(one_row, model, parse_budget("40GiB"), platform="gpu")
-        assert roomy.memory.attention == "auto"
-        costs = change_costs(start, tight, model, "gpu")
-        assert costs["memory.attention"] > 0.05  # blockwise is measured slower on a GPU
+    hopper = _on_hopper_with_cudnn(monkeypatch)
+    tight, plan = fit_budget(one_row, model, parse_budget("5GiB"), target=hopper)
+    assert tight.memory.attention == "blockwise"
+    assert plan.device_bytes <= parse_budget("5GiB")
+    start = resolve(one_row, model, target=hopper)
+    lines = describe_changes(start, tight, model, hopper)
+    assert any(line.startswith("memory.attention: auto -> blockwise (est.") for line in lines)
+    roomy, _ = fit_budget(one_row, model, parse_budget("40GiB"), target=hopper)
+    assert roomy.memory.attention == "auto"
+    costs = change_costs(start, tight, model, hopper)
+    assert costs["memory.attention"] > 0.05  # blockwise is measured slower on a GPU
 
 
 def _accumulating(steps: int, batch: int = 8, method: str = "qlora"):
@@ -414,24 +419,22 @@ def test_room_buys_larger_micro_batches_for_the_same_batch():
     """Accumulation the user set to save memory: a budget with room merges the micro-batches
     (the same batch and update, the weights read fewer times), and the plan says so."""
     model = builtin_config("Llama-3.1-8B")
-    with calibration_for("xla-gpu"):
-        start = resolve(_accumulating(4), model)
-        fitted, plan = fit_budget(_accumulating(4), model, parse_budget("60GiB"), platform="gpu")
-        assert fitted.batch_size == 8 and fitted.memory.accumulation_steps < 4
-        lines = describe_changes(start, fitted, model, "gpu")
-        line = next(line for line in lines if line.startswith("memory.accumulation_steps: 4 ->"))
-        assert re.search(r"est\. step time -\d", line)
-        assert plan.device_bytes > plan_for_config(start, model).device_bytes
+    start = resolve(_accumulating(4), model, target=GPU)
+    fitted, plan = fit_budget(_accumulating(4), model, parse_budget("60GiB"), target=GPU)
+    assert fitted.batch_size == 8 and fitted.memory.accumulation_steps < 4
+    lines = describe_changes(start, fitted, model, GPU)
+    line = next(line for line in lines if line.startswith("memory.accumulation_steps: 4 ->"))
+    assert re.search(r"est\. step time -\d", line)
+    assert plan.device_bytes > plan_for_config(start, model, GPU).device_bytes
 
 
 def test_a_tight_budget_splits_the_batch_into_micro_batches_before_shrinking_it():
     """Activations too large for the budget: more micro-batches of the same batch (the same
     training), not a smaller batch (another training), come first."""
     model = builtin_config("Llama-3.1-8B")
-    with calibration_for("xla-gpu"):
-        start = resolve(_accumulating(1), model)
-        whole = plan_for_config(start, model).device_bytes
-        fitted, plan = fit_budget(_accumulating(1), model, int(0.8 * whole), platform="gpu")
+    start = resolve(_accumulating(1), model, target=GPU)
+    whole = plan_for_config(start, model, GPU).device_bytes
+    fitted, plan = fit_budget(_accumulating(1), model, int(0.8 * whole), target=GPU)
     assert fitted.batch_size == 8
     assert fitted.memory.accumulation_steps > 1
     assert plan.device_bytes < whole
@@ -441,7 +444,7 @@ def test_the_search_never_proposes_accumulation_a_preference_objective_refuses()
     model = builtin_config("Llama-3.1-8B")
     dpo = _accumulating(1).model_copy(update={"objective": "dpo"})
     doubled = _replace(resolve(dpo, model), "memory", accumulation_steps=2)
-    assert _plan_if_valid(doubled, model) is None
+    assert _plan_if_valid(doubled, model, CPU) is None
 
 
 def test_auto_attention_falls_back_to_blockwise_where_cudnns_workspace_would_not_fit(monkeypatch):
@@ -453,16 +456,50 @@ def test_auto_attention_falls_back_to_blockwise_where_cudnns_workspace_would_not
     from featherweight.memory.capacity import Capacity
 
     model = builtin_config("Llama-3.1-8B")
-    with _on_hopper_with_cudnn(monkeypatch), calibration_for("xla-gpu"):
-        requested = _replace(_qlora_8b_bf16(), "data", max_documents_per_row=32)
-        config = resolve(requested, model)
-        plan = plan_for_config(config, model)
-        small, large = (Capacity(size * GIB, "on a GPU", "test") for size in (10, 80))
-        assert plan.device_bytes > small.limit_bytes  # cuDNN's workspace does not fit
-        fitted, fitted_plan = attention_that_fits(requested, plan, model, small)
-        assert fitted.memory.attention == "blockwise"
-        assert fitted_plan.device_bytes <= small.limit_bytes < plan.device_bytes
-        assert attention_that_fits(requested, plan, model, large)[0] == config
-        named = _replace(requested, "memory", attention="cudnn")
-        named_plan = plan_for_config(resolve(named, model), model)
-        assert attention_that_fits(named, named_plan, model, small)[0] == resolve(named, model)
+    hopper = _on_hopper_with_cudnn(monkeypatch)
+    requested = _replace(_qlora_8b_bf16(), "data", max_documents_per_row=32)
+    config = resolve(requested, model, target=hopper)
+    plan = plan_for_config(config, model, hopper)
+    small, large = (Capacity(size * GIB, "on a GPU", "test") for size in (10, 80))
+    assert plan.device_bytes > small.limit_bytes  # cuDNN's workspace does not fit
+    fitted, fitted_plan = attention_that_fits(requested, plan, model, small, hopper)
+    assert fitted.memory.attention == "blockwise"
+    assert fitted_plan.device_bytes <= small.limit_bytes < plan.device_bytes
+    assert attention_that_fits(requested, plan, model, large, hopper)[0] == config
+    named = _replace(requested, "memory", attention="cudnn")
+    named_resolved = resolve(named, model, target=hopper)
+    named_plan = plan_for_config(named_resolved, model, hopper)
+    assert attention_that_fits(named, named_plan, model, small, hopper)[0] == named_resolved
+
+
+def test_a_budget_on_a_cpu_bounds_device_and_host_together():
+    """On a CPU the host is the device's memory: a budget bounds both, a host placement makes no
+    room (it is never chosen to fit), and the 8B QLoRA step at 5.5 GiB is answered "nothing
+    fits" with the bytes it needs, not fitted by moving 10.5 GiB "to the host"."""
+    model = builtin_config("SmolLM2-135M")
+    config = resolve(config_of(method="full", batch_size=4, data={"seq_len": 1024}), model)
+    whole = plan_for_config(config, model, CPU).cpu_comparable_bytes
+    budget = int(0.9 * whole)
+    fitted, plan = fit_budget(config, model, budget, reserve=0.0, target=CPU)
+    assert plan.device_bytes + plan.host_bytes <= budget
+    assert plan.host_bytes == 0
+    assert not any(": device -> host" in line for line in describe_changes(config, fitted))
+    _, gpu_plan = fit_budget(config, model, budget, reserve=0.0, target=GPU)
+    assert gpu_plan.host_bytes > 0  # on a GPU the host does make room
+    with pytest.raises(BudgetError, match=r"needs \d+\.\d+ GiB \(device and host: one memory"):
+        fit_budget(config_of(**{**LLAMA_QLORA, "batch_size": 2}), builtin_config("Llama-3.1-8B"),
+                   parse_budget("5.5GiB"), target=CPU)  # fmt: skip
+
+
+def test_the_search_order_is_one_table_of_real_settings():
+    # SEARCH_ORDER is the one table: every record changes a field the config has, once, in
+    # tier order; the fields `describe_changes` names and the search's tiers come from it
+    from featherweight.memory.budget import SEARCH_ORDER, TIERS
+
+    config = config_of(**LLAMA_QLORA)
+    for setting in SEARCH_ORDER:
+        _value(config, setting.section, setting.field)  # an AttributeError for a wrong name
+    assert len({s.name for s in SEARCH_ORDER}) == len(SEARCH_ORDER) == len(set(SEARCHED_FIELDS))
+    assert [s.tier for s in SEARCH_ORDER] == sorted(s.tier for s in SEARCH_ORDER)
+    assert [s for tier in TIERS for s in tier] == list(SEARCH_ORDER)
+    assert tuple((s.section, s.field) for s in SEARCH_ORDER) == SEARCHED_FIELDS

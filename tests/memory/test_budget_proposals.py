@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from featherweight.errors import BudgetError
 from featherweight.memory import budget
 from featherweight.memory.budget import fit_budget
+from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.registry import BUILTIN_MODELS, builtin_config
 from featherweight.recipe.build import check_method_settings
 from featherweight.recipe.schema import TrainConfig, parse_config
@@ -72,5 +73,8 @@ def test_a_refused_candidate_is_skipped_not_planned():
     refused = parse_config(
         {"method": "full", "optimizer": {"name": "adamw_8bit"}, "memory": {"embed": "host"}}
     )
-    assert budget._plan_if_valid(refused, model) is None
-    assert budget._plan_if_valid(_requested("full", "adamw", 1, 512), model) is not None
+    assert budget._plan_if_valid(refused, model, AttentionTarget("cpu")) is None
+    assert (
+        budget._plan_if_valid(_requested("full", "adamw", 1, 512), model, AttentionTarget("cpu"))
+        is not None
+    )

@@ -93,9 +93,8 @@ def test_the_gpu_calibration_says_where_it_comes_from_and_refits():
     assert GPU_ENTRY["target"] == "h100" and "XLA:GPU" in GPU_ENTRY["compiler"]
     assert GPU_ENTRY["fit_measurements"] and GPU_ENTRY["held_out_measurements"]
     assert calibrate.fit(GPU_ENTRY["fit_measurements"], compiler="xla-gpu") == GPU_ENTRY["counts"]
-    with working_set.calibration_for("xla-gpu"):
-        config = calibrate.case_of(GPU_ENTRY["held_out_measurements"][0])[1]
-        assert working_set.calibration_key(config) == GPU_KEY
+    config = calibrate.case_of(GPU_ENTRY["held_out_measurements"][0])[1]
+    assert working_set.calibration_key(config, calibrate.compiler_target("xla-gpu")) == GPU_KEY
 
 
 def _gpu_device_errors(counts):

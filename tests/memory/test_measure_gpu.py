@@ -15,7 +15,6 @@ from featherweight.memory.measure import measure_for_target
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import percent_difference
 from featherweight.memory.targets import get_target, usable_bytes
-from featherweight.memory.working_set import calibration_for
 from featherweight.models.config import config_from_hf_dict
 from featherweight.models.registry import builtin_config
 from featherweight.parallel.backend import cuda_plugin_installed
@@ -23,6 +22,7 @@ from featherweight.recipe.schema import parse_config
 from tests.memory.test_plan import (
     GEMMA3_27B_ROOM,
     GPT_OSS_BUDGET,
+    GPU,
     QWEN3_14B_BUDGET,
     QWEN3_MOE_DEVICE_GOAL,
     QWEN3_MOE_SMALL_BUDGET,
@@ -33,6 +33,11 @@ from tests.memory.test_plan import (
 )
 from tests.tiny_families import tiny_family
 
+H100 = get_target("h100").step_target  # the attention and calibration of a step for an H100
+# the steps here name blockwise attention: an H100 runs cuDNN for "auto", which this machine
+# cannot lower without cuDNN's library (`measure.cudnn_not_loadable`)
+BLOCKWISE = {"attention": "blockwise"}
+
 pytestmark = pytest.mark.skipif(
     not cuda_plugin_installed(),
     reason='XLA\'s GPU compiler is not installed (pip install "jax[cuda12-local]"); CI installs '
@@ -41,7 +46,8 @@ pytestmark = pytest.mark.skipif(
 SMALL = {"model_type": "llama", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768,
          "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
          "head_dim": 32, "tie_word_embeddings": False, "max_position_embeddings": 4096}  # fmt: skip
-OPTIONS = ["--method", "full", "--batch", "2", "--seq", "128", "--dtype", "bfloat16"]
+OPTIONS = ["--method", "full", "--batch", "2", "--seq", "128", "--dtype", "bfloat16",
+           "--attention", "blockwise"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +89,8 @@ def test_the_plan_is_within_ten_percent_of_the_h100_compile(h100_report):
 def test_a_plan_that_forgets_the_offload_misses_the_compile(h100_report):
     # negative control: the same step planned with everything on the device is caught
     settings = {"method": "full", "batch_size": 2, "model": {"dtype": "bfloat16"},
-                "data": {"seq_len": 128}}  # fmt: skip
-    with calibration_for("xla-gpu"):
-        plan = plan_for_config(parse_config(settings), config_from_hf_dict(SMALL, source="test"))
+                "data": {"seq_len": 128}, "memory": BLOCKWISE}  # fmt: skip
+    plan = plan_for_config(parse_config(settings), config_from_hf_dict(SMALL, source="test"), H100)
     error = percent_difference(plan.device_bytes, h100_report["measured_device_bytes"])
     assert abs(error) > 10.0, error
 
@@ -100,11 +105,10 @@ def test_the_answer_to_a_budget_compiles_within_it():
     over the budget)."""
     model = builtin_config("Llama-3.1-8B")
     settings = {"method": "qlora", "batch_size": 2, "model": {"dtype": "bfloat16"},
-                "data": {"seq_len": 2048}}  # fmt: skip
+                "data": {"seq_len": 2048}, "memory": BLOCKWISE}  # fmt: skip
     budget = parse_budget("5.5GiB")
-    with calibration_for("xla-gpu"):
-        fitted, _ = fit_budget(parse_config(settings), model, budget)
-        bare, bare_plan = fit_budget(parse_config(settings), model, budget, reserve=0.0)
+    fitted, _ = fit_budget(parse_config(settings), model, budget, target=H100)
+    bare, bare_plan = fit_budget(parse_config(settings), model, budget, reserve=0.0, target=H100)
     assert measure_for_target(fitted, model, "h100").device_bytes <= budget
     compiled_bare = measure_for_target(bare, model, "h100").device_bytes
     assert bare_plan.device_bytes <= budget
@@ -119,10 +123,10 @@ def test_kept_activations_are_planned_as_the_h100_compiles_them():
 
     def planned_and_compiled(save):
         settings = {"method": "lora", "batch_size": 8, "model": {"dtype": "bfloat16"},
-                    "data": {"seq_len": 2048}, "memory": {"save": save}}  # fmt: skip
-        with calibration_for("xla-gpu"):  # the chunks chosen on the GPU compiler's counts
-            config = resolve(parse_config(settings), model)
-            planned = plan_for_config(config, model).device_bytes
+                    "data": {"seq_len": 2048}, "memory": {"save": save, **BLOCKWISE}}  # fmt: skip
+        # the chunks chosen on the GPU compiler's counts
+        config = resolve(parse_config(settings), model, target=H100)
+        planned = plan_for_config(config, model, H100).device_bytes
         return planned, measure_for_target(config, model, "h100").device_bytes
 
     planned_lean, compiled_lean = planned_and_compiled([])
@@ -144,9 +148,8 @@ def test_kept_dequantized_weights_are_planned_as_the_h100_compiles_them():
         settings = {"method": "qlora", "batch_size": 1, "model": {"dtype": "bfloat16"},
                     "data": {"seq_len": 2048},
                     "memory": {"save": save, "mlp_chunk": 256, "attention": "blockwise"}}  # fmt: skip
-        with calibration_for("xla-gpu"):
-            config = resolve(parse_config(settings), model)
-            plan = plan_for_config(config, model)
+        config = resolve(parse_config(settings), model, target=H100)
+        plan = plan_for_config(config, model, H100)
         return plan, measure_for_target(config, model, "h100").device_bytes
 
     lean_plan, compiled_lean = planned_and_compiled([])
@@ -166,7 +169,7 @@ SMALLEST_8B = {
     "data": {"seq_len": 2048},
     "optimizer": {"name": "adamw_8bit"},
     "memory": {"vocab_chunk": 16384, "loss_chunk": 256, "mlp_chunk": 256, "residuals": "host",
-               "embed": "host", "optimizer_state": "host", "base": "host"},
+               "embed": "host", "optimizer_state": "host", "base": "host", **BLOCKWISE},
 }  # fmt: skip
 
 
@@ -182,8 +185,7 @@ def test_one_row_micro_batches_of_the_8b_are_planned_as_the_h100_compiles_them(s
     model = builtin_config("Llama-3.1-8B")
     values = {**SMALLEST_8B, "memory": {**SMALLEST_8B["memory"], "accumulation_steps": steps}}
     config = parse_config(values)
-    with calibration_for("xla-gpu"):
-        plan = plan_for_config(config, model)
+    plan = plan_for_config(config, model, H100)
     compiled = measure_for_target(config, model, "h100")
     assert compiled.compiled  # host placements compiled as they run
     error = percent_difference(plan.device_bytes, compiled.device_bytes)
@@ -198,8 +200,9 @@ def test_a_budget_only_a_split_batch_fits_compiles_within_it():
     compiles for the H100 within the budget."""
     model = builtin_config("Llama-3.1-8B")
     budget = parse_budget("1.55GiB")
-    with calibration_for("xla-gpu"):
-        fitted, plan = fit_budget(parse_config({**SMALLEST_8B, "batch_size": 4}), model, budget)
+    fitted, plan = fit_budget(
+        parse_config({**SMALLEST_8B, "batch_size": 4}), model, budget, target=H100
+    )
     assert fitted.batch_size == 4 and fitted.memory.accumulation_steps == 2
     assert plan.device_bytes <= budget
     assert measure_for_target(fitted, model, "h100").device_bytes <= budget
@@ -214,8 +217,7 @@ def test_kept_activations_in_host_memory_are_planned_as_the_h100_compiles_them()
     memory = {**SMALLEST_8B["memory"], "accumulation_steps": 2,
               "save": ["qkv", "attention", "mlp_hidden"]}  # fmt: skip
     config = parse_config({**SMALLEST_8B, "batch_size": 4, "memory": memory})
-    with calibration_for("xla-gpu"):
-        plan = plan_for_config(config, model)
+    plan = plan_for_config(config, model, H100)
     compiled = measure_for_target(config, model, "h100")
     error = percent_difference(plan.device_bytes, compiled.device_bytes)
     assert abs(error) <= 10.0, error
@@ -252,9 +254,8 @@ def test_each_familys_plan_is_within_ten_percent_of_the_h100_compile(family):
     model = tiny_family(family)
     settings = {"method": "lora", "batch_size": 2, "model": {"dtype": "bfloat16"},
                 "data": {"seq_len": 1024}, "memory": {"attention": "blockwise"}}  # fmt: skip
-    with calibration_for("xla-gpu"):
-        config = resolve(parse_config(settings), model)
-        planned = plan_for_config(config, model).device_bytes
+    config = resolve(parse_config(settings), model, target=H100)
+    planned = plan_for_config(config, model, H100).device_bytes
     compiled = measure_for_target(config, model, "h100").device_bytes
     assert abs(percent_difference(planned, compiled)) <= 10.0
 
@@ -286,9 +287,8 @@ def test_phi3_at_its_size_is_planned_within_ten_percent_of_the_h100_compile():
     Phi-3 of the per-family test plans +10.4%, as a Llama of its size does (+10.2%)."""
     model = builtin_config("Phi-3.5-mini")
     settings = {"method": "qlora", "batch_size": 2, "model": {"dtype": "bfloat16"},
-                "data": {"seq_len": 2048}}  # fmt: skip
-    with calibration_for("xla-gpu"):
-        config = resolve(parse_config(settings), model)
-        planned = plan_for_config(config, model).device_bytes
+                "data": {"seq_len": 2048}, "memory": {"attention": "blockwise"}}  # fmt: skip
+    config = resolve(parse_config(settings), model, target=GPU)
+    planned = plan_for_config(config, model, GPU).device_bytes
     compiled = measure_for_target(config, model, "h100").device_bytes
     assert abs(percent_difference(planned, compiled)) <= 10.0

@@ -11,7 +11,6 @@ from featherweight.memory.budget import fit_budget
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import percent_difference, print_report, report_json
 from featherweight.memory.rollout_measure import measure_rollout
-from featherweight.memory.working_set import calibration_for
 from featherweight.models.config import config_from_hf_dict
 from featherweight.recipe.schema import parse_config
 
@@ -34,8 +33,7 @@ def grpo_config(**memory):
 def planned_and_compiled():
     model = config_from_hf_dict(TINY)
     config = grpo_config()
-    with calibration_for("xla-cpu"):
-        plan = plan_for_config(config, model)
+    plan = plan_for_config(config, model)
     return plan, measure_rollout(config, model, "cpu")
 
 
@@ -59,9 +57,8 @@ def test_the_peak_is_the_larger_phase_and_the_resident_bytes_count_once(planned_
 
 def test_rollout_chunks_plan_a_smaller_cache():
     model = config_from_hf_dict(TINY)
-    with calibration_for("xla-cpu"):
-        whole = plan_for_config(grpo_config(), model)
-        halves = plan_for_config(grpo_config(rollout_chunk=4), model)
+    whole = plan_for_config(grpo_config(), model)
+    halves = plan_for_config(grpo_config(rollout_chunk=4), model)
     assert halves.bytes_of("kv_cache") == 0  # the train step's components are unchanged
     cache = {c.name: c.bytes for c in whole.rollout}["kv_cache"]
     assert {c.name: c.bytes for c in halves.rollout}["kv_cache"] == cache // 2
@@ -79,11 +76,10 @@ def test_a_budget_only_the_rollouts_exceed_splits_them_into_chunks():
                  "max_completion_length": 1024},
         "data": {"seq_len": 1087},
     })  # fmt: skip
-    with calibration_for("xla-cpu"):
-        plan = plan_for_config(config, model)
-        assert plan.rollout_device_bytes > plan.train_device_bytes, "the rollouts must be the peak"
-        budget = (plan.rollout_device_bytes + plan.train_device_bytes) // 2
-        fitted, fitted_plan = fit_budget(config, model, budget, reserve=0.0)
+    plan = plan_for_config(config, model)
+    assert plan.rollout_device_bytes > plan.train_device_bytes, "the rollouts must be the peak"
+    budget = (plan.rollout_device_bytes + plan.train_device_bytes) // 2
+    fitted, fitted_plan = fit_budget(config, model, budget, reserve=0.0)
     assert fitted.memory.rollout_chunk in (1, 2, 4, 8)
     assert fitted_plan.device_bytes <= budget
     assert fitted.batch_size == config.batch_size and fitted.data.seq_len == config.data.seq_len

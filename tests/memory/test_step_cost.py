@@ -192,12 +192,12 @@ def test_blockwise_attentions_extra_time_is_the_one_measured_on_an_h200(
     settings = {"method": "qlora", "batch_size": batch, "model": {"dtype": "bfloat16"}}
     settings |= {"data": {"seq_len": seq}, "memory": {"attention": "blockwise"}}
     config = resolve(parse_config(settings), model)
-    with attention_choice.compiling_for(attention_choice.AttentionTarget("gpu", "9.0")):
-        extra = blockwise_attention_seconds(config, model, ACCELERATOR_RATES)
-        fused = config.model_copy(
-            update={"memory": config.memory.model_copy(update={"attention": "auto"})}
-        )
-        assert blockwise_attention_seconds(fused, model, ACCELERATOR_RATES) == 0.0
+    hopper = attention_choice.AttentionTarget("gpu", "9.0")
+    extra = blockwise_attention_seconds(config, model, ACCELERATOR_RATES, hopper)
+    fused = config.model_copy(
+        update={"memory": config.memory.model_copy(update={"attention": "auto"})}
+    )
+    assert blockwise_attention_seconds(fused, model, ACCELERATOR_RATES, hopper) == 0.0
     assert blockwise_attention_seconds(config, model, CPU_RATES) == 0.0  # no fused kernel
     assert abs(extra / (blockwise_s - cudnn_s) - 1) < 0.1
 

@@ -223,7 +223,7 @@ def test_the_fuzzer_sees_what_it_looks_for(monkeypatch):
     def broken(*args, **kwargs):
         raise KeyError("planted")
 
-    monkeypatch.setattr("featherweight.memory.plan.plan_for_config", broken)
+    monkeypatch.setattr("featherweight.memory.budget.plan_within_budget", broken)
     args = ["plan", "SmolLM2-135M", "--no-measure"]
     result = run(args)
     assert result.exit_code == 1 and "bug" in result.stderr
