@@ -38,6 +38,8 @@ from featherweight.errors import StepConfigError
 from featherweight.models.batch import Batch
 from featherweight.models.config import ModelConfig
 
+METRIC_NAMES = ("aux_loss",)  # transformers' output and TRL's logged name: aux unscaled
+
 
 class ExpertLoad(NamedTuple):
     """What the loss reads of the routing, summed over tokens (and layers): each expert's top-k
