@@ -7,7 +7,9 @@ a LoRA adapter on an expert weight is per expert: a [E, r, in], b [E, out, r]), 
 [E, D].
 
 Routing (`route`): softmax over the router's logits in float32, the top k experts of each token,
-renormalized to sum to one where the family does it (`norm_topk_prob`; Mixtral always).
+renormalized to sum to one where the family does it (`norm_topk_prob`; Mixtral always). The
+router's logits also leave the layer (`experts_in`, `llama.block_with_router`): the router's
+load-balancing loss reads them (`featherweight.step.router_loss`).
 
 Grouped matmuls (`grouped_linear`): the N x k (token, expert) pairs are sorted by expert, and
 each expert's group is padded to whole blocks of `block` rows, so every block belongs to one

@@ -19,6 +19,9 @@ weights are its gradient with respect to them (`objective.py`), and the head's V
 weighted token loss; reference log-probs (DPO, GRPO's KL) come from the same frozen base run with
 the adapters off, or from the batch when precomputed.
 
+An MoE router's load-balancing loss (`router_loss.py`) rides along: step 1 counts every layer's
+expert choices, step 2 adds coef x aux to the loss, and step 3's layer VJPs add its gradient.
+
 Frozen weights (bf16 or NF4) are closed over in every VJP, so no gradient of them is ever built.
 Any optax `GradientTransformation` works, applied per tensor (its state is initialised per layer
 and stacked: `opt_state.py`). Each update sits in a `lax.cond` on the loss being finite
