@@ -27,7 +27,7 @@ from results_file import emit
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
 from featherweight.models.llama import gated, mlp_in, mlp_out, norm
-from featherweight.models.moe import route
+from featherweight.models.moe import route, router_logits
 
 
 def _routed(layer, a, config):
@@ -38,7 +38,7 @@ def _dense_loop(layer, a, config):
     """Every token through every expert (a scan over E), weighted by its top-k weights (0 for
     experts it was not routed to)."""
     x = norm(config, a, layer["mlp_norm"]).reshape(-1, a.shape[-1])
-    weights, experts = route(layer, x, config)
+    weights, experts = route(router_logits(layer, x), config)
     mask = jnp.zeros((x.shape[0], config.num_experts), x.dtype)
     mask = mask.at[jnp.arange(x.shape[0])[:, None], experts].set(weights)
 

@@ -187,8 +187,10 @@ class ModelConfig:
       width `intermediate_size`, each token routed to its top k; 0: a dense MLP.
     norm_topk_prob: the top-k routing weights renormalized to sum to one (Mixtral, Qwen3-MoE's
       config flag).
-    router_aux_loss_coef: the family's load-balancing loss weight (recorded; not trained, as
-      transformers' own default `output_router_logits: false` does not).
+    router_aux_loss_coef, output_router_logits: the family's load-balancing loss weight, and
+      whether its config.json turns that loss on (transformers' default: off). Training reads
+      both through the `moe.router_aux_loss_coef` setting (`step/router_loss.py`): null trains
+      the loss at this weight when `output_router_logits` is set, and not at all otherwise.
     routing: "softmax_topk" (softmax over every expert, then the top k) or "topk_softmax"
       (gpt-oss: the top k logits, then a softmax over them).
     output_bias: the o projection has a bias too (gpt-oss; `attention_bias` gives q, k, v theirs).
@@ -231,6 +233,7 @@ class ModelConfig:
     experts_per_token: int = 0
     norm_topk_prob: bool = False
     router_aux_loss_coef: float | None = None
+    output_router_logits: bool = False
     routing: str = "softmax_topk"
     output_bias: bool = False
     expert_bias: bool = False

@@ -223,6 +223,17 @@ def mlp_in(
 ) -> tuple:
     """The MLP's hidden state from the residual a [B, S, D], normed: its two input projections
     gate and up [B, S, F] -- of the routed rows, with their `moe.Routing`, in an MoE layer."""
+    return mlp_in_with_router(layer, a, config, lora, dropout_key)[0]
+
+
+def mlp_in_with_router(
+    layer: Params,
+    a: jax.Array,
+    config: ModelConfig,
+    lora: LoraSpec | None = None,
+    dropout_key: jax.Array | None = None,
+) -> tuple[tuple, jax.Array | None]:
+    """(`mlp_in`'s hidden state, the router's logits [N, E] -- None in a dense layer)."""
     return mlp_hidden(layer, norm(config, a, layer["mlp_norm"]), config, lora, dropout_key)
 
 
@@ -232,13 +243,13 @@ def mlp_hidden(
     config: ModelConfig,
     lora: LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
-) -> tuple:
-    """`mlp_in` of an input already normed."""
+) -> tuple[tuple, jax.Array | None]:
+    """`mlp_in_with_router` of an input already normed."""
     if config.num_experts:
         return moe.experts_in(layer, normed, config, lora, dropout_key)
     with jax.named_scope("mlp"):
         gate = linear(layer, "gate", normed, lora, dropout_key)
-        return gate, linear(layer, "up", normed, lora, dropout_key)
+        return (gate, linear(layer, "up", normed, lora, dropout_key)), None
 
 
 def gated(config: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -300,11 +311,22 @@ def mlp_residual(
     context; every operation between the norm and the residual add is per position). With LoRA
     dropout each chunk draws its own mask.
     """
+    return mlp_residual_with_router(layer, a, config, lora, dropout_key, seq_chunk)[0]
+
+
+def mlp_residual_with_router(
+    layer: Params,
+    a: jax.Array,
+    config: ModelConfig,
+    lora: LoraSpec | None = None,
+    dropout_key: jax.Array | None = None,
+    seq_chunk: int | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """(`mlp_residual`, the router's logits [N, E] in token order -- None in a dense layer)."""
     batch, seq, width = a.shape
     if seq_chunk is None or seq_chunk >= seq:
-        return mlp_out(
-            layer, a, mlp_in(layer, a, config, lora, dropout_key), config, lora, dropout_key
-        )
+        hidden, logits = mlp_in_with_router(layer, a, config, lora, dropout_key)
+        return mlp_out(layer, a, hidden, config, lora, dropout_key), logits
     if seq % seq_chunk:
         raise ValueError(f"mlp seq_chunk {seq_chunk} must divide the sequence length {seq}")
     count = seq // seq_chunk
@@ -314,11 +336,14 @@ def mlp_residual(
     def one_chunk(args):
         index, chunk = args
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
-        hidden = mlp_hidden(layer, chunk, config, lora, key)
-        return mlp_output(layer, hidden, config, lora, key).reshape(chunk.shape)
+        hidden, logits = mlp_hidden(layer, chunk, config, lora, key)
+        return mlp_output(layer, hidden, config, lora, key).reshape(chunk.shape), logits
 
-    outputs = jax.lax.map(jax.checkpoint(one_chunk), (jnp.arange(count), chunks))
-    return a + jnp.moveaxis(outputs, 0, 1).reshape(batch, seq, -1)
+    outputs, logits = jax.lax.map(jax.checkpoint(one_chunk), (jnp.arange(count), chunks))
+    if logits is not None:  # [count, B * seq_chunk, E] -> [B * S, E]
+        logits = jnp.moveaxis(logits.reshape(count, batch, seq_chunk, -1), 0, 1)
+        logits = logits.reshape(batch * seq, -1)
+    return a + jnp.moveaxis(outputs, 0, 1).reshape(batch, seq, -1), logits
 
 
 def split_dropout_key(dropout_key: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
@@ -339,11 +364,25 @@ def block(
     mlp_chunk: int | None = None,
 ) -> jax.Array:
     """One transformer layer, its four stages in order: [B, S, D] -> [B, S, D]."""
+    return block_with_router(layer, x, inputs, config, lora, dropout_key, mlp_chunk)[0]
+
+
+def block_with_router(
+    layer: Params,
+    x: jax.Array,
+    inputs: AttentionInputs,
+    config: ModelConfig,
+    lora: LoraSpec | None = None,
+    dropout_key: jax.Array | None = None,
+    mlp_chunk: int | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """(`block`, the router's logits [B*S, E] -- None in a dense layer), as transformers' MoE
+    layers return them for the load-balancing loss."""
     attn_key, mlp_key = split_dropout_key(dropout_key)
     q, k, v = attention_in(layer, x, inputs, config, lora, attn_key)
     attended = attention_core(q, k, v, inputs, config, layer.get("sinks"))
     a = attention_out(layer, x, attended, config, lora, attn_key)
-    return mlp_residual(layer, a, config, lora, mlp_key, mlp_chunk)
+    return mlp_residual_with_router(layer, a, config, lora, mlp_key, mlp_chunk)
 
 
 def embedding_scale(config: ModelConfig, dtype) -> jax.Array | None:
@@ -412,16 +451,32 @@ def run_layers(
 ) -> jax.Array:
     """Scan `block` over the stacked layers; `dropout_keys` [L, ...] gives each layer its key.
     Stacks in pinned host memory (`memory.base: host`) come to the device one layer ahead."""
-    layer_fn = jax.checkpoint(block, static_argnums=(3, 4, 6)) if remat else block
+    return run_layers_with_router(layers, x, inputs, config, lora, remat, dropout_keys, mlp_chunk)[
+        0
+    ]
+
+
+def run_layers_with_router(
+    layers: Params,
+    x: jax.Array,
+    inputs: AttentionInputs,
+    config: ModelConfig,
+    lora: LoraSpec | None = None,
+    remat: bool = False,
+    dropout_keys: jax.Array | None = None,
+    mlp_chunk: int | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """(`run_layers`, every layer's router logits [L, B*S, E] -- None for a dense model)."""
+    layer_fn = (
+        jax.checkpoint(block_with_router, static_argnums=(3, 4, 6)) if remat else block_with_router
+    )
 
     def step(hidden, per_layer):
         layer, (key, index) = per_layer
-        out = layer_fn(layer, hidden, inputs.at_layer(index), config, lora, key, mlp_chunk)
-        return out, None
+        return layer_fn(layer, hidden, inputs.at_layer(index), config, lora, key, mlp_chunk)
 
     indices = jnp.arange(config.num_layers, dtype=jnp.int32)
-    x, _ = scan_layers(step, x, layers, (dropout_keys, indices), config.num_layers)
-    return x
+    return scan_layers(step, x, layers, (dropout_keys, indices), config.num_layers)
 
 
 def forward(

@@ -7,7 +7,9 @@ a LoRA adapter on an expert weight is per expert: a [E, r, in], b [E, out, r]), 
 [E, D].
 
 Routing (`route`): softmax over the router's logits in float32, the top k experts of each token,
-renormalized to sum to one where the family does it (`norm_topk_prob`; Mixtral always).
+renormalized to sum to one where the family does it (`norm_topk_prob`; Mixtral always). The
+router's logits also leave the layer (`experts_in`, `llama.block_with_router`): the router's
+load-balancing loss reads them (`featherweight.step.router_loss`).
 
 Grouped matmuls (`grouped_linear`): the N x k (token, expert) pairs are sorted by expert, and
 each expert's group is padded to whole blocks of `block` rows, so every block belongs to one
@@ -63,20 +65,29 @@ def padded_rows(pairs: int, experts: int, block: int) -> int:
     return -(-(pairs + experts * (block - 1)) // block) * block
 
 
-def route(layer, x: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """(weights [N, k] in x's dtype, experts [N, k] int32) of the tokens x [N, D]."""
+def router_logits(layer, x: jax.Array) -> jax.Array:
+    """The router's logits [N, E] in x's dtype of the tokens x [N, D] (with its bias: gpt-oss):
+    what transformers' MoE block returns as `router_logits`, and what the load-balancing loss
+    reads (`featherweight.step.router_loss`)."""
     with jax.named_scope("router"):
         logits = jnp.einsum("nd,ed->ne", x, layer["router"].astype(x.dtype))
         if "router_bias" in layer:
             logits = logits + layer["router_bias"].astype(logits.dtype)
+        return logits
+
+
+def route(logits: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """(weights [N, k] in the logits' dtype, experts [N, k] int32) from the router's logits
+    [N, E]."""
+    with jax.named_scope("router"):
         if config.routing == "topk_softmax":  # gpt-oss: the top k logits, then their softmax
             top, experts = jax.lax.top_k(logits, config.experts_per_token)
-            return jax.nn.softmax(top, axis=-1).astype(x.dtype), experts.astype(jnp.int32)
+            return jax.nn.softmax(top, axis=-1).astype(logits.dtype), experts.astype(jnp.int32)
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, config.experts_per_token)
         if config.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        return weights.astype(x.dtype), experts.astype(jnp.int32)
+        return weights.astype(logits.dtype), experts.astype(jnp.int32)
 
 
 def layout(experts: jax.Array, num_experts: int, block: int) -> tuple[jax.Array, ...]:
@@ -207,9 +218,11 @@ def grouped_linear(layer, name: str, rows: jax.Array, block_expert: jax.Array, l
 
 
 def experts_in(layer, normed: jax.Array, config: ModelConfig, lora=None, key=None):
-    """The routed MLP's first half on the normed residual [B, S, D]: (gate, up [R, F], `Routing`)."""
+    """The routed MLP's first half on the normed residual [B, S, D]: ((gate, up [R, F],
+    `Routing`), the router's logits [N, E])."""
     x = normed.reshape(-1, normed.shape[-1])  # [N, D]
-    weights, experts = route(layer, x, config)
+    logits = router_logits(layer, x)
+    weights, experts = route(logits, config)
     block = block_rows(experts.size, config.num_experts)
     pair_row, row_token, block_expert = layout(experts, config.num_experts, block)
     with jax.named_scope("experts"):
@@ -218,7 +231,7 @@ def experts_in(layer, normed: jax.Array, config: ModelConfig, lora=None, key=Non
         )  # [R, D]: each routed token's copy, sorted by expert
         gate = grouped_linear(layer, "gate", rows, block_expert, lora, key)
         up = grouped_linear(layer, "up", rows, block_expert, lora, key)
-    return gate, up, Routing(weights, pair_row, row_token, block_expert)
+    return (gate, up, Routing(weights, pair_row, row_token, block_expert)), logits
 
 
 def experts_out(layer, hidden, config: ModelConfig, gated, lora=None, key=None) -> jax.Array:

@@ -162,6 +162,7 @@ def build_train_step(
             chunk_size=policy.loss_chunk, shardings=shardings,
             accumulation_steps=accumulation_steps, attention=attention,
             objective=config.step_objective, packed_slots=slots,
+            router_aux_loss_coef=router_aux_loss_coef(config, model_config),
         )  # fmt: skip
         return step, init_opt_state
     clip_norm, two_pass = step_clipping(config)
@@ -177,6 +178,7 @@ def build_train_step(
         two_pass=two_pass,
         shardings=shardings,
         objective=config.step_objective,
+        router_aux_loss_coef=router_aux_loss_coef(config, model_config),
     )
     return step, init_opt_state
 
@@ -238,6 +240,22 @@ def attention_note(
     )
 
 
+def router_aux_loss_coef(config: TrainConfig, model_config: ModelConfig) -> float:
+    """The load-balancing loss's weight the step trains (0: off): `moe.router_aux_loss_coef`,
+    or when that is null the model's own when its config.json turns the loss on
+    (`output_router_logits`, as transformers does). A dense model with the setting is refused."""
+    coef = config.moe.router_aux_loss_coef
+    if coef is not None and not model_config.num_experts:
+        raise ConfigError(
+            f"moe.router_aux_loss_coef={coef}: {model_config.model_type} is a dense model with "
+            "no router; drop the setting"
+        )
+    if coef is None:
+        enabled = model_config.output_router_logits and model_config.router_aux_loss_coef
+        return float(model_config.router_aux_loss_coef) if enabled else 0.0
+    return float(coef)
+
+
 def check_method_settings(
     config: TrainConfig, model_config: ModelConfig, target: AttentionTarget | None = None
 ) -> None:
@@ -264,6 +282,11 @@ def check_method_settings(
     check_clipping_and_accumulation(config)
     check_preference_settings(config)
     check_grpo_settings(config)
+    if router_aux_loss_coef(config, model_config) and config.step_objective is not None:
+        raise ConfigError(
+            f"moe.router_aux_loss_coef trains with objective: sft only; set it to 0 for "
+            f"objective: {config.objective}"
+        )
 
 
 def check_grpo_settings(config: TrainConfig) -> None:

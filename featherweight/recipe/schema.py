@@ -404,6 +404,20 @@ class GrpoSettings(_Section):
         )  # fmt: skip
 
 
+class MoeSettings(_Section):
+    """Mixture-of-experts training (Qwen3-MoE, Mixtral, gpt-oss)."""
+
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        description=(
+            "weight of the router's load-balancing loss beside the task loss (transformers' "
+            "aux loss, logged as aux_loss); 0: off; null: the model's router_aux_loss_coef when "
+            "its config.json sets output_router_logits: true (transformers' default: off)"
+        ),
+    )
+
+
 class CheckpointSettings(_Section):
     """When to save, and how many to keep."""
 
@@ -431,6 +445,7 @@ class TrainConfig(_Section):
     data: DataSettings = DataSettings()
     optimizer: OptimizerSettings = OptimizerSettings()
     memory: MemorySettings = MemorySettings()
+    moe: MoeSettings = MoeSettings()
     checkpoint: CheckpointSettings = CheckpointSettings()
     mesh: MeshSettings | None = Field(
         None, description="null: one device (several processes: 'auto'); 'auto' or {data, fsdp}"

@@ -22,9 +22,11 @@ backward loop copies each layer's weights out of it: `memory/step_cost.py` price
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import (
@@ -34,10 +36,10 @@ from featherweight.models.llama import (
     attention_core,
     attention_in,
     attention_out,
-    block,
-    mlp_in,
+    block_with_router,
+    mlp_in_with_router,
     mlp_out,
-    mlp_residual,
+    mlp_residual_with_router,
     split_dropout_key,
 )
 from featherweight.quant.nf4 import NF4Tensor, dequantize_nf4
@@ -83,14 +85,16 @@ class _Stages:
         )
 
     def gate_up(self, trainable, a):
-        return mlp_in(self.layer(trainable), a, self.config, self.lora, self.mlp_key)
+        """(the MLP's hidden state, the router's logits or None)."""
+        return mlp_in_with_router(self.layer(trainable), a, self.config, self.lora, self.mlp_key)
 
     def mlp_residual(self, trainable, a, gate_up):
         return mlp_out(self.layer(trainable), a, gate_up, self.config, self.lora, self.mlp_key)
 
     def mlp_block(self, trainable, a):
-        """The whole MLP residual from its input (sequence-chunked when `mlp_chunk` is set)."""
-        return mlp_residual(
+        """(the whole MLP residual from its input (sequence-chunked when `mlp_chunk` is set), the
+        router's logits or None)."""
+        return mlp_residual_with_router(
             self.layer(trainable), a, self.config, self.lora, self.mlp_key, self.mlp_chunk
         )
 
@@ -115,19 +119,21 @@ def layer_forward(
     dropout_key: jax.Array | None,
     save: tuple[str, ...],
     mlp_chunk: int | None = None,
-) -> tuple[jax.Array, dict[str, Any]]:
-    """The layer's output and the intermediates named in `save`."""
+) -> tuple[jax.Array, dict[str, Any], jax.Array | None]:
+    """The layer's output, the intermediates named in `save`, and the router's logits [N, E]
+    (None in a dense layer: what the load-balancing loss reads)."""
     if DEQUANTIZED in save:
         dense = dequantized_weights(frozen_layer, x.dtype)
         rest = tuple(name for name in save if name != DEQUANTIZED)
-        y, saved = layer_forward(
+        y, saved, logits = layer_forward(
             {**frozen_layer, **dense}, trainable_layer, x, inputs, config, lora, dropout_key,
             rest, mlp_chunk,
         )  # fmt: skip
-        return y, {**saved, DEQUANTIZED: dense}
+        return y, {**saved, DEQUANTIZED: dense}, logits
     if not save:
         layer = merge_layer(frozen_layer, trainable_layer)
-        return block(layer, x, inputs, config, lora, dropout_key, mlp_chunk), {}
+        y, logits = block_with_router(layer, x, inputs, config, lora, dropout_key, mlp_chunk)
+        return y, {}, logits
     stages = _Stages(frozen_layer, inputs, config, lora, dropout_key, mlp_chunk)
     qkv = stages.qkv(trainable_layer, x)
     attended = stages.attention(trainable_layer, qkv)
@@ -136,13 +142,31 @@ def layer_forward(
     if "attention" in save:
         saved["attention"] = (attended, a)
     if "mlp_hidden" not in save:
-        return stages.mlp_block(trainable_layer, a), saved
-    gate_up = stages.gate_up(trainable_layer, a)
-    return stages.mlp_residual(trainable_layer, a, gate_up), {**saved, "mlp_hidden": gate_up}
+        y, logits = stages.mlp_block(trainable_layer, a)
+        return y, saved, logits
+    gate_up, logits = stages.gate_up(trainable_layer, a)
+    y = stages.mlp_residual(trainable_layer, a, gate_up)
+    return y, {**saved, "mlp_hidden": gate_up}, logits
 
 
 def _add_trees(*trees):
     return jax.tree.map(lambda *leaves: sum(leaves[1:], leaves[0]), *trees)
+
+
+def _vjp_with_router(fn, router_term, *primals) -> Callable:
+    """The VJP of `fn(*primals) -> (output, router logits)` as a function of the output's
+    cotangent; with `router_term` (a scalar of the logits), that term's gradient is added (its
+    cotangent 1): the load-balancing loss's share of this layer."""
+    if router_term is None:
+        _, vjp = jax.vjp(lambda *args: fn(*args)[0], *primals)
+        return vjp
+
+    def with_term(*args):
+        output, logits = fn(*args)
+        return output, router_term(logits)
+
+    _, vjp = jax.vjp(with_term, *primals)
+    return lambda cotangent: vjp((cotangent, jnp.ones((), jnp.float32)))
 
 
 def layer_vjp(
@@ -156,8 +180,11 @@ def layer_vjp(
     lora: LoraSpec | None,
     dropout_key: jax.Array | None,
     mlp_chunk: int | None = None,
+    router_term: Callable[[jax.Array], jax.Array] | None = None,
 ) -> tuple[Params, jax.Array]:
-    """(gradient of the trainable slice, cotangent of the layer input)."""
+    """(gradient of the trainable slice, cotangent of the layer input). `router_term` (a float32
+    scalar of the layer's router logits [N, E]; None: no such term) adds the gradient of a loss
+    on the routing: the load-balancing loss's (`step/router_loss.py`)."""
     if DEQUANTIZED in saved:  # the dense weights kept from the forward pass replace the NF4 ones
         saved = dict(saved)
         frozen_layer = {**frozen_layer, **saved.pop(DEQUANTIZED)}
@@ -165,10 +192,9 @@ def layer_vjp(
 
         def layer_fn(trainable, hidden):
             layer = merge_layer(frozen_layer, trainable)
-            return block(layer, hidden, inputs, config, lora, dropout_key, mlp_chunk)
+            return block_with_router(layer, hidden, inputs, config, lora, dropout_key, mlp_chunk)
 
-        _, vjp = jax.vjp(layer_fn, trainable_layer, x)
-        return vjp(output_cotangent)
+        return _vjp_with_router(layer_fn, router_term, trainable_layer, x)(output_cotangent)
     stages = _Stages(frozen_layer, inputs, config, lora, dropout_key, mlp_chunk)
     recomputed_qkv, vjp_qkv = jax.vjp(stages.qkv, trainable_layer, x)
     qkv = saved.get("qkv", recomputed_qkv)  # a kept qkv: XLA drops the projections' forward
@@ -180,11 +206,11 @@ def layer_vjp(
     if "mlp_hidden" in saved:
         _, vjp_mlp = jax.vjp(stages.mlp_residual, trainable_layer, a, saved["mlp_hidden"])
         grad_mlp, g_a, g_gate_up = vjp_mlp(output_cotangent)
-        _, vjp_gate_up = jax.vjp(stages.gate_up, trainable_layer, a)
+        vjp_gate_up = _vjp_with_router(stages.gate_up, router_term, trainable_layer, a)
         grad_gate_up, g_a_norm = vjp_gate_up(g_gate_up)
         grad_mlp, g_a = _add_trees(grad_mlp, grad_gate_up), g_a + g_a_norm
     else:
-        _, vjp_mlp = jax.vjp(stages.mlp_block, trainable_layer, a)
+        vjp_mlp = _vjp_with_router(stages.mlp_block, router_term, trainable_layer, a)
         grad_mlp, g_a = vjp_mlp(output_cotangent)
     grad_attention, g_x, g_qkv = _attention_vjp(stages, trainable_layer, x, qkv, saved, g_a)
     grad_qkv, g_x_norm = vjp_qkv(g_qkv)

@@ -7,7 +7,9 @@ forward: a scan of the block over the stacked layers (a frozen base in pinned ho
   there by the step itself (naming the block's input, not its output: XLA #17541).
 backward: a reverse scan from the last layer to the first. Layer l's saved input comes back (the
   next one is fetched while l computes, and so is its frozen base when that is in host memory),
-  its VJP is rebuilt (remat), and its gradient goes to a `LayerSink`: straight into the
+  its VJP is rebuilt (remat) -- with its share of the router's load-balancing loss when one is
+  trained (the choices counted in the forward pass: `router_loss.py`) -- and its gradient goes
+  to a `LayerSink`: straight into the
   optimizer on layer l's slice of each tensor's state (`update_sink`: parameters and state
   written back in place on the donated stacks, the fused update, and the new slice checked
   finite), into slice l of a gradient buffer (`accumulate_sink`: global clipping of adapters,
@@ -24,6 +26,7 @@ would be host compute, which XLA's GPU compiler refuses (`parallel/offload_rules
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -43,6 +46,7 @@ from featherweight.step.common import all_finite, scaled, squared_norm
 from featherweight.step.layer_grad import layer_forward, layer_vjp
 from featherweight.step.opt_state import guarded_update
 from featherweight.step.policy import MemoryPolicy
+from featherweight.step.router_loss import ExpertLoad, expert_load, probability_term
 
 
 class LayerContext(NamedTuple):
@@ -54,6 +58,11 @@ class LayerContext(NamedTuple):
     keys: jax.Array | None  # [L, 2] dropout keys, or None
     policy: MemoryPolicy
     constrain: Callable[[jax.Array], jax.Array]  # pins activations to the batch layout
+    # the load-balancing loss (`router_loss.py`): the real tokens [N] (None: no such loss), and
+    # the weights [E] of each layer's expert probabilities in the backward pass (set after the
+    # forward pass has counted the choices)
+    router_mask: jax.Array | None = None
+    router_weights: jax.Array | None = None
 
 
 def _residual_store(placement: str) -> tuple[Callable, Callable]:
@@ -74,26 +83,33 @@ def _slice(tree, index):
 
 def forward_layers(
     frozen_layers: Params, trainable_layers: Params, x: jax.Array, context: LayerContext
-) -> tuple[jax.Array, Any]:
-    """(last hidden state [B, S, D], stored): each layer's input and saved intermediates, stacked
-    per layer at the policy's placement."""
+) -> tuple[jax.Array, Any, ExpertLoad | None]:
+    """(last hidden state [B, S, D], stored, load): each layer's input and saved intermediates,
+    stacked per layer at the policy's placement; with `context.router_mask`, every layer's
+    `ExpertLoad` summed (what the load-balancing loss reads), else None."""
     put, _ = _residual_store(context.policy.residuals)
-    policy = context.policy
+    policy, config = context.policy, context.config
 
     def forward_layer(x, per_layer):
         (frozen_l, trainable_l), (key_l, index) = per_layer
         x = context.constrain(x)
-        y, saved = layer_forward(
-            frozen_l, trainable_l, x, context.inputs.at_layer(index), context.config,
+        y, saved, logits = layer_forward(
+            frozen_l, trainable_l, x, context.inputs.at_layer(index), config,
             context.lora, key_l, policy.save, policy.mlp_chunk,
         )  # fmt: skip
+        load = None
+        if context.router_mask is not None:
+            load = expert_load(logits, context.router_mask, config.experts_per_token)
         with jax.named_scope("layer_store"):
-            return y, jax.tree.map(put, (x, saved))
+            return y, (jax.tree.map(put, (x, saved)), load)
 
     layers = (frozen_layers, trainable_layers)
-    num_layers = context.config.num_layers
-    indices = jnp.arange(num_layers, dtype=jnp.int32)
-    return scan_layers(forward_layer, x, layers, (context.keys, indices), num_layers)
+    indices = jnp.arange(config.num_layers, dtype=jnp.int32)
+    hidden, (stored, loads) = scan_layers(
+        forward_layer, x, layers, (context.keys, indices), config.num_layers
+    )
+    load = None if loads is None else jax.tree.map(lambda leaf: jnp.sum(leaf, axis=0), loads)
+    return hidden, stored, load
 
 
 class LayerSink(NamedTuple):
@@ -206,6 +222,13 @@ def backward_layers(
     """
     _, fetch = _residual_store(context.policy.residuals)
     num_layers = context.config.num_layers
+    router_term = (  # each layer's share of the load-balancing loss's gradient
+        None
+        if context.router_weights is None
+        else functools.partial(
+            probability_term, mask=context.router_mask, weights=context.router_weights
+        )
+    )
     # a frozen base in host memory rides in the carry, fetched one layer ahead like the inputs
     base_on_host = has_host_leaves(frozen_layers)
 
@@ -227,7 +250,7 @@ def backward_layers(
             frozen_l, sink.params(target, index), x, saved, cotangent,
             context.inputs.at_layer(index), context.config,
             context.lora, None if context.keys is None else context.keys[index],
-            context.policy.mlp_chunk,
+            context.policy.mlp_chunk, router_term,
         )  # fmt: skip
         target, output = sink.absorb(target, index, grads, streamed)
         return (cotangent, target, grad_sq + squared_norm(grads), upcoming), output

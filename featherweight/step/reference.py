@@ -26,6 +26,7 @@ from featherweight.models.llama import (
     head,
     merge_params,
     run_layers,
+    run_layers_with_router,
 )
 from featherweight.step.common import (
     all_finite,
@@ -37,6 +38,11 @@ from featherweight.step.common import (
 )
 from featherweight.step.loss import head_loss, token_nll
 from featherweight.step.objective import Objective, check_objective
+from featherweight.step.router_loss import (
+    check_router_loss,
+    load_balancing_loss_of_layers,
+    router_mask,
+)
 from featherweight.step.validate import check_optimizer
 
 
@@ -56,9 +62,31 @@ def model_loss(
 ) -> jax.Array:
     """Mean next-token cross-entropy of the model given by frozen + trainable parameters, with
     the `attention` implementation (cuDNN's packed layout of `packed_slots` documents a row)."""
+    return model_loss_terms(
+        trainable, frozen, batch, config, lora, key, chunk_size, remat, vocab_chunk, mlp_chunk,
+        attention, packed_slots,
+    )[0]  # fmt: skip
+
+
+def model_loss_terms(
+    trainable: Params,
+    frozen: Params,
+    batch: Batch,
+    config: ModelConfig,
+    lora: LoraSpec | None = None,
+    key: jax.Array | None = None,
+    chunk_size: int | None = None,
+    remat: bool = True,
+    vocab_chunk: int | None = None,
+    mlp_chunk: int | None = None,
+    attention: str = "blockwise",
+    packed_slots: int = DEFAULT_PACKED_SLOTS,
+) -> tuple[jax.Array, jax.Array | None]:
+    """(`model_loss`, the router's load-balancing loss of every layer's routing over the real
+    tokens -- `router_loss.py`; None for a dense model)."""
     params = merge_params(frozen, trainable)
     inputs = attention_inputs(config, batch.positions, batch.segment_ids, attention, packed_slots)
-    hidden = run_layers(
+    hidden, logits = run_layers_with_router(
         params["layers"],
         embed(params, batch.input_ids, config),
         inputs,
@@ -69,7 +97,11 @@ def model_loss(
         mlp_chunk=mlp_chunk,
     )
     head_params = {name: params[name] for name in head_param_names(config) if name in params}
-    return head_loss(head_params, hidden, batch, config, chunk_size, vocab_chunk)
+    loss = head_loss(head_params, hidden, batch, config, chunk_size, vocab_chunk)
+    if logits is None:
+        return loss, None
+    aux = load_balancing_loss_of_layers(logits, router_mask(batch), config.experts_per_token)
+    return loss, aux
 
 
 def _token_nll(
@@ -134,10 +166,12 @@ def _loss_and_grad(
     attention: str,
     objective: Objective | None,
     packed_slots: int = DEFAULT_PACKED_SLOTS,
+    router_aux_loss_coef: float = 0.0,
 ) -> Callable[..., tuple[jax.Array, Params, dict[str, jax.Array]]]:
-    """`(trainable, frozen, batch, key, weight) -> (loss, grads, metrics)`: the cross-entropy, or
-    `objective` when one is given (its metrics returned beside), scaled by `weight`, and its
-    gradient with respect to `trainable` by `jax.value_and_grad`."""
+    """`(trainable, frozen, batch, key, weight) -> (loss, grads, metrics)`: the cross-entropy
+    (+ `router_aux_loss_coef` x the load-balancing loss, reported as "aux_loss"), or `objective`
+    when one is given (its metrics returned beside), scaled by `weight`, and its gradient with
+    respect to `trainable` by `jax.value_and_grad`."""
 
     def loss_and_grad(trainable, frozen, batch, key, weight):
         def weighted(trainable):
@@ -147,11 +181,13 @@ def _loss_and_grad(
                     packed_slots=packed_slots,
                 )  # fmt: skip
                 return loss * weight, extra
-            loss = model_loss(
+            loss, aux = model_loss_terms(
                 trainable, frozen, batch, config, lora, key, chunk_size, remat,
                 attention=attention, packed_slots=packed_slots,
             )  # fmt: skip
-            return loss * weight, {}
+            if not router_aux_loss_coef:
+                return loss * weight, {}
+            return (loss + router_aux_loss_coef * aux) * weight, {"aux_loss": aux}
 
         (loss, extra), grads = jax.value_and_grad(weighted, has_aux=True)(trainable)
         return loss, grads, extra
@@ -171,6 +207,7 @@ def build_reference_step(
     attention: str = "blockwise",
     objective: Objective | None = None,
     packed_slots: int = DEFAULT_PACKED_SLOTS,
+    router_aux_loss_coef: float = 0.0,
 ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """A jitted `step(trainable, opt_state, frozen, batch, key) -> (trainable, opt_state, metrics)`.
 
@@ -179,19 +216,21 @@ def build_reference_step(
     `accumulation_steps` > 1 splits each batch into that many micro-batches, scanned: each one's
     gradient (its loss weighted by its share of the batch's counted tokens) is summed into a
     float32 buffer the size of `trainable`, then one update -- the whole batch's gradient with one
-    micro-batch's activations. `metrics["grad_norm"]` is the gradient's global norm (before any
+    micro-batch's activations (the metrics beside the loss: the micro-batches' mean). `metrics["grad_norm"]` is the gradient's global norm (before any
     clipping). `shardings` (`featherweight.parallel.sharding.StepShardings`) compiles for a
     device mesh; None for one device. `attention` names the implementation every layer calls
     (`featherweight.models.attention`; "cudnn" with `packed_slots` documents a row). `objective` (an `Objective`) differentiates that
-    objective instead of the cross-entropy; its metrics join the step's.
+    objective instead of the cross-entropy; its metrics join the step's. `router_aux_loss_coef`
+    > 0 adds an MoE router's load-balancing loss to the cross-entropy (`router_loss.py`).
     """
     check_optimizer(optimizer)
     if accumulation_steps < 1:
         raise StepConfigError(f"accumulation_steps={accumulation_steps} must be at least 1")
     check_objective(objective, lora, accumulation_steps)
+    check_router_loss(router_aux_loss_coef, config, objective)
 
     loss_and_grad = _loss_and_grad(
-        config, lora, chunk_size, remat, attention, objective, packed_slots
+        config, lora, chunk_size, remat, attention, objective, packed_slots, router_aux_loss_coef
     )
 
     def accumulated(trainable, frozen, batch, key):
@@ -202,22 +241,22 @@ def build_reference_step(
             loss_sum, grad_sum = carry
             micro, micro_key = inputs
             weight = jnp.sum(micro.loss_mask.astype(jnp.float32)) / total
-            loss, grads, _ = loss_and_grad(trainable, frozen, micro, micro_key, weight)
+            loss, grads, extra = loss_and_grad(trainable, frozen, micro, micro_key, weight)
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
-            return (loss_sum + loss, grad_sum), None
+            return (loss_sum + loss, grad_sum), extra
 
         start = (jnp.float32(0), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable))
-        (loss, grads), _ = jax.lax.scan(
+        (loss, grads), extra = jax.lax.scan(
             micro_step, start, (micro_batches(batch, accumulation_steps), keys)
         )
-        return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
+        return loss, grads, jax.tree.map(lambda values: jnp.mean(values, axis=0), extra)
 
     def step(trainable, opt_state, frozen, batch, key):
-        extra = {}
         if accumulation_steps == 1:
             loss, grads, extra = loss_and_grad(trainable, frozen, batch, key, 1.0)
         else:
-            loss, grads = accumulated(trainable, frozen, batch, key)
+            loss, grads, extra = accumulated(trainable, frozen, batch, key)
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
         metrics = {

@@ -19,6 +19,9 @@ weights are its gradient with respect to them (`objective.py`), and the head's V
 weighted token loss; reference log-probs (DPO, GRPO's KL) come from the same frozen base run with
 the adapters off, or from the batch when precomputed.
 
+An MoE router's load-balancing loss (`router_loss.py`) rides along: step 1 counts every layer's
+expert choices, step 2 adds coef x aux to the loss, and step 3's layer VJPs add its gradient.
+
 Frozen weights (bf16 or NF4) are closed over in every VJP, so no gradient of them is ever built.
 Any optax `GradientTransformation` works, applied per tensor (its state is initialised per layer
 and stacked: `opt_state.py`). Each update sits in a `lax.cond` on the loss being finite
@@ -89,6 +92,12 @@ from featherweight.step.loss import head_form, head_loss, token_losses_sum, toke
 from featherweight.step.objective import Objective, check_objective, token_weights
 from featherweight.step.opt_state import StreamedOptState
 from featherweight.step.policy import MemoryPolicy
+from featherweight.step.router_loss import (
+    check_router_loss,
+    load_balancing_loss,
+    probability_weights,
+    router_mask,
+)
 from featherweight.step.top_update import (
     embedding_gradient,
     embedding_squared_norm,
@@ -121,9 +130,12 @@ class _StepModel:
     (None: next-token cross-entropy; else an `Objective`), and the pass every gradient
     mode starts with -- one micro-batch's forward and the head's VJP."""
 
-    def __init__(self, config, lora, policy, constrain, trainable, frozen, objective=None) -> None:
+    def __init__(
+        self, config, lora, policy, constrain, trainable, frozen, objective=None, router_coef=0.0
+    ) -> None:
         self.config, self.lora, self.policy, self.constrain = config, lora, policy, constrain
         self.trainable, self.frozen, self.objective = trainable, frozen, objective
+        self.router_coef = router_coef  # the load-balancing loss's weight (0: not trained)
         self.frozen_layers = frozen.get("layers", {})
         self.trainable_layers = trainable.get("layers", {})
 
@@ -135,16 +147,17 @@ class _StepModel:
                 self.policy.packed_slots,
             ),
             self.lora, layer_dropout_keys(key, self.lora, self.config.num_layers), self.policy,
-            self.constrain,
+            self.constrain, router_mask(batch) if self.router_coef else None,
         )  # fmt: skip
 
     def forward_and_head(self, batch: Batch, key, weight):
         """(loss, head gradients, cotangent of the last hidden state, stored activations,
         context, the objective's metrics), the VJP seeded with `weight` (1, or a micro-batch's
-        share of the tokens)."""
+        share of the tokens). A trained load-balancing loss joins the loss, and the context
+        carries its weights for the backward pass (`router_loss.py`)."""
         top = merge_params(self.frozen, self.trainable)
         context = self.context(batch, key)
-        hidden, stored = forward_layers(
+        hidden, stored, load = forward_layers(
             self.frozen_layers,
             self.trainable_layers,
             embed(top, batch.input_ids, self.config),
@@ -182,6 +195,11 @@ class _StepModel:
         value, head_vjp = jax.vjp(head_fn, head_trainable, hidden)
         head_grads, cotangent = head_vjp(jnp.asarray(weight, value.dtype))
         loss = value if mask is None else loss
+        if load is not None:
+            aux = load_balancing_loss(load)
+            loss, metrics = loss + self.router_coef * aux, {**metrics, "aux_loss": aux}
+            weights = probability_weights(load, self.router_coef * weight)
+            context = context._replace(router_weights=weights)
         return loss, head_grads, cotangent, stored, context, metrics
 
     def reference_logps(self, batch: Batch, top, context: LayerContext, head_params):
@@ -378,6 +396,7 @@ def build_streamed_step(
     donate: bool = True,
     shardings: Any = None,
     objective: Objective | None = None,
+    router_aux_loss_coef: float = 0.0,
 ) -> Callable[..., tuple[Params, StreamedOptState, dict[str, jax.Array]]]:
     """A jitted `step(trainable, opt_state, frozen, batch, key) -> (trainable, opt_state, metrics)`.
 
@@ -393,10 +412,13 @@ def build_streamed_step(
     the batch (so XLA gathers each layer's weights, FSDP-style, rather than resharding
     activations); None compiles for one device. `objective` (an `Objective`: preference pairs,
     GRPO; None: next-token cross-entropy): its per-token weights become the loss mask of the same
-    backward pass, and its metrics (TRL's names) join the step's.
+    backward pass, and its metrics (TRL's names) join the step's. `router_aux_loss_coef` > 0
+    trains an MoE router's load-balancing loss beside the cross-entropy (`router_loss.py`;
+    `metrics["aux_loss"]`, and `metrics["loss"]` includes coef x aux).
     """
     policy = policy or MemoryPolicy()
     check_objective(objective, lora, accumulation_steps)
+    check_router_loss(router_aux_loss_coef, config, objective)
     check_optimizer(optimizer)
     refuse_multisteps(optimizer, trainable)
     mode = gradient_mode(clip_norm, two_pass, accumulation_steps)
@@ -404,7 +426,9 @@ def build_streamed_step(
     constrain = activation_constraint(shardings)
 
     def step(trainable, opt_state: StreamedOptState, frozen, batch: Batch, key):
-        model = _StepModel(config, lora, policy, constrain, trainable, frozen, objective)
+        model = _StepModel(
+            config, lora, policy, constrain, trainable, frozen, objective, router_aux_loss_coef
+        )
         if mode == "kept":
             new_trainable, new_state, metrics = _kept(
                 model, optimizer, opt_state, batch, key, clip_norm, accumulation_steps

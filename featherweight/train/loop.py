@@ -51,6 +51,7 @@ from featherweight.recipe.optimizer import learning_rate_schedule
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.grpo import METRIC_NAMES as GRPO_METRICS
 from featherweight.step.preference import REPORTED_METRICS
+from featherweight.step.router_loss import METRIC_NAMES as ROUTER_METRICS
 from featherweight.train import run_dir
 from featherweight.train.dataset import (
     counted,
@@ -152,7 +153,8 @@ def evaluate(run: Run, trainable: Params) -> float | None:
     return total / max(count, 1.0)
 
 
-REPORTED = (*REPORTED_METRICS, *GRPO_METRICS)  # the objectives' metrics a step's line carries
+# the objectives' (and the router loss's) metrics a step's line carries
+REPORTED = (*REPORTED_METRICS, *GRPO_METRICS, *ROUTER_METRICS)
 
 
 class StepRecords:

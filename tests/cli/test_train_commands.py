@@ -4,6 +4,7 @@ does on SIGINT, wherever it lands (a gc callback included): it stops, the previo
 intact, exit 130, one line saying what was kept."""
 
 import gc
+import json
 import os
 import signal
 from pathlib import Path
@@ -220,7 +221,12 @@ def test_each_moe_family_trains_lora_and_qlora_on_its_experts(family, method, tm
     values = run_settings(model_dir, data, tmp_path / "run", method=method, steps=2)
     values["lora"]["targets"] = ["q", "v", "gate", "up", "down"]
     values.pop("checkpoint")
+    if method == "qlora":  # with the router's load-balancing loss
+        values["moe"] = {"router_aux_loss_coef": 0.01}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(values))
     result = CliRunner().invoke(app, ["train", str(tmp_path / "config.yaml")])
     assert result.exit_code == 0, result.output
     assert "done: step 2 of 2, loss " in result.output
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    steps = [record for record in records if "loss" in record]  # not the evaluations
+    assert ("aux_loss" in steps[-1]) == (method == "qlora")

@@ -179,7 +179,7 @@ def test_staged_backward_equals_vjp_of_the_forward(case, save):
 
         _, pull = jax.vjp(forward, trainable, x)
         expected = pull(cotangent)
-        _, saved = layer_forward(frozen, trainable, x, at_layer, config, None, None, save)
+        _, saved, _ = layer_forward(frozen, trainable, x, at_layer, config, None, None, save)
         actual = layer_vjp(frozen, trainable, x, saved, cotangent, at_layer, config, None, None)
         for want, got in zip(jax.tree.leaves(expected), jax.tree.leaves(actual), strict=True):
             scale = float(jnp.abs(want).max())

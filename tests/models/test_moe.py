@@ -19,14 +19,14 @@ from featherweight.dev.hlo_cost import hlo_dot_flops
 from featherweight.inference.generate import generate_ids, logits
 from featherweight.io.loader import load_model
 from featherweight.models import moe
-from featherweight.models.batch import batch_from_tokens
+from featherweight.models.batch import Batch, batch_from_tokens
 from featherweight.models.config import ModelConfig
 from featherweight.models.init import init_params
 from featherweight.models.llama import mlp_in, mlp_out
 from featherweight.peft.lora import LoraConfig, init_lora, quantize_frozen_base
 from featherweight.step.opt_state import init_streamed_opt_state
 from featherweight.step.policy import MemoryPolicy
-from featherweight.step.reference import build_reference_step
+from featherweight.step.reference import build_reference_step, model_loss_terms
 from featherweight.step.streamed import build_streamed_step
 from tests.tiny_checkpoints import TOKENS, random_hf_model, reference_and_loaded, save_hf
 
@@ -105,6 +105,25 @@ def test_logits_and_greedy_generation_equal_transformers(case):
         assert config.attention_sinks and config.rope_scaling.rope_type == "yarn"
         assert config.windows == "some" and config.activation == "clamped_swiglu"
         assert config.routing == "topk_softmax" and config.expert_bias
+
+
+def test_the_load_balancing_loss_equals_transformers(case):
+    """transformers' `aux_loss` (`output_router_logits`) of a right-padded batch: the reference
+    step's load-balancing loss over the real tokens (segment 0: padding) equals it (1e-5)."""
+    _, hf_model, model = case
+    mask = np.ones(TOKENS.shape, np.int64)
+    mask[1, 30:] = 0
+    with torch.no_grad():
+        want = hf_model(
+            torch.as_tensor(TOKENS), attention_mask=torch.as_tensor(mask), output_router_logits=True
+        ).aux_loss
+    positions = np.broadcast_to(np.arange(TOKENS.shape[1]), TOKENS.shape)
+    batch = Batch(
+        jnp.asarray(TOKENS), jnp.asarray(TOKENS), jnp.ones(TOKENS.shape), jnp.asarray(positions),
+        jnp.asarray(mask),
+    )  # fmt: skip
+    _, got = model_loss_terms({}, model.params, batch, model.config)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
 
 
 def test_the_router_decides_the_output(case):

@@ -9,10 +9,16 @@ import pytest
 from featherweight.errors import AdapterConfigError, ConfigError
 from featherweight.models.init import init_params
 from featherweight.quant.nf4 import NF4Tensor
-from featherweight.recipe.build import abstract_split, check_method_settings, split_params
+from featherweight.recipe.build import (
+    abstract_split,
+    check_method_settings,
+    router_aux_loss_coef,
+    split_params,
+)
 from featherweight.recipe.optimizer import learning_rate_schedule, make_optimizer
 from featherweight.recipe.schema import parse_config
 from tests.conftest import tiny_config
+from tests.tiny_families import tiny_family
 
 
 def test_schedules_warm_up_and_decay():
@@ -151,3 +157,25 @@ def test_cudnn_packed_attention_holds_the_packers_limit(monkeypatch, step, most,
     jitted, arguments = abstract_step_arguments(config, tiny_config())
     jitted.trace(*arguments)
     assert seen and set(seen) == {slots}
+
+
+@pytest.mark.parametrize(
+    ("setting", "output_router_logits", "expected"),
+    [(None, False, 0.0), (None, True, 0.001), (0.0, True, 0.0), (0.3, False, 0.3)],
+)
+def test_the_router_loss_weight_follows_the_setting_then_the_model(
+    setting, output_router_logits, expected
+):
+    """null: the model's coefficient only when its config.json turns the loss on (transformers'
+    `output_router_logits`, off by default); a number: that weight (0: off)."""
+    model_config = tiny_family(
+        "qwen3_moe", router_aux_loss_coef=0.001, output_router_logits=output_router_logits
+    )
+    config = parse_config({"moe": {"router_aux_loss_coef": setting}})
+    assert router_aux_loss_coef(config, model_config) == expected
+
+
+def test_the_router_loss_is_refused_for_a_dense_model():
+    config = parse_config({"moe": {"router_aux_loss_coef": 0.01}})
+    with pytest.raises(ConfigError, match="dense model with no router"):
+        check_method_settings(config, tiny_config())

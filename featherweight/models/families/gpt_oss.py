@@ -66,6 +66,7 @@ def _options(hf: HFConfig, source: str) -> dict[str, Any]:
         "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
         "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
         "router_aux_loss_coef": hf.get("router_aux_loss_coef"),
+        "output_router_logits": bool(hf.get("output_router_logits", False)),
         **sliding_options(window, sliding),
     }
 

@@ -39,6 +39,7 @@ def _experts(hf: HFConfig, width_field: str, norm_topk: bool) -> dict[str, Any]:
         "intermediate_size": int(hf[width_field]),
         "norm_topk_prob": norm_topk,
         "router_aux_loss_coef": None if coef is None else float(coef),
+        "output_router_logits": bool(hf.get("output_router_logits", False)),
     }
 
 
