@@ -48,6 +48,9 @@ def train(
             "--dry-run", help="check the inputs and print the plan, then stop (nothing written)"
         ),
     ] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="the memory table with each row's formula")
+    ] = False,
 ) -> None:
     """Fine-tune as CONFIG says: memory plan first, then training with checkpoints (resumable).
 
@@ -64,14 +67,14 @@ def train(
     overrides = list(set_ or []) + (["data.skip_bad=true"] if skip_bad else [])
     settings = load_config(config, overrides)
     if dry_run:
-        planned = plan_only(settings, overwrite=overwrite, console=console)
+        planned = plan_only(settings, overwrite=overwrite, console=console, verbose=verbose)
         console.print(
             f"dry run: stopped after the plan; {planned.directory.path} is as it was "
             "(run the same command without --dry-run to train)",
             highlight=False,
         )
         return
-    result = run_training(settings, overwrite=overwrite, console=console)
+    result = run_training(settings, overwrite=overwrite, console=console, verbose=verbose)
     if result.stopped_by_signal is not None:
         raise typer.Exit(code=EXIT_CODES.get(result.stopped_by_signal, 1))
     if not is_primary():

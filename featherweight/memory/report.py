@@ -109,9 +109,13 @@ def comparison_notes(plan: MemoryPlan, measurement: MemoryMeasurement | None) ->
     return notes
 
 
-def plan_table(plan: MemoryPlan, measurement: MemoryMeasurement | None = None) -> Table:
+def plan_table(
+    plan: MemoryPlan, measurement: MemoryMeasurement | None = None, formulas: bool = True
+) -> Table:
     """Rows: each planned component (with its measured bytes where they are measurable), the
-    measured groups, the total, and the lower bound."""
+    measured groups, the total, and the lower bound; with `formulas`, each row's formula in a
+    last column (what `plan` shows; a training log leaves it out to stay within 100 columns,
+    `train --verbose` puts it back)."""
     measured = measurement.components if measurement else {}
     groups = plan.measured_groups()
     table = Table(
@@ -122,14 +126,15 @@ def plan_table(plan: MemoryPlan, measurement: MemoryMeasurement | None = None) -
     if measurement:
         table.add_column("measured", justify="right")
         table.add_column("diff", justify="right")
-    table.add_column("formula", style="dim")
+    if formulas:
+        table.add_column("formula", style="dim")
 
     def row(name: str, where: str, planned: int, actual: int | None, formula: str) -> None:
         cells = [name, where, format_bytes(planned)]
         if measurement:
             diff = percent_difference(planned, actual)
             cells += [format_bytes(actual), "-" if diff is None else f"{diff:+.1f}%"]
-        table.add_row(*cells, formula)
+        table.add_row(*cells, *([formula] if formulas else []))
 
     for component in plan.components:
         if component.name in PERSISTENT or component.name == "step_outputs":
@@ -168,50 +173,39 @@ def plan_table(plan: MemoryPlan, measurement: MemoryMeasurement | None = None) -
         ),
     )
     if plan.rollout:
-        _rollout_rows(table, plan, bool(measurement))
+        _rollout_rows(table, plan, bool(measurement), formulas)
     if plan.host_bytes:
-        table.add_row(
-            "host (offloaded)",
-            HOST,
-            format_bytes(plan.host_bytes),
-            *(["", ""] if measurement else []),
-            "",
-        )
-    table.add_row(
-        "lower bound",
-        "device",
-        format_bytes(plan.lower_bound_bytes),
-        *(["", ""] if measurement else []),
-        "every tensor once (plan.py)",
-    )
+        blank = ["", ""] if measurement else []
+        _add_row(table, ["host (offloaded)", HOST, format_bytes(plan.host_bytes), *blank], "",
+                 formulas)  # fmt: skip
+    blank = ["", ""] if measurement else []
+    lower = ["lower bound", "device", format_bytes(plan.lower_bound_bytes), *blank]
+    _add_row(table, lower, "every tensor once (plan.py)", formulas)
     return table
 
 
-def _rollout_rows(table: Table, plan: MemoryPlan, measured: bool) -> None:
+def _add_row(table: Table, cells: list[str], formula: str, formulas: bool) -> None:
+    """A row of the plan's table, its formula in the last column where the table has one."""
+    table.add_row(*cells, *([formula] if formulas else []))
+
+
+def _rollout_rows(table: Table, plan: MemoryPlan, measured: bool, formulas: bool) -> None:
     """GRPO's rollout phase under the train step: the resident bytes counted once, what sampling
     holds, its total and the peak (the larger phase); planned only (the measurement is the
     train step's)."""
     blank = ["", ""] if measured else []
     table.add_section()
-    table.add_row(
-        "rollout phase: resident",
-        "device",
-        format_bytes(plan.resident_device_bytes),
-        *blank,
-        "frozen base + trainable weights + optimizer state (the step's, counted once)",
-    )
+    resident = ["rollout phase: resident", "device", format_bytes(plan.resident_device_bytes)]
+    _add_row(table, [*resident, *blank],
+             "frozen base + trainable weights + optimizer state (the step's, counted once)",
+             formulas)  # fmt: skip
     for component in plan.rollout:
-        table.add_row(
-            f"  {component.name}",
-            component.placement,
-            format_bytes(component.bytes),
-            *blank,
-            component.formula,
-        )
-    table.add_row(
-        "rollout phase total", "device", format_bytes(plan.rollout_device_bytes), *blank, ""
-    )
-    table.add_row("peak (the larger phase)", "device", format_bytes(plan.device_bytes), *blank, "")
+        cells = [f"  {component.name}", component.placement, format_bytes(component.bytes)]
+        _add_row(table, [*cells, *blank], component.formula, formulas)
+    total = ["rollout phase total", "device", format_bytes(plan.rollout_device_bytes), *blank]
+    _add_row(table, total, "", formulas)
+    peak = ["peak (the larger phase)", "device", format_bytes(plan.device_bytes), *blank]
+    _add_row(table, peak, "", formulas)
 
 
 def print_report(
@@ -219,9 +213,11 @@ def print_report(
     measurement: MemoryMeasurement | None,
     console: Console,
     changes: list[str] | None = None,
+    formulas: bool = True,
 ) -> None:
-    """The table, then the settings, any budget changes and the notes."""
-    console.print(plan_table(plan, measurement))
+    """The table (with its formulas column, or without: `plan_table`), then the settings, any
+    budget changes and the notes."""
+    console.print(plan_table(plan, measurement, formulas))
     settings = ", ".join(f"{key}={value}" for key, value in plan.settings.items())
     console.print(f"[bold]settings:[/] {settings}", highlight=False)
     for change in changes or []:

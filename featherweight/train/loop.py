@@ -121,7 +121,9 @@ def printing_planner(console: Console) -> Callable:
     return plan
 
 
-def compile_step(run: Run, trainable: Params, opt_state: Any, console: Console) -> Callable:
+def compile_step(
+    run: Run, trainable: Params, opt_state: Any, console: Console, formulas: bool = False
+) -> Callable:
     """Compile the step ahead of the first batch and print its measured memory next to the plan
     (`compiled.memory_analysis()`, per device); the compiled step is what the loop runs."""
     rows = run.config.batch_size * jax.process_count()
@@ -132,7 +134,7 @@ def compile_step(run: Run, trainable: Params, opt_state: Any, console: Console) 
     seconds = time.perf_counter() - started
     if run.plan is not None and compiled.memory_analysis() is not None:
         measurement = measurement_of(compiled, trainable, opt_state, run.frozen, seconds)
-        print_report(run.plan, measurement, console)
+        print_report(run.plan, measurement, console, formulas=formulas)
     return compiled
 
 
@@ -332,29 +334,34 @@ def train(
     console: Console | None = None,
     plan_fn=None,
     on_step: Callable[[int, Params, Any, dict], None] | None = None,
+    verbose: bool = False,
 ) -> TrainResult:
     """Run (or resume) the training `config` describes; see the module docstring.
 
     `on_step(step, trainable, opt_state, metrics)`, when given, sees the live state after every
-    step (monitoring, tests); it must not keep references to it.
+    step (monitoring, tests); it must not keep references to it. `verbose`: the memory table
+    with each row's formula (wider than 100 columns).
     """
     console = (console or Console()) if is_primary() else Console(quiet=True)
     check_loggers(config.report_to)
     # from the very start: SIGINT/SIGTERM/SIGHUP during setup (planning, loading, compiling) is
     # recorded too, and the run stops cleanly before its first step instead of dying mid-setup
     with StopRequest() as stop:
-        return _train(config, overwrite, console, plan_fn, on_step, stop)
+        return _train(config, overwrite, console, plan_fn, on_step, stop, verbose)
 
 
 def dry_run(
-    config: TrainConfig, overwrite: bool = False, console: Console | None = None
+    config: TrainConfig,
+    overwrite: bool = False,
+    console: Console | None = None,
+    verbose: bool = False,
 ) -> PlannedRun:
     """`train --dry-run`: the run's checks and its plan, made and printed as `train` makes them
     (the plan's table under its headline), then stop: no weight or record is read, nothing is
     written."""
     console = console or Console()
     planned = plan_run(config, overwrite, printing_planner(console))
-    print_report(planned.plan, None, console)
+    print_report(planned.plan, None, console, formulas=verbose)
     if planned.fit is not None:
         console.print(
             f"device memory: {planned.fit.line} ({planned.fit.limit_note})", highlight=False
@@ -363,14 +370,16 @@ def dry_run(
     return planned
 
 
-def _train(config, overwrite, console, plan_fn, on_step, stop: StopRequest) -> TrainResult:
+def _train(
+    config, overwrite, console, plan_fn, on_step, stop: StopRequest, verbose: bool = False
+) -> TrainResult:
     run = prepare_run(config, overwrite, plan_fn or printing_planner(console))
     config = run.config
     if run.fit is not None:  # the plan against this device (on a GPU: JAX's pool)
         console.print(f"device memory: {run.fit.line} ({run.fit.limit_note})", highlight=False)
     print_data_summary(run, console)
     trainable, opt_state = run.trainable, run.opt_state
-    run.step_fn = compile_step(run, trainable, opt_state, console)
+    run.step_fn = compile_step(run, trainable, opt_state, console, formulas=verbose)
     run.trainable = run.opt_state = None  # the loop holds the only references from here on
     base_key = jax.random.PRNGKey(config.seed)
     loss = eval_loss = None

@@ -26,3 +26,18 @@ def test_the_plan_table_is_not_wrapped_in_a_log():
         line.startswith("settings: method=qlora") and "calibration=" in line for line in lines
     )
     assert any("linear weights NF4 (~0.52 B/value), the rest x 2 B" in line for line in lines)
+
+
+def test_the_training_logs_memory_table_fits_100_columns_and_verbose_adds_formulas(tmp_path):
+    """`train` (here its --dry-run, the same table) prints the plan without its formulas column;
+    `--verbose` adds it. Before, the training log's table was 180 columns wide."""
+    out = str(tmp_path / "run")
+    arguments = ["train", "--dry-run", "--set", f"output_dir={out}"]
+    plain = CliRunner().invoke(app, arguments)
+    assert plain.exit_code == 0, plain.output
+    table = [line for line in plain.output.splitlines() if line[:1] in "┏┃┡│├└"]
+    assert len(table) > 5 and max(len(line) for line in table) <= 100
+    assert "formula" not in plain.output
+    verbose = CliRunner().invoke(app, [*arguments, "--verbose"])
+    assert verbose.exit_code == 0, verbose.output
+    assert "formula" in verbose.output and "L x B x S x D" in verbose.output
