@@ -70,3 +70,18 @@ def test_the_8b_budget_row_is_what_its_command_compiles():
     compiled = gib(readme_row(BUDGET_ROW), "compiled")
     assert report["measured_target"] == "h100"
     assert compiled == round(report["measured_device_bytes"] / GIB, 2)
+
+
+def test_the_gpu_pages_host_base_rows_are_what_plan_says():
+    """docs/gpus.md's table of the frozen base on the host: each row's planned device and host
+    bytes are `plan MODEL --method qlora --batch 1 --seq N --budget B --target rtx4090`'s."""
+    text = (README.parent / "docs" / "gpus.md").read_text()
+    rows = re.findall(
+        r"\| (Llama-3\.1-\w+), (\d+) tokens, budget (\d+) GiB \| ([\d.]+) GiB \| ([\d.]+) GiB", text
+    )
+    assert len(rows) == 2
+    for model, seq, budget, device, host in rows:
+        report = plan_json(["plan", model, "--method", "qlora", "--batch", "1", "--seq", seq,
+                            "--budget", f"{budget}GiB", "--target", "rtx4090"])  # fmt: skip
+        assert float(device) == round(report["planned_device_bytes"] / GIB, 2)
+        assert float(host) == round(report["planned_host_bytes"] / GIB, 2)
