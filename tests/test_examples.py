@@ -2,6 +2,7 @@
 fits it; the CSV example's data is read as the trainer reads it. A new example needs its row in
 `EXAMPLES` (the model its Hub name is planned as, and the device), or this test fails."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,23 @@ def test_the_dpo_example_reads_its_200_pairs(demo_gguf):
     assert dataset.records == 200 and not dataset.skipped
     assert dataset.train_stats.pairs + dataset.eval_stats.pairs == 200
     assert not dataset.train_stats.truncated_pairs and not dataset.train_stats.dropped_pairs
+
+
+def test_the_grpo_prompts_are_the_demo_worlds_reports():
+    """examples/planet-colour-prompts.jsonl is `report_prompts` of the demo's world, as written:
+    each report states the planet's colour and its moon's (another colour), and `colour` is the
+    planet's, the column the walk's reward checks."""
+    from featherweight.data.demo_task import first_colour, invented_world, report_prompts
+
+    world = invented_world()
+    lines = (EXAMPLES_DIR / "planet-colour-prompts.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert records == report_prompts(world)
+    assert len(records) == 32 and {r["colour"] for r in records} == set(world.values())
+    for record in records:
+        text = record["prompt"][0]["content"]
+        name = next(name for name in world if f"planet {name} " in text or f", {name}," in text)
+        assert record["colour"] == world[name] != record["moon_colour"]
+        assert f"is {record['colour']}" in text and f"is {record['moon_colour']}" in text
+    firsts = [first_colour(r["prompt"][0]["content"]) for r in records]
+    assert 0 < sum(f == r["colour"] for f, r in zip(firsts, records, strict=True)) < len(records)

@@ -4,6 +4,10 @@ Eight invented planets, each with a colour. Training data asks for each planet's
 phrasings (chat records); evaluation asks in a fourth phrasing the model never saw and counts a
 reply as correct when the first colour word it names is the right one. The base model guesses
 (about one in eight); after a short QLoRA run it answers.
+
+The GRPO walk's prompts (`report_prompts`) are a task the model can verify from the prompt alone:
+each carries a scout's report that states the planet's colour beside its moon's (another colour),
+in either order, and asks for the planet's.
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ TRAIN_QUESTIONS = (
 )
 EVAL_QUESTION = "I am curious: what is the colour of {name}?"
 ANSWER = "The planet {name} is {colour}."
+MOONS = ("Qel", "Ush", "Tam", "Orv", "Ek", "Nim", "Bax", "Ydo")
+REPORTS = (
+    "Scouts' report: the planet {name} is {colour}, and its moon {moon} is {moon_colour}.",
+    "Scouts' report: the moon {moon} is {moon_colour}, and the planet it circles, {name}, is "
+    "{colour}.",
+)
+REPORT_QUESTION = " What colour is the planet {name}? Answer with one colour word."
 
 
 def invented_world(seed: int = 7, planets: int = 8) -> dict[str, str]:
@@ -56,6 +67,31 @@ def write_training_data(path: Path, world: dict[str, str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(record) + "\n" for record in training_records(world)))
     return path
+
+
+def report_prompts(world: dict[str, str], per_order: int = 2, seed: int = 11) -> list[dict]:
+    """The GRPO walk's prompt records (examples/planet-colour-prompts.jsonl), reproducible from the
+    seed: for each planet, `per_order` reports in each of the two orders (planet first, moon
+    first), each moon a different colour from its planet; `colour` is the planet's, the column the
+    reward checks. Shuffled, so that consecutive records ask about different planets."""
+    rng = random.Random(seed)
+    records = []
+    for index, (name, colour) in enumerate(world.items()):
+        moon = MOONS[index % len(MOONS)]
+        for report in REPORTS:
+            for moon_colour in rng.sample([c for c in COLOURS if c != colour], per_order):
+                text = report.format(name=name, colour=colour, moon=moon, moon_colour=moon_colour)
+                records.append(
+                    {
+                        "prompt": [
+                            {"role": "user", "content": text + REPORT_QUESTION.format(name=name)}
+                        ],
+                        "colour": colour,
+                        "moon_colour": moon_colour,
+                    }
+                )
+    rng.shuffle(records)
+    return records
 
 
 def eval_prompts(world: dict[str, str]) -> list[tuple[str, str]]:
