@@ -430,7 +430,7 @@ def measure(
         config = resolve(config, model)
         case = _case_id(model, config)
         if case not in done or (again_if_host and arguments_on_host(config)):
-            measured = measure_for_target(_as_fitted(config, target), model, target)
+            measured = measure_for_target(as_fitted(config, target), model, target)
             done[case] = {
                 "model": model.to_hf_dict(),
                 "config": config.model_dump(mode="json"),
@@ -451,7 +451,7 @@ def measure(
     return records
 
 
-def _as_fitted(config: TrainConfig, target: str) -> TrainConfig:
+def as_fitted(config: TrainConfig, target: str) -> TrainConfig:
     """`config` as the fit measures it: on a GPU target its "auto" attention compiled blockwise,
     the attention a plan for the compiler alone chooses (`compiler_target`: no GPU generation
     named), not the cuDNN kernel the GPU itself would run."""
