@@ -77,12 +77,14 @@ _MASKED = -0.7 * float(np.finfo(np.float32).max)
 
 class ScoreForm(NamedTuple):
     """How a family forms its attention scores (static): the scale on q.k (None: head_dim^-1/2),
-    a tanh softcap (Gemma 2), and the sliding window (a query sees itself and the window - 1
-    positions before it; None: every earlier position)."""
+    a tanh softcap (Gemma 2), the sliding window (a query sees itself and the window - 1
+    positions before it; None: every earlier position), and whether learned sink logits join
+    every softmax (gpt-oss; their values are the layer's, passed beside the form)."""
 
     scale: float | None = None
     softcap: float | None = None
     window: int | None = None
+    sinks: bool = False
 
     def scale_for(self, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim) if self.scale is None else self.scale

@@ -100,15 +100,19 @@ def _nvidia_refusal(target: AttentionTarget, kernel: str) -> str | None:
 
 def score_form(config: ModelConfig) -> ScoreForm:
     """How `config`'s family forms its attention scores, as far as a kernel must take it: the
-    scale, the softcap, and the window when any layer slides and it is shorter than the model's
-    context (Phi-3.5-mini's 262,144 over 131,072 positions masks nothing)."""
+    scale, the softcap, the window when any layer slides and it is shorter than the model's
+    context (Phi-3.5-mini's 262,144 over 131,072 positions masks nothing), and its sinks."""
     window = config.sliding_window
     if config.windows == "none" or window >= config.max_position_embeddings:
         window = None
-    return ScoreForm(config.attention_scale, config.attn_softcap, window)
+    return ScoreForm(config.attention_scale, config.attn_softcap, window, config.attention_sinks)
 
 
 def _softcap_refusal(form: ScoreForm, kernel: str) -> str | None:
+    """Why `kernel` cannot form these scores: a softcap, or sinks (neither fused kernel takes
+    either); None when it can."""
+    if form.sinks:
+        return f"{kernel} takes no attention sinks (this model's softmax has a sink per head)"
     if form.softcap is None:
         return None
     return (
@@ -128,7 +132,7 @@ def cudnn_refusal(
 ) -> str | None:
     """Why cuDNN's fused attention cannot run this call exactly (None when it can): an NVIDIA GPU,
     bf16 or fp16, head dim a multiple of 8 and <= 128 (<= 256 on Hopper and later; Ampere/Ada's
-    backward stops at 128), causal, scores without a softcap (`form`); packed rows only on Hopper
+    backward stops at 128), causal, scores without a softcap or sinks (`form`); packed rows only on Hopper
     and later, through a jax whose private cuDNN API takes the packed layout, and without a
     sliding window (that API takes none); and (`check_library`) cuDNN's library loadable here,
     for the call to be built at all."""
@@ -166,8 +170,8 @@ def cudnn_refusal(
 def pallas_refusal(target: AttentionTarget, head_dim: int, form: ScoreForm = PLAIN) -> str | None:
     """Why jax's Pallas Triton flash attention cannot run on `target` (None when it can): an
     NVIDIA GPU (elsewhere it runs only in interpret mode, for tests), a head dim that is a
-    power of two from 16 (the kernel's tiles are powers of two), and scores with neither a
-    softcap nor a sliding window (`form`: the kernel takes neither)."""
+    power of two from 16 (the kernel's tiles are powers of two), and scores with no softcap,
+    sinks or sliding window (`form`: the kernel takes none of them)."""
     kernel = "the Pallas (Triton) attention kernel"
     refusal = _nvidia_refusal(target, kernel) or _softcap_refusal(form, kernel)
     if refusal:

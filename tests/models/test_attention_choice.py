@@ -131,6 +131,17 @@ def test_auto_runs_a_softcapped_model_blockwise_and_an_explicit_fused_kernel_is_
         assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("rows", ["plain", "padded", "packed"])
+def test_auto_runs_a_model_with_sinks_blockwise_and_an_explicit_fused_kernel_is_refused(rows):
+    # gpt-oss: a sink logit per head joins every softmax; no fused kernel takes it, window or not
+    form = score_form(tiny_family("gpt_oss"))
+    assert form.sinks and form.window is not None
+    assert choose_attention("auto", H100, "bfloat16", 64, rows, False, False, form) == "blockwise"
+    for choice in ("cudnn", "pallas"):
+        with pytest.raises(StepConfigError, match="no attention sinks"):
+            choose_attention(choice, H100, "bfloat16", 64, rows, False, False, form)
+
+
 def test_a_window_keeps_public_cudnn_but_not_the_packed_layout_nor_pallas():
     # the public call takes `local_window_size`; jax's private packed API and Pallas do not
     args = (H100, "bfloat16", 128)
