@@ -20,16 +20,30 @@ Record = dict[str, Any]
 
 
 def parse_args(doc: str, repo: Path, argv: list[str] | None) -> argparse.Namespace:
-    """The row set's options: --out, --tiny, --deadline, --table-dir and the child's --job."""
+    """The row set's options: --out, --tiny, --deadline, --table-dir, --jobs (a subset, in the
+    order given) and the child's --job."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tiny", action="store_true", help="SmolLM2 shapes on CPU (CI)")
     parser.add_argument("--deadline", type=float, default=1500.0, help="seconds for all jobs")
     parser.add_argument("--table-dir", type=Path, default=repo / "benchmarks" / "results")
+    parser.add_argument("--jobs", help="a subset of the jobs, comma-separated, run in this order")
     parser.add_argument("--job", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     return args
+
+
+def chosen(names: list[str], args: argparse.Namespace) -> list[str]:
+    """The jobs `--jobs` names, in its order (all of `names` without it); an unknown name is an
+    error naming the known ones."""
+    if not args.jobs:
+        return names
+    wanted = [name for name in args.jobs.split(",") if name]
+    unknown = [name for name in wanted if name not in names]
+    if unknown:
+        raise SystemExit(f"unknown job(s) {', '.join(unknown)}; known: {', '.join(names)}")
+    return wanted
 
 
 def run_jobs(
@@ -39,11 +53,12 @@ def run_jobs(
     args: argparse.Namespace,
     stop: Callable[[str, Record], bool] = lambda name, record: False,
 ) -> dict[str, Record]:
-    """Each job of `script` in its own process (`script --job NAME`), in order, within
-    `args.deadline` seconds: {name: the JSON line it printed, or its error}; each record is also
+    """Each job of `script` (those `--jobs` names) in its own process (`script --job NAME`), in
+    order, within `args.deadline` seconds: {name: the JSON line it printed, or its error}; each record is also
     appended to `out/<kind>.jsonl` and each job's output kept in `out/<kind>-<name>.log`. A job
     for which `stop(name, record)` holds ends the run."""
     started, records = time.monotonic(), {}
+    names = chosen(list(names), args)
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     if args.tiny:
         env["JAX_PLATFORMS"] = "cpu"

@@ -6,8 +6,10 @@ a CUDA device, SDPA attention),
 gradient checkpointing per layer (as the JAX programs recompute each layer in the backward pass),
 cross-entropy over the full logits, `torch.optim.AdamW`. LoRA: peft's `LoraConfig` r 8, alpha 16
 on every linear of the blocks. QLoRA: the blocks' linears replaced by bitsandbytes' NF4
-`Linear4bit` (double quantization, the model's compute dtype; bitsandbytes runs on CPU), then the same peft
-adapters. Full fine-tuning: every parameter trained.
+`Linear4bit` (double quantization, the model's compute dtype), each quantized where the model
+was made: on a GPU straight from its bf16 weights there, no round trip through the host (with
+one, the 8B peer ran past the 58 s left to it on an H200). Then the same peft adapters. Full
+fine-tuning: every parameter trained.
 
 torch's OpenMP threads wait passively (`OMP_WAIT_POLICY=PASSIVE`, set here before torch is first
 imported): on a shared, loaded machine spinning OpenMP barriers made the LoRA step at b2 x 64 25x
@@ -46,7 +48,7 @@ def _quantize_linears(model, compute_dtype, device: str) -> None:
                 quant_type="nf4",
             )
             quantized.weight = bnb.nn.Params4bit(
-                dense.weight.data.cpu(),
+                dense.weight.data,  # where the model is: quantized there, no round trip
                 requires_grad=False,
                 compress_statistics=True,
                 quant_type="nf4",
@@ -72,8 +74,13 @@ def build_torch_step(
     hf.pop("architectures")
     hf["max_position_embeddings"] = max(hf["max_position_embeddings"], input_ids.shape[1])
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**hf, attn_implementation="sdpa")).to(dtype)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # made in its dtype on its device: no float32 copy first
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**hf, attn_implementation="sdpa"))
+    finally:
+        torch.set_default_dtype(default_dtype)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     if method == "qlora":
