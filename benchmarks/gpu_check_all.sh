@@ -5,9 +5,9 @@
 #     OUT=/path/for/results benchmarks/gpu_check_all.sh [--tiny]
 #
 # The order: the speed rows of Llama-3.1-8B QLoRA (featherweight at defaults, the torch + peft +
-# bitsandbytes peer, featherweight at its fastest within the device); Gemma 3 through cuDNN's
-# windowed call and GRPO's two phases at the 8B goal (gpu_check_families.py); the Qwen3-30B-A3B
-# speed row; the other family rows; the QLoRA case at the settings fit_budget picks for 5.5 GiB
+# bitsandbytes peer, featherweight at its fastest within the device); cuDNN's step against
+# blockwise's (Qwen3 packed; Gemma 3, head dim 256, its window taken away) and GRPO's two phases
+# at the 8B goal (gpu_check_families.py); the Qwen3-30B-A3B speed row; the other family rows; the QLoRA case at the settings fit_budget picks for 5.5 GiB
 # (gpu_check.py). Each phase gets a share of the time left (GPU_CHECK_SECONDS, default 540, from
 # the start of this script) and its row set stops starting jobs at its deadline, so a slow job
 # costs the phases after it, never the results before it. Results: one folder per phase under
@@ -51,11 +51,11 @@ phase() {
 
 phase 1-speed-8b-qlora 210 240 gpu_check_speed.py \
   --jobs "fw-$large,torch-$large,fw-$large-fastest"
-phase 2-families-gemma3-grpo 170 150 gpu_check_families.py \
-  --jobs gemma3-1b-qlora-padded,grpo-8b-qlora
+phase 2-families-cudnn-grpo 200 120 gpu_check_families.py \
+  --jobs qwen3-0.6b-lora-packed,gemma3-1b-qlora-padded-no-window,grpo-8b-qlora
 phase 3-speed-moe 110 90 gpu_check_speed.py --jobs "fw-$moe"
 phase 4-families-more 150 45 gpu_check_families.py \
-  --jobs gpt-oss-20b-qlora-padded,qwen3-0.6b-lora-packed,phi3.5-mini-qlora-padded
+  --jobs qwen3-0.6b-lora-padded,gemma3-1b-qlora-padded,gpt-oss-20b-qlora-padded,phi3.5-mini-qlora-padded
 phase 5-qlora-budget 60 0 gpu_check.py --cases qlora-budget
 mkdir -p "$out"
 tar czf "$out/gpu_check_all.tgz" -C "$work" .

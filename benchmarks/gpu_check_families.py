@@ -7,12 +7,13 @@ batch, and GRPO's two phases (rollouts, then the update) at the 8B goal's settin
 Each job runs in its own process (`peak_bytes_in_use` is a process's high-water mark) and
 records a JSON line in DIR/families.jsonl:
 
-- a family job (`gemma3-1b-qlora-padded`, ...): the model's real shapes, random weights (seed 0),
+- a family job (`qwen3-0.6b-lora-packed`, ...): the model's real shapes, random weights (seed 0),
   bf16, b2 x 2048, one random batch whose rows hold documents of unequal length and padding
   (`documents_batch`: packed rows where the job packs, one document then padding where it does
   not). The step with `memory.attention: auto`, as `train` resolves it on this GPU (cuDNN where it
-  masks exactly what the rows need: Gemma 3's window through cuDNN's public call, head dim 256;
-  Qwen3's packed rows through cuDNN's packed layout; gpt-oss's sinks keep it blockwise), runs 7
+  masks exactly what the rows need: Qwen3's packed rows through cuDNN's packed layout, its padded
+  rows and Gemma 3's (head dim 256) with its window taken away through cuDNN's public call;
+  windows and gpt-oss's sinks keep it blockwise), runs 7
   steps: the device peak (measured) against the plan's device bytes (planned), tokens per
   second (median of steps 3-6). Then the same step with the other implementation (blockwise;
   materialized where auto is blockwise) from the same weights: the first step's loss and
@@ -75,11 +76,14 @@ class FamilyJob:
     model: str
     method: str
     pack: bool
+    window: bool = True  # False: the model's sliding window taken away (every layer global)
 
 
 FAMILY_JOBS = (
-    FamilyJob("gemma3-1b-qlora-padded", "Gemma-3-1B", "qlora", False),
     FamilyJob("qwen3-0.6b-lora-packed", "Qwen3-0.6B", "lora", True),
+    FamilyJob("qwen3-0.6b-lora-padded", "Qwen3-0.6B", "lora", False),
+    FamilyJob("gemma3-1b-qlora-padded-no-window", "Gemma-3-1B", "qlora", False, window=False),
+    FamilyJob("gemma3-1b-qlora-padded", "Gemma-3-1B", "qlora", False),
     FamilyJob("phi3.5-mini-qlora-padded", "Phi-3.5-mini", "qlora", False),
     FamilyJob("gpt-oss-20b-qlora-padded", "gpt-oss-20b", "qlora", False),
 )
@@ -178,6 +182,8 @@ def _run(config: TrainConfig, model: ModelConfig, scale: Scale, batch: Batch) ->
 def family_job(job: FamilyJob, scale: Scale, tiny: bool) -> dict[str, Any]:
     """The family's row (module docstring)."""
     model = model_of(job.model, tiny)
+    if not job.window:
+        model = dataclasses.replace(model, sliding_window=None, sliding_layers=())
     target = AttentionTarget.of_device()
     auto = with_lean_defaults(family_config(job, scale, "auto"), model)
     chosen = attention_implementation(auto, model, target)

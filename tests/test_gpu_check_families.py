@@ -65,3 +65,23 @@ def test_tiny_family_and_grpo_rows_run_and_agree(tmp_path):
     assert 0 < grpo["planned_rollout_device_bytes"] <= grpo["planned_device_bytes"]
     assert all(np.isfinite(grpo["losses"]))
     assert "| grpo-8b-qlora | rollouts: " in result.stdout
+
+
+def test_the_window_check_compares_each_head_dim_with_and_without_a_window(capsys):
+    # benchmarks/gpu_check_window.py --tiny: materialized for cuDNN on CPU, float32
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu_check_window
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    sys_argv, sys.argv = sys.argv, ["gpu_check_window.py", "--tiny"]
+    try:
+        assert gpu_check_window.main() == 0
+    finally:
+        sys.argv = sys_argv
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["head_dim"], r["window"]) for r in records] == [
+        (128, None), (128, 32), (256, None), (256, 32)
+    ]  # fmt: skip
+    for record in records:
+        assert max(record["relative_errors"].values()) < 1e-5, record

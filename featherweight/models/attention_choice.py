@@ -12,10 +12,15 @@ refused with the reason, before anything is built; the planner plans the same ch
 (`cudnn_refusal` finds nothing against it): rows of one document by their lengths on any
 cuDNN GPU ("cudnn_padded"), packed rows by cuDNN's packed layout on Hopper and later ("cudnn"),
 and blockwise otherwise. A family's scores decide too (`ScoreForm`, `score_form`): neither fused
-kernel takes a softcap (Gemma 2), Pallas takes no sliding window, and cuDNN's packed layout
-(jax's private API) none either; the public cuDNN call takes a window (`local_window_size`), so
-plain and padded rows keep cuDNN on Mistral's or Gemma 3's windows. Pallas is never chosen by "auto": it has not been timed on a GPU here,
-and jax#24934 reports it slower than cuDNN on Hopper; name it to use it.
+kernel takes a softcap (Gemma 2) or sinks (gpt-oss), Pallas takes no sliding window, and cuDNN's
+packed layout (jax's private API) none either. cuDNN's public call takes a window
+(`local_window_size`), but is not used with one (`WINDOWED_CUDNN_REFUSAL`): on an H200
+(2026-11-28, `benchmarks/results/gpu_h200_2026-11-28.md`) Gemma-3-1B's step through it
+disagreed with blockwise's (first gradient norm 0.577 against 0.909) while the same call alone,
+at the same head dim and window, agreed within bf16 rounding; until a GPU shows the step equal,
+a windowed model runs blockwise (its tiles skip what the window masks). Pallas is never chosen
+by "auto": it has not been timed on a GPU here, and jax#24934 reports it slower than cuDNN on
+Hopper; name it to use it.
 """
 
 from __future__ import annotations
@@ -121,6 +126,12 @@ def _softcap_refusal(form: ScoreForm, kernel: str) -> str | None:
     )
 
 
+WINDOWED_CUDNN_REFUSAL = (
+    "cuDNN's attention is not used with a sliding window (this model's is {window}): on an H200 a "
+    "windowed model's step through it did not match blockwise's gradients; use blockwise"
+)
+
+
 def cudnn_refusal(
     target: AttentionTarget,
     dtype: str,
@@ -132,9 +143,9 @@ def cudnn_refusal(
 ) -> str | None:
     """Why cuDNN's fused attention cannot run this call exactly (None when it can): an NVIDIA GPU,
     bf16 or fp16, head dim a multiple of 8 and <= 128 (<= 256 on Hopper and later; Ampere/Ada's
-    backward stops at 128), causal, scores without a softcap or sinks (`form`); packed rows only on Hopper
-    and later, through a jax whose private cuDNN API takes the packed layout, and without a
-    sliding window (that API takes none); and (`check_library`) cuDNN's library loadable here,
+    backward stops at 128), causal, scores without a softcap, sinks or sliding window (`form`;
+    the window: module docstring); packed rows only on Hopper and later, through a jax whose
+    private cuDNN API takes the packed layout; and (`check_library`) cuDNN's library loadable here,
     for the call to be built at all."""
     refusal = _nvidia_refusal(target, "cuDNN") or _softcap_refusal(form, "cuDNN's fused attention")
     if refusal:
@@ -159,11 +170,8 @@ def cudnn_refusal(
         )
     if rows == "packed" and cudnn_packed_refusal():
         return cudnn_packed_refusal()
-    if rows == "packed" and form.window is not None:
-        return (
-            f"cuDNN's packed layout (jax's private API) takes no sliding window (this model's is "
-            f"{form.window}); set data.pack: false (one document per row) or use blockwise"
-        )
+    if form.window is not None:
+        return WINDOWED_CUDNN_REFUSAL.format(window=form.window)
     return cudnn_library_refusal() if check_library else None
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from featherweight.errors import StepConfigError
 from featherweight.models import attention_choice
-from featherweight.models.attention import ScoreForm
+from featherweight.models.attention import PLAIN, ScoreForm
 from featherweight.models.attention_choice import AttentionTarget, choose_attention, score_form
 from tests.tiny_families import WINDOW, tiny_family
 
@@ -142,16 +142,19 @@ def test_auto_runs_a_model_with_sinks_blockwise_and_an_explicit_fused_kernel_is_
             choose_attention(choice, H100, "bfloat16", 64, rows, False, False, form)
 
 
-def test_a_window_keeps_public_cudnn_but_not_the_packed_layout_nor_pallas():
-    # the public call takes `local_window_size`; jax's private packed API and Pallas do not
+@pytest.mark.parametrize("rows", ["plain", "padded", "packed"])
+def test_a_windowed_model_runs_blockwise_and_an_explicit_fused_kernel_is_refused(rows):
+    # cuDNN's public call takes `local_window_size`, but a windowed Gemma 3 step through it did
+    # not match blockwise's gradients on an H200: not chosen, and refused when named; nor Pallas
     args = (H100, "bfloat16", 128)
-    assert choose_attention("auto", *args, "padded", False, False, WINDOWED) == "cudnn_padded"
-    assert choose_attention("auto", *args, "plain", False, False, WINDOWED) == "cudnn"
-    assert choose_attention("auto", *args, "packed", False, False, WINDOWED) == "blockwise"
-    with pytest.raises(StepConfigError, match=r"packed layout.*no sliding window.*4096"):
-        choose_attention("cudnn", *args, "packed", False, False, WINDOWED)
+    assert choose_attention("auto", *args, rows, False, False, WINDOWED) == "blockwise"
+    with pytest.raises(
+        StepConfigError, match=r"sliding window \(this model's is 4096\).*blockwise"
+    ):
+        choose_attention("cudnn", *args, rows, False, False, WINDOWED)
     with pytest.raises(StepConfigError, match=r"Pallas.*no sliding window"):
-        choose_attention("pallas", *args, "padded", form=WINDOWED)
+        choose_attention("pallas", *args, rows, form=WINDOWED)
+    assert choose_attention("auto", *args, rows, False, False, PLAIN) != "blockwise"
 
 
 @pytest.mark.parametrize(
