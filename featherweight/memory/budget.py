@@ -39,11 +39,8 @@ from featherweight.memory.working_set import plan_reserve
 from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.config import ModelConfig
 from featherweight.parallel.sharding import planning_mesh
-from featherweight.recipe.build import (
-    attention_implementation,
-    check_clipping_and_accumulation,
-    check_preference_settings,
-)
+from featherweight.recipe.build import attention_implementation, check_clipping_and_accumulation
+from featherweight.recipe.objectives import check_objective, objective_of
 from featherweight.recipe.placement import check_placements
 from featherweight.recipe.schema import TrainConfig
 from featherweight.step.policy import SAVEABLE
@@ -220,9 +217,10 @@ def _fewer_accumulation(config: TrainConfig) -> Iterator[TrainConfig]:
 def _rollout_chunks(config: TrainConfig) -> Iterator[TrainConfig]:
     """GRPO: fewer completions sampled together (halvings that divide the group), each with its
     KV cache and logits; only the rollout phase shrinks, the step is the same."""
-    if config.objective != "grpo":
+    rollouts = objective_of(config).rollouts(config)
+    if rollouts is None:
         return
-    generations = config.grpo.num_generations
+    generations = rollouts.num_generations
     chunk = (config.memory.rollout_chunk or generations) // 2
     while chunk >= 1:
         if generations % chunk == 0:
@@ -412,7 +410,7 @@ def _plan_if_valid(
         TrainConfig.model_validate(config.model_dump(mode="json"))
         check_placements(config, model_config)  # host placements the trainer would refuse
         check_clipping_and_accumulation(config)  # e.g. two-pass clipping with accumulation
-        check_preference_settings(config)  # preference pairs are averaged over one batch
+        check_objective(config)  # e.g. pairs averaged over one batch, GRPO's whole groups
         return plan_for_config(config, model_config, target)
     except (ConfigError, ValueError):
         return None
@@ -577,7 +575,8 @@ def _alternatives(
     shorter sequence, the first lighter method, the largest smaller LoRA rank."""
     shorter = []
     # a GRPO row must still hold a prompt token and the longest completion
-    shortest = config.grpo.max_completion_length if config.objective == "grpo" else 0
+    rollouts = objective_of(config).rollouts(config)
+    shortest = 0 if rollouts is None else rollouts.max_completion_length
     for seq in _halvings(config.data.seq_len, max(MIN_LOSS_CHUNK, shortest)):
         changed = _replace(config, "data", seq_len=seq)
         if config.memory.loss_chunk and seq % config.memory.loss_chunk:

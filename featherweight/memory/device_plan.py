@@ -83,6 +83,7 @@ from featherweight.memory.working_set import (
 from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.config import ModelConfig
 from featherweight.recipe.build import attention_note, check_method_settings
+from featherweight.recipe.objectives import objective_of, step_objective
 from featherweight.recipe.schema import TrainConfig, require_resolved
 from featherweight.step.objective import abstract_batch
 from featherweight.step.policy import DEQUANTIZED
@@ -165,13 +166,13 @@ def _persistent(
 
 def batch_shapes(config: TrainConfig):
     """The step's batch as shapes, its objective's layout (`step/objective.py`)."""
-    return abstract_batch(config.step_objective, config.batch_size, config.data.seq_len)
+    return abstract_batch(step_objective(config), config.batch_size, config.data.seq_len)
 
 
 def objective_notes(config: TrainConfig) -> tuple[str, ...]:
     """What an objective costs beyond its batch arrays (the plan's notes, `plan_note` on the
     objective seam); nothing for next-token cross-entropy."""
-    objective = config.step_objective
+    objective = step_objective(config)
     if objective is None:
         return ()
     return (objective.plan_note(config.batch_size * config.data.seq_len),)
@@ -305,11 +306,12 @@ def plan_settings(
 
 def _objective_settings(config: TrainConfig) -> dict[str, Any]:
     """The objective's own plan settings (`step/objective.py`; nothing for sft: its plans stay
-    as were) and GRPO's rollout chunk."""
-    objective = config.step_objective
+    as were) and, where it samples rollouts (GRPO), the rollout chunk."""
+    objective = step_objective(config)
     if objective is None:
         return {}
-    rollouts = {"rollout_chunk": config.memory.rollout_chunk} if config.objective == "grpo" else {}
+    samples = objective_of(config).rollouts(config) is not None
+    rollouts = {"rollout_chunk": config.memory.rollout_chunk} if samples else {}
     return {**objective.plan_settings(), **rollouts}
 
 

@@ -61,6 +61,7 @@ from featherweight.recipe.build import (
     build_train_step,
     split_params,
 )
+from featherweight.recipe.objectives import step_objective
 from featherweight.recipe.optimizer import make_optimizer
 from featherweight.recipe.placement import arguments_on_host, place_abstract
 from featherweight.recipe.schema import TrainConfig
@@ -127,7 +128,7 @@ def tree_nbytes(tree: Any) -> int:
 def abstract_batch(batch_size: int, seq_len: int, config: TrainConfig | None = None) -> Batch:
     """The `Batch` of shapes the step of `config` takes: its objective's layout
     (`step/objective.py` `abstract_batch`; packed rows for next-token cross-entropy)."""
-    return objective_batch(None if config is None else config.step_objective, batch_size, seq_len)
+    return objective_batch(None if config is None else step_objective(config), batch_size, seq_len)
 
 
 def abstract_step_arguments(

@@ -40,6 +40,7 @@ from featherweight.memory.components import DEVICE, PlanComponent
 from featherweight.memory.working_set import calibration_key
 from featherweight.models.attention_choice import AttentionTarget
 from featherweight.models.config import ModelConfig
+from featherweight.recipe.objectives import objective_of
 from featherweight.recipe.schema import TrainConfig
 
 # [rows, V] float32 buffers of the sampler at the decode loop's peak, by compiler (docstring)
@@ -73,9 +74,10 @@ def rollout_components(
 ) -> tuple[PlanComponent, ...]:
     """What the rollout phase compiled for `target` holds beyond the resident weights and
     optimizer state (module docstring); nothing for an objective that samples nothing."""
-    if config.objective != "grpo":
+    grpo = objective_of(config).rollouts(config)
+    if grpo is None:
         return ()
-    rows, grpo = rollout_rows(config), config.grpo
+    rows = rollout_rows(config)
     prompt, completion = rollout_positions(config)
     positions = prompt + completion
     dtype = jnp.dtype(config.model.dtype)

@@ -35,6 +35,7 @@ from featherweight.peft.lora import (
     quantize_frozen_base,
 )
 from featherweight.quant.nf4 import NF4Tensor, abstract_nf4
+from featherweight.recipe.objectives import check_objective, objective_of, step_objective
 from featherweight.recipe.placement import check_placements, opt_state_placement
 from featherweight.recipe.schema import TrainConfig, require_resolved
 from featherweight.step.opt_state import init_streamed_opt_state, per_tensor_clipping
@@ -161,7 +162,7 @@ def build_train_step(
             model_config, step_optimizer(config, optimizer), lora=spec,
             chunk_size=policy.loss_chunk, shardings=shardings,
             accumulation_steps=accumulation_steps, attention=attention,
-            objective=config.step_objective, packed_slots=slots,
+            objective=step_objective(config), packed_slots=slots,
             router_aux_loss_coef=router_aux_loss_coef(config, model_config),
         )  # fmt: skip
         return step, init_opt_state
@@ -177,7 +178,7 @@ def build_train_step(
         clip_norm=clip_norm,
         two_pass=two_pass,
         shardings=shardings,
-        objective=config.step_objective,
+        objective=step_objective(config),
         router_aux_loss_coef=router_aux_loss_coef(config, model_config),
     )
     return step, init_opt_state
@@ -205,9 +206,10 @@ def attention_implementation(
 
 
 def batch_rows(config: TrainConfig) -> str:
-    """What a batch row holds: several documents ("packed", `data.pack`) or one and padding
-    ("padded"; GRPO's rows are one prompt and its completion each)."""
-    return "packed" if config.data.pack and config.objective != "grpo" else "padded"
+    """What a batch row holds, as the objective lays out its data: several documents
+    ("packed", `data.pack`) or one and padding ("padded"; GRPO's rows are one prompt and its
+    completion each)."""
+    return objective_of(config).rows(config)
 
 
 def packed_slots(config: TrainConfig) -> int:
@@ -280,70 +282,11 @@ def check_method_settings(
             f"{next(c for c in range(mlp_chunk, 0, -1) if seq % c == 0)}"
         )
     check_clipping_and_accumulation(config)
-    check_preference_settings(config)
-    check_grpo_settings(config)
-    if router_aux_loss_coef(config, model_config) and config.step_objective is not None:
+    check_objective(config)
+    if router_aux_loss_coef(config, model_config) and step_objective(config) is not None:
         raise ConfigError(
             f"moe.router_aux_loss_coef trains with objective: sft only; set it to 0 for "
             f"objective: {config.objective}"
-        )
-
-
-def check_grpo_settings(config: TrainConfig) -> None:
-    """Refuse GRPO settings the loop cannot train yet, as one line naming the config keys."""
-    if config.objective != "grpo":
-        return
-    memory = config.memory
-    if memory.accumulation_steps > 1:
-        raise ConfigError(
-            "objective: grpo averages over each batch's completions, so "
-            "memory.accumulation_steps > 1 is not supported; set it to 1 (a smaller batch_size "
-            "fits the memory instead)"
-        )
-    if config.mesh is not None or "host" in (memory.base, memory.embed):
-        raise ConfigError(
-            "objective: grpo samples its rollouts with the weights on one device; use mesh: "
-            "null, memory.base: device and memory.embed: device"
-        )
-    if config.grpo.beta > 0 and config.method == "full":
-        raise ConfigError(
-            "grpo.beta > 0 compares with the frozen base with the adapters off, and method: "
-            "full has no frozen copy; use grpo.beta: 0, or method: lora / qlora"
-        )
-    longest = config.data.seq_len + 1 - config.grpo.max_completion_length
-    if longest < 1:
-        raise ConfigError(
-            f"grpo.max_completion_length={config.grpo.max_completion_length} leaves no room "
-            f"for a prompt in rows of data.seq_len + 1 = {config.data.seq_len + 1} tokens; raise "
-            "data.seq_len (prompt + completion) or lower max_completion_length"
-        )
-
-
-def check_preference_settings(config: TrainConfig) -> None:
-    """Refuse preference settings the step cannot train (the step's own check, as a
-    `ConfigError` naming the config keys, before anything is read)."""
-    if config.preference is None:
-        return
-    most = config.data.max_documents_per_row
-    if config.data.pack and most is not None and most < 2:
-        raise ConfigError(
-            f"data.max_documents_per_row={most} cannot hold a preference pair (two examples) in "
-            "a packed row; set 2 or more, or data.pack: false"
-        )
-    if config.memory.accumulation_steps > 1:
-        raise ConfigError(
-            f"objective: {config.objective} averages over each batch's pairs, so "
-            "memory.accumulation_steps > 1 is not supported; set it to 1 (a smaller batch_size, "
-            "or memory.residuals: host, fits the memory instead)"
-        )
-    if (
-        config.objective == "dpo"
-        and config.method == "full"
-        and config.dpo.reference == "same_step"
-    ):
-        raise ConfigError(
-            "dpo.reference: same_step runs the frozen base with the adapters off, and method: "
-            "full has no frozen copy; use dpo.reference: precomputed (or auto), or method: lora"
         )
 
 
@@ -386,15 +329,17 @@ def check_clipping_and_accumulation(config: TrainConfig) -> None:
 @functools.lru_cache(maxsize=4)
 def evaluation_fn(config: TrainConfig, model_config: ModelConfig) -> Callable:
     """Jitted `(trainable, frozen, batch) -> (mean loss, counted tokens)`, without dropout, with
-    the chunks of the resolved `config`; for a preference objective, (its loss, counted pairs)."""
+    the chunks of the resolved `config`; for an objective evaluated on its own loss (DPO, ORPO:
+    `RunObjective.evaluated`), (that loss, counted pairs)."""
     require_resolved(config, "the evaluation")
     lora = lora_config_of(config)
     spec = None if lora is None else lora.spec
+    objective = objective_of(config).evaluated(config)
 
     def evaluate(trainable, frozen, batch):
-        if config.preference is not None:
+        if objective is not None:
             loss, metrics = objective_model_loss(
-                trainable, frozen, batch, model_config, config.preference, spec,
+                trainable, frozen, batch, model_config, objective, spec,
                 chunks=(config.memory.loss_chunk, config.memory.vocab_chunk),
             )  # fmt: skip
             return loss, metrics["pairs"]

@@ -34,7 +34,6 @@ from featherweight.peft.lora import LoraConfig
 from featherweight.recipe.paths import from_config_folder, reward_files_from
 from featherweight.step.grpo import GrpoObjective
 from featherweight.step.policy import SAVEABLE, MemoryPolicy
-from featherweight.step.preference import PreferenceObjective
 
 Method = Literal["full", "lora", "qlora"]
 MAX_SEED = 2**32 - 1  # seeds are 32-bit: what jax.random.PRNGKey and numpy's generators take
@@ -430,6 +429,7 @@ class TrainConfig(_Section):
 
     model: ModelSettings = ModelSettings()
     method: Method = "qlora"
+    # each objective is one module of recipe/objectives/ (its line in OBJECTIVES)
     objective: Literal["sft", "dpo", "orpo", "grpo"] = Field(
         "sft",
         description=(
@@ -477,50 +477,6 @@ class TrainConfig(_Section):
             reference = "precomputed" if self.method == "full" else "same_step"
             dpo = self.dpo.model_copy(update={"reference": reference})
             object.__setattr__(self, "dpo", dpo)
-        return self
-
-    @property
-    def preference(self) -> PreferenceObjective | None:
-        """The step's preference objective (None for sft)."""
-        if self.objective == "dpo":
-            return PreferenceObjective("dpo", self.dpo.beta, self.dpo.loss, self.dpo.reference)
-        if self.objective == "orpo":
-            return PreferenceObjective("orpo", self.orpo.beta)
-        return None
-
-    @property
-    def step_objective(self) -> PreferenceObjective | GrpoObjective | None:
-        """The objective the step trains (None: next-token cross-entropy)."""
-        return self.grpo.objective if self.objective == "grpo" else self.preference
-
-    @model_validator(mode="after")
-    def _grpo_needs_rewards(self) -> TrainConfig:
-        """GRPO without a reward, or with prompts that do not fill whole groups, or rollout
-        chunks that do not divide them: refused here."""
-        if self.objective != "grpo":
-            if self.memory.rollout_chunk is not None:
-                raise ValueError(
-                    "memory.rollout_chunk is for objective: grpo (its rollouts); remove it"
-                )
-            return self
-        if not self.grpo.rewards:
-            raise ValueError(
-                "objective: grpo needs grpo.rewards, e.g. [rewards.py:my_reward] (a function "
-                "f(prompts, completions, **columns) -> list of floats)"
-            )
-        generations = self.grpo.num_generations
-        if self.batch_size % generations:
-            raise ValueError(
-                f"batch_size={self.batch_size} completions cannot be split into groups of "
-                f"grpo.num_generations={generations}; use a multiple of {generations}, e.g. "
-                f"{generations * max(1, self.batch_size // generations)}"
-            )
-        chunk = self.memory.rollout_chunk
-        if chunk is not None and generations % chunk:
-            raise ValueError(
-                f"memory.rollout_chunk={chunk} must divide grpo.num_generations={generations}; "
-                "use a divisor of it, or null for the whole group"
-            )
         return self
 
     @field_validator("lora", mode="before")

@@ -14,18 +14,20 @@ from typing import Any
 
 from featherweight.data.chat_templates import with_chat_template
 from featherweight.data.packing import PackStats
-from featherweight.data.preference import PairStats, prepare_preference_dataset
-from featherweight.data.records import Dataset, prepare_dataset
+from featherweight.data.preference import PairStats
+from featherweight.data.records import Dataset
 from featherweight.io.atomic import atomic_write_text
 from featherweight.io.tokenizer import Tokenizer
 from featherweight.recipe.build import packed_slots
+from featherweight.recipe.objectives import objective_of
 from featherweight.recipe.schema import TrainConfig
 from featherweight.train.run_dir import DATA_SUMMARY
 
 
 def build_dataset(config: TrainConfig, tokenizer: Tokenizer, train_path: str | Path) -> Dataset:
     """The dataset `config.data` describes (columns, chat and instruction templates, packing),
-    with the eval set from `data.eval` or split off the training records."""
+    laid out as the objective reads its records (`RunObjective.prepare_dataset`: examples, or
+    preference pairs), with the eval set from `data.eval` or split off the training records."""
     settings = config.data
     template = settings.instruction_template
     options = dict(
@@ -37,10 +39,7 @@ def build_dataset(config: TrainConfig, tokenizer: Tokenizer, train_path: str | P
         max_per_row=settings.max_documents_per_row,
     )
     tokenizer = with_chat_template(tokenizer, settings.chat_template)
-    prepare = prepare_dataset
-    if config.preference is not None:  # pairs: no instruction template (prompts are given)
-        prepare = prepare_preference_dataset
-        del options["instruction_template"]
+    prepare = objective_of(config).prepare_dataset  # examples in rows, or pairs
     dataset = prepare(
         train_path,
         tokenizer,

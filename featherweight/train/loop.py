@@ -47,10 +47,9 @@ from featherweight.models.llama import Params, merge_params
 from featherweight.parallel.distributed import any_process, is_primary
 from featherweight.parallel.sharding import place_batch
 from featherweight.recipe.build import attention_implementation, evaluation_fn, lora_config_of
+from featherweight.recipe.objectives import objective_of
 from featherweight.recipe.optimizer import learning_rate_schedule
 from featherweight.recipe.schema import TrainConfig
-from featherweight.step.grpo import METRIC_NAMES as GRPO_METRICS
-from featherweight.step.preference import REPORTED_METRICS
 from featherweight.step.router_loss import METRIC_NAMES as ROUTER_METRICS
 from featherweight.train import run_dir
 from featherweight.train.dataset import (
@@ -155,10 +154,6 @@ def evaluate(run: Run, trainable: Params) -> float | None:
     return total / max(count, 1.0)
 
 
-# the objectives' (and the router loss's) metrics a step's line carries
-REPORTED = (*REPORTED_METRICS, *GRPO_METRICS, *ROUTER_METRICS)
-
-
 class StepRecords:
     """The steps since the last host sync: their metrics stay on the device until `flush`.
 
@@ -170,6 +165,8 @@ class StepRecords:
         self.run = run
         self.schedule = learning_rate_schedule(run.config.optimizer, run.config.steps)
         self.pending: list[tuple[int, dict, int, dict]] = []
+        # the objective's (and the router loss's) metrics a step's line carries
+        self.reported = (*objective_of(run.config).metric_names, *ROUTER_METRICS)
         self.since = time.perf_counter()
 
     def add(self, step: int, metrics: dict, batch_tokens: int, host: dict | None = None) -> None:
@@ -198,7 +195,7 @@ class StepRecords:
                 "step": step, "loss": loss, "learning_rate": float(rate),
                 "tokens": int(metrics["tokens"]), "tokens_per_second": speed,
                 "grad_norm": float(metrics.get("grad_norm", np.nan)), "device_bytes": memory,
-                **{name: float(metrics[name]) for name in REPORTED if name in metrics},
+                **{name: float(metrics[name]) for name in self.reported if name in metrics},
                 **rollout,
             })  # fmt: skip
         self.pending, self.since = [], now
@@ -237,7 +234,8 @@ class Reporter:
         )  # fmt: skip
         self.progress = training_progress(console, config.steps, run.start_step)
         self.console, self.samples = console, None
-        if self.primary and config.objective == "grpo" and config.grpo.log_completions_every:
+        rollouts = objective_of(config).rollouts(config)
+        if self.primary and rollouts is not None and rollouts.log_completions_every:
             self.samples = MetricsLog(run.output_dir / COMPLETIONS_FILE, run.start_step)
         if 0 < run.start_step < config.steps and self.metrics is not None:
             # a resume mark only where training goes on (a finished run re-run changes nothing)
@@ -283,7 +281,7 @@ class Reporter:
 def print_data_summary(run: Run, console: Console) -> None:
     """What the data became (records, skipped, split, tokens, rows, epochs): printed, and written
     to the run's data_summary.json."""
-    if run.config.objective == "grpo":
+    if run.rollouts is not None:  # prompts: the rows are sampled each step
         print_prompts_summary(run, console)
         return
     summary = data_summary(run.config, run.dataset, run.data.steps_per_epoch, run.config.data.train)

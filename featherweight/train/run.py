@@ -62,10 +62,16 @@ from featherweight.recipe.build import (
     check_method_settings,
     split_params,
 )
+from featherweight.recipe.objectives import objective_of, step_objective
 from featherweight.recipe.optimizer import make_optimizer
 from featherweight.recipe.paths import absolute_paths
 from featherweight.recipe.placement import arguments_on_host, place
-from featherweight.recipe.schema import TrainConfig, changed_settings, take_saved_choices
+from featherweight.recipe.schema import (
+    GrpoSettings,
+    TrainConfig,
+    changed_settings,
+    take_saved_choices,
+)
 from featherweight.step.loss import resolve_chunk_size
 from featherweight.train import run_dir
 from featherweight.train.checkpoint import Checkpointer
@@ -378,38 +384,42 @@ def _read_data(
     """The dataset, its batch iterator, and the config with `epochs` turned into steps."""
     if tokenizer is None:
         raise DataError(f"{model_path} has no tokenizer; the trainer needs one to read the dataset")
-    if config.objective == "grpo":
-        return _read_prompts(config)
+    rollouts = objective_of(config).rollouts(config)
+    if rollouts is not None:  # rows sampled each step from prompt records
+        return _read_prompts(config, rollouts)
     dataset = build_dataset(config, tokenizer, resolve_data_path(config))
     data = _iterator(dataset, config)
     _refuse_batch_beyond_rows(config, len(dataset.train), dataset.train.group)
     return dataset, data, steps_from_epochs(config, data.steps_per_epoch)
 
 
-def _read_prompts(config: TrainConfig) -> tuple[PromptSet, PromptIterator, TrainConfig]:
-    """GRPO's prompt records, their resumable order, and the config with `epochs` as steps."""
+def _read_prompts(
+    config: TrainConfig, rollouts: GrpoSettings
+) -> tuple[PromptSet, PromptIterator, TrainConfig]:
+    """The prompt records of an objective that samples its rows (GRPO), their resumable order,
+    and the config with `epochs` as steps."""
     if config.data.train == "demo":
         raise DataError(
             "objective: grpo needs prompt records ({prompt, other columns}); set data.train to "
             "a file of them, e.g. examples/planet-colour-prompts.jsonl"
         )
     prompts = read_prompts(config.data.train, config.data.skip_bad, dict(config.data.columns))
-    per_step = config.batch_size // config.grpo.num_generations
+    per_step = config.batch_size // rollouts.num_generations
     if per_step > len(prompts.train):
         raise DataError(
             f"batch_size {config.batch_size} / grpo.num_generations "
-            f"{config.grpo.num_generations} = {per_step} prompts a step, more than the "
+            f"{rollouts.num_generations} = {per_step} prompts a step, more than the "
             f"{len(prompts.train)} prompt records; lower batch_size or add prompts"
         )
     data = PromptIterator(prompts.train, per_step, config.data.shuffle_seed)
     return prompts, data, steps_from_epochs(config, data.steps_per_epoch)
 
 
-def grpo_setup(config: TrainConfig, tokenizer: Tokenizer) -> GrpoSetup:
+def grpo_setup(config: TrainConfig, settings: GrpoSettings, tokenizer: Tokenizer) -> GrpoSetup:
     """The rewards (loaded, so a bad one is refused before any weight is read), the chat
-    template and the sampling settings of a GRPO run; reward files are read from the working
-    directory (a config file's are made absolute from its folder when it is loaded)."""
-    settings = config.grpo
+    template and the sampling settings (`settings`: the objective's rollouts) of a GRPO run;
+    reward files are read from the working directory (a config file's are made absolute from its
+    folder when it is loaded)."""
     rewards = load_rewards(settings.rewards, settings.reward_weights, Path.cwd())
     sampling = Sampling(settings.temperature, settings.top_p, settings.max_completion_length)
     return GrpoSetup(
@@ -485,7 +495,8 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     )
     output_dir = directory.path
     dataset, data, config = _read_data(config, tokenizer, model_path)
-    rollouts = grpo_setup(config, tokenizer) if config.objective == "grpo" else None
+    sampling = objective_of(config).rollouts(config)
+    rollouts = None if sampling is None else grpo_setup(config, sampling, tokenizer)
     if directory.resuming:
         check_steps_ahead(config, output_dir)
 
@@ -506,7 +517,7 @@ def prepare_run(config: TrainConfig, overwrite: bool = False, plan_fn=None) -> R
     step_fn, init_opt_state = build_train_step(config, model_config, trainable, frozen, optimizer)
     opt_state = init_opt_state(trainable)  # made in the memory memory.optimizer_state names
     trainable, opt_state, frozen = place(config, trainable, opt_state, frozen)
-    objective = config.preference
+    objective = step_objective(config)
     if objective is not None and objective.needs_reference and objective.reference == "precomputed":
         # before any restore: the weights as loaded are the reference (full fine-tuning)
         dataset = precompute_reference(config, model_config, trainable, frozen, dataset)

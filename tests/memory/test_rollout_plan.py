@@ -7,11 +7,13 @@ into rollout chunks."""
 import pytest
 from rich.console import Console
 
+from featherweight.errors import ConfigError
 from featherweight.memory.budget import fit_budget
 from featherweight.memory.plan import plan_for_config
 from featherweight.memory.report import percent_difference, print_report, report_json
 from featherweight.memory.rollout_measure import measure_rollout
 from featherweight.models.config import config_from_hf_dict
+from featherweight.recipe.objectives import check_objective
 from featherweight.recipe.schema import parse_config
 
 # four layers, grouped K/V heads: the cache of 8 rows x 256 positions is a third of the program
@@ -86,8 +88,13 @@ def test_a_budget_only_the_rollouts_exceed_splits_them_into_chunks():
 
 
 def test_a_rollout_chunk_that_does_not_divide_the_group_is_one_plain_line():
-    with pytest.raises(ValueError, match=r"rollout_chunk=3 must divide grpo.num_generations=8"):
-        grpo_config(rollout_chunk=3)
+    # refused by the objective's check, before the plan or any weight (recipe/objectives/grpo.py)
+    config = grpo_config(rollout_chunk=3)
+    with pytest.raises(ConfigError, match=r"rollout_chunk=3 must divide grpo.num_generations=8"):
+        plan_for_config(config, config_from_hf_dict(TINY))
+    with pytest.raises(ConfigError) as raised:
+        check_objective(config)
+    assert "\n" not in str(raised.value)
 
 
 def test_the_report_shows_both_phases(planned_and_compiled):
