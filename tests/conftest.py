@@ -29,6 +29,29 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# The longest test files, longest first (seconds on this 2-core machine, the fresh-clone runs of
+# 2026-11-28). `--dist loadfile` hands a worker the next file in collection order as it frees up:
+# starting these first (longest processing time first) keeps a worker from starting an
+# 11-minute file when the other has almost nothing left.
+LONGEST_FILES = (
+    "tests/memory/test_measure_gpu.py",  # ~660: deviceless GPU compiles
+    "tests/test_walks.py",  # ~420: the preference, CSV and GRPO walks
+    "tests/demo/test_run.py",  # ~200
+    "tests/test_gpu_check.py",  # ~180
+    "tests/memory/test_calibration.py",  # ~150
+    "tests/test_gpu_check_speed.py",  # ~140
+    "tests/reliability/test_kill.py",  # ~130
+    "tests/test_gpu_check_attention.py",  # ~100
+    "tests/test_gpu_check_families.py",  # ~60
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest files first (`LONGEST_FILES`), every other test in its collected order."""
+    rank = {path: index for index, path in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 from pathlib import Path  # noqa: E402
 
 import yaml  # noqa: E402
