@@ -29,20 +29,24 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# The longest test files, longest first (seconds on this 2-core machine, the fresh-clone runs of
-# 2026-11-28). `--dist loadfile` hands a worker the next file in collection order as it frees up:
+# The longest test files, longest first (seconds of their longest tests in the fresh-clone run of
+# 2026-11-28 on this 2-core machine, `--durations`). `--dist loadfile` hands a worker the next file in collection order as it frees up:
 # starting these first (longest processing time first) keeps a worker from starting an
 # 11-minute file when the other has almost nothing left.
 LONGEST_FILES = (
-    "tests/memory/test_measure_gpu.py",  # ~660: deviceless GPU compiles
-    "tests/test_walks.py",  # ~420: the preference, CSV and GRPO walks
-    "tests/demo/test_run.py",  # ~200
-    "tests/test_gpu_check.py",  # ~180
-    "tests/memory/test_calibration.py",  # ~150
-    "tests/test_gpu_check_speed.py",  # ~140
-    "tests/reliability/test_kill.py",  # ~130
-    "tests/test_gpu_check_attention.py",  # ~100
-    "tests/test_gpu_check_families.py",  # ~60
+    "tests/memory/test_measure_gpu.py",  # ~400 in all: deviceless GPU compiles
+    "tests/demo/test_run.py",  # 186
+    "tests/train/test_preference_walk.py",  # 171
+    "tests/test_gpu_check.py",  # 151
+    "tests/test_gpu_check_speed.py",  # 141
+    "tests/reliability/test_kill.py",  # 139
+    "tests/memory/test_calibration.py",  # 139
+    "tests/test_gpu_check_attention.py",  # 118
+    "tests/reliability/test_fuzz_command_line.py",  # 97
+    "tests/train/test_grpo_walk.py",  # 73
+    "tests/memory/test_measure.py",  # 50 of setup, then its grid
+    "tests/test_walks.py",  # 60
+    "tests/test_gpu_check_families.py",  # 51
 )
 
 

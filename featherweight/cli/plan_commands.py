@@ -243,11 +243,15 @@ def _print_plan(planned: PlannedStep, model_config, target, json_output: bool) -
         report["config"] = config.model_dump(mode="json")
         report["host_base_estimate"] = None if estimate is None else estimate._asdict()
         report["not_compiled"] = not_compiled
+        rollout = planned.rollout_measurement
+        report["compiled_rollout"] = None if rollout is None else rollout.as_dict()
         typer.echo(json.dumps(report, indent=2))
         return
     if judged is not None:
         console.print(f"[bold]{judged.line}[/]", highlight=False)
     print_report(memory_plan, planned.measurement, console, changes)
+    if planned.rollout_measurement is not None:
+        console.print(_rollout_line(memory_plan, planned.rollout_measurement), highlight=False)
     if config.memory.base == "host":
         console.print(
             f"host memory: {memory_plan.host_bytes / 2**30:.2f} GiB pinned (the frozen base "
@@ -280,8 +284,9 @@ def _host_base_estimate(config, model_config, target):
 class PlannedStep(NamedTuple):
     """What `plan` shows: the resolved config (fitted to the budget when one is given), its plan,
     the compiled step's measurement (None with --no-measure), the verdict (None without a limit),
-    the budget's changes to the resolved settings, and why the step was not compiled where
-    compiling was asked for and cannot be done here (None otherwise)."""
+    the budget's changes to the resolved settings, why the step was not compiled where
+    compiling was asked for and cannot be done here (None otherwise), and for an objective that
+    samples its batches (GRPO) its rollout program compiled beside the step (None otherwise)."""
 
     config: Any
     plan: Any
@@ -289,6 +294,7 @@ class PlannedStep(NamedTuple):
     verdict: Any
     changes: list[str]
     not_compiled: str | None = None
+    rollout_measurement: Any = None
 
 
 def _plan_on_target(requested, model_config, target, budget_bytes, measure) -> PlannedStep:
@@ -313,12 +319,13 @@ def _plan_on_target(requested, model_config, target, budget_bytes, measure) -> P
     not_compiled = _not_compiled_here(config, model_config, target) if measure else None
     measured = measure and not_compiled is None
     measurement = _measure(config, model_config, target) if measured else None
+    rollout = _measure_rollout(config, model_config, target) if measured else None
     limit = on_target
     if budget_bytes is not None:
         limit = capacity.of_budget(budget_bytes, target, holds_host=step_target.one_memory)
     judged = capacity.verdict(memory_plan, limit, measurement, options)
     changes = describe_changes(resolved, config, model_config, step_target)  # est. step time
-    return PlannedStep(config, memory_plan, measurement, judged, changes, not_compiled)
+    return PlannedStep(config, memory_plan, measurement, judged, changes, not_compiled, rollout)
 
 
 def _not_compiled_here(config, model_config, target) -> str | None:
@@ -352,6 +359,29 @@ def _measure(config, model_config, target):
     if target is None:
         return measure_compiled(config, model_config)
     return measure_for_target(config, model_config, target.name)
+
+
+def _measure_rollout(config, model_config, target):
+    """The rollout program of an objective that samples its batches, compiled for `target`
+    (None: this machine) on abstract shapes; None for one that reads them."""
+    from featherweight.memory.rollout_measure import measure_rollout
+    from featherweight.recipe.objectives import objective_of
+
+    if objective_of(config).rollouts(config) is None:
+        return None
+    return measure_rollout(config, model_config, "cpu" if target is None else target.name)
+
+
+def _rollout_line(memory_plan, rollout) -> str:
+    """The rollout phase planned beside its program compiled: the program's arguments are the
+    weights, so the resident optimizer state is added to its bytes."""
+    resident_state = memory_plan.bytes_of("optimizer_state")
+    compiled = rollout.total_bytes + resident_state
+    return (
+        f"rollout phase: {memory_plan.rollout_device_bytes / 2**30:.2f} GiB planned, "
+        f"{compiled / 2**30:.2f} GiB compiled for {rollout.target} (the sampling program, "
+        f"{rollout.total_bytes / 2**30:.2f} GiB, and the optimizer state it leaves in place)"
+    )
 
 
 def _options_on_target(resolved, memory_plan, model_config, on_target, step_target) -> list[str]:

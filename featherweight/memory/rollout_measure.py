@@ -49,6 +49,10 @@ class RolloutMeasurement:
         """temp + argument + output - alias."""
         return self.temp_bytes + self.argument_bytes + self.output_bytes - self.alias_bytes
 
+    def as_dict(self) -> dict[str, int | float | str]:
+        """Its fields and `total_bytes`, for a JSON report."""
+        return {**dataclasses.asdict(self), "total_bytes": self.total_bytes}
+
 
 def measure_rollout(
     config: TrainConfig, model_config: ModelConfig, target: str = "cpu"

@@ -8,6 +8,7 @@ stops after that plan."""
 import io
 import json
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -219,3 +220,17 @@ def test_a_gpu_target_without_its_compiler_answers_with_the_plan_and_says_how_to
     assert 'pip install "featherweight[gpu-plan]"' in line
     planned = _plan_json(*args[1:])
     assert planned["measured"] is None and "gpu-plan" in planned["not_compiled"]
+
+
+def test_plan_compiles_grpos_rollout_program_beside_its_step():
+    # both phases planned and compiled: the rollouts' sampling program is the second program
+    example = Path(__file__).resolve().parents[2] / "examples" / "grpo-planet-colours.yaml"
+    result = CliRunner().invoke(app, ["plan", str(example)])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if line.startswith("rollout phase:"))
+    planned, compiled = (float(x) for x in re.findall(r"([\d.]+) GiB (?:planned|compiled)", line))
+    assert "compiled for cpu" in line and planned > 0 and compiled > 0
+    report = json.loads(CliRunner().invoke(app, ["plan", str(example), "--json"]).output)
+    assert report["compiled_rollout"]["total_bytes"] > report["compiled_rollout"]["temp_bytes"] > 0
+    sft = _plan_json("Llama-3.2-1B", "--seq", "256", "--no-measure")
+    assert sft["compiled_rollout"] is None
