@@ -29,10 +29,10 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# The longest test files, longest first (seconds of their longest tests in the fresh-clone run of
-# 2026-11-28 on this 2-core machine, `--durations`). `--dist loadfile` hands a worker the next file in collection order as it frees up:
-# starting these first (longest processing time first) keeps a worker from starting an
-# 11-minute file when the other has almost nothing left.
+# The longest test files, longest first (seconds of their longest tests in the fresh-clone run
+# of 2026-11-28 on this 2-core machine, `--durations`). `--dist loadfile` hands a worker the next
+# file in collection order as it frees up: starting these first (longest processing time first)
+# keeps a worker from starting a long file when the other has almost nothing left.
 LONGEST_FILES = (
     "tests/memory/test_measure_gpu.py",  # ~400 in all: deviceless GPU compiles
     "tests/demo/test_run.py",  # 186
