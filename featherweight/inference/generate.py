@@ -96,10 +96,14 @@ def _cache_slots(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     return sliding, slots.astype(np.int32)
 
 
-def empty_cache(config: ModelConfig, batch: int, total: int, dtype) -> KVCache:
-    """A zeroed cache for `total` positions (`KVCache`)."""
+def empty_cache(
+    config: ModelConfig, batch: int, total: int, dtype, ring_at_least: int = 0
+) -> KVCache:
+    """A zeroed cache for `total` positions (`KVCache`); a windowed layer's ring holds its window,
+    or `ring_at_least` positions where that is longer (a prefill of that many positions, the
+    last of them padding, then keeps every real position its window needs)."""
     sliding, _ = _cache_slots(config)
-    window = min(config.sliding_window or total, total)
+    window = min(max(config.sliding_window or total, ring_at_least), total)
 
     def stack(layers: int, length: int):
         if not layers:
@@ -176,9 +180,12 @@ def _cached_step(
     total: int,
     lora=None,
     prefill=False,
+    last=None,
 ):
     """Run new tokens [B, T] at `start` through the model (of a sequence of `total` positions);
-    returns last logits and the cache (`prefill`: the tokens are the prompt, at start 0)."""
+    returns the logits at index `last` of the new tokens (None: the last one; a traced index for a
+    prompt padded after its end) and the cache (`prefill`: the tokens are the prompt, at start
+    0)."""
     batch, new = token_ids.shape
     positions = jnp.broadcast_to(start + jnp.arange(new), (batch, new))
     inputs = attention_inputs(config, positions, seq_len=total)
@@ -232,7 +239,8 @@ def _cached_step(
         jnp.asarray(slots),
     )
     (x, cache), _ = jax.lax.scan(layer_step, (embed(params, token_ids, config), cache), xs)
-    return head(params, x[:, -1:], config)[:, 0], cache
+    final = x[:, -1:] if last is None else jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1)
+    return head(params, final, config)[:, 0], cache
 
 
 def _choose(

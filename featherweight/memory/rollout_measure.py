@@ -78,6 +78,7 @@ def measure_rollout(
     lowered = sample_group.lower(
         params,
         shaped((prompt,), jnp.int32),
+        shaped((), jnp.int32),
         shaped(keys.shape, keys.dtype),
         shaped((), jnp.float32),
         shaped((), jnp.float32),

@@ -59,10 +59,15 @@ def rollout_positions(config: TrainConfig) -> tuple[int, int]:
     return max(config.data.seq_len + 1 - completion, 1), completion
 
 
-def cache_bytes(model_config: ModelConfig, rows: int, positions: int, dtype) -> tuple[int, int]:
+def cache_bytes(
+    model_config: ModelConfig, rows: int, positions: int, dtype, prompt: int = 0
+) -> tuple[int, int]:
     """(the KV cache's bytes, one layer's keys and values) for `rows` rows of `positions`
-    positions: `jax.eval_shape` of the cache the rollout allocates."""
-    cache = jax.eval_shape(lambda: empty_cache(model_config, rows, positions, dtype))
+    positions after a padded prompt of `prompt`: `jax.eval_shape` of the cache the rollout
+    allocates (a windowed layer's ring at least the prompt long)."""
+    cache = jax.eval_shape(
+        lambda: empty_cache(model_config, rows, positions, dtype, ring_at_least=prompt)
+    )
     stacks = [stack for stack in (cache.full, cache.local) if stack is not None]
     total = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(stacks))
     layer = max(2 * math.prod(k.shape[1:]) * k.dtype.itemsize for k, _ in stacks)
@@ -82,7 +87,7 @@ def rollout_components(
     positions = prompt + completion
     dtype = jnp.dtype(config.model.dtype)
     itemsize = dtype.itemsize
-    kv, layer = cache_bytes(model_config, rows, positions, dtype)
+    kv, layer = cache_bytes(model_config, rows, positions, dtype, prompt)
     plain, top_p = SAMPLING_BUFFERS[calibration_key(config, target).split("/")[0]]
     buffers = plain + (top_p if grpo.top_p < 1 else 0)
     vocab = model_config.vocab_size

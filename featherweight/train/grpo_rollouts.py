@@ -130,7 +130,7 @@ def step_data(
     check_prompt_lengths(ids, setup.sampling.max_new_tokens, setup.seq_len)
     rollout = sample_rollouts(
         params, config, lora, ids, key, generations, setup.sampling, tokenizer.stop_ids(), dtype,
-        setup.rollout_chunk,
+        setup.rollout_chunk, longest_prompt=setup.seq_len + 1 - setup.sampling.max_new_tokens,
     )  # fmt: skip
     texts = [
         tokenizer.decode(tokens[:length].tolist())

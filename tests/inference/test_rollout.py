@@ -130,3 +130,53 @@ def test_rollout_chunks_sample_the_same_completions_as_whole_groups(policy):
             policy.params, policy.config, policy.lora, PROMPTS, jax.random.PRNGKey(7),
             GENERATIONS, sampling, (), policy.dtype, chunk=3,
         )  # fmt: skip
+
+
+def test_prompts_of_one_bucket_share_a_program_and_still_equal_generate(policy):
+    # padded after their end to one bucket (32): one compile for both lengths, greedy as before
+    from featherweight.inference.rollout import sample_group
+
+    prompts = [[3, 141, 59, 26, 53, 7, 8], [58, 97, 93]]
+    sampling = Sampling(0.0, 1.0, NEW_TOKENS)
+    sample_rollouts(
+        policy.params, policy.config, policy.lora, prompts[:1], jax.random.PRNGKey(0), 2,
+        sampling, (), policy.dtype,
+    )  # fmt: skip
+    compiled = sample_group._cache_size()
+    rollout = sample_rollouts(
+        policy.params, policy.config, policy.lora, prompts, jax.random.PRNGKey(0), 2, sampling,
+        (), policy.dtype,
+    )  # fmt: skip
+    assert sample_group._cache_size() == compiled  # the second length compiled nothing
+    for index, prompt in enumerate(prompts):
+        expected = generate_ids(policy, prompt, NEW_TOKENS)
+        assert rollout.tokens[2 * index].tolist() == expected
+
+
+def test_a_padded_prompt_longer_than_the_window_keeps_what_the_window_needs(tmp_path):
+    # a window of 4 on every layer: the prompt's 9 tokens padded to 32 outrun the ring, which
+    # then holds the padded prompt so that the decode steps still see the last 4 real positions
+    hf = random_hf_model(hf_config("mistral", sliding_window=4))
+    model = load_model(save_hf(hf, tmp_path / "mistral"), dtype="float32")
+    assert model.config.windows == "all"
+    prompt = [3, 141, 59, 26, 53, 58, 97, 93, 11]
+    rollout = sample_rollouts(
+        model.params, model.config, None, [prompt], jax.random.PRNGKey(0), 2,
+        Sampling(0.0, 1.0, NEW_TOKENS), (), model.dtype,
+    )  # fmt: skip
+    expected = generate_ids(model, prompt, NEW_TOKENS)
+    assert rollout.tokens[0].tolist() == rollout.tokens[1].tolist() == expected
+
+
+def test_the_bucket_is_a_power_of_two_within_the_longest_prompt():
+    from featherweight.inference.rollout import prompt_bucket
+
+    assert [prompt_bucket(n, 257) for n in (1, 32, 33, 100, 200, 257)] == [
+        32,
+        32,
+        64,
+        128,
+        256,
+        257,
+    ]
+    assert prompt_bucket(20, 24) == 24 and prompt_bucket(40, 40) == 40
