@@ -37,11 +37,9 @@ each family is compared with materialized attention. Its times are no measure of
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -328,10 +326,8 @@ def _row(record: dict[str, Any]) -> str:
 
 
 def table_lines(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
-    some = next((r for r in records.values() if "device" in r), {})
     return [
-        f"# GPU check, families and GRPO: {some.get('device', 'no device')}, jax "
-        f"{some.get('jax', '?')}" + (" (--tiny, CPU: no measure of a GPU)" if tiny else ""),
+        gpu_check_jobs.title("families and GRPO", records, tiny),
         "",
         "Measured on that device by `python benchmarks/gpu_check_families.py` (one process per "
         "job); planned: `plan_for_config` / `plan_within_budget` for the device. Peak: "
@@ -347,12 +343,7 @@ def table_lines(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = gpu_check_jobs.parse_args(__doc__, REPO, argv)
     if args.job:
-        try:
-            print(json.dumps(job_main(args.job, args.tiny)), flush=True)
-        except Exception:  # the parent records the last lines of stderr as the job's error
-            traceback.print_exc()
-            return 1
-        return 0
+        return gpu_check_jobs.run_child(job_main, args)
     records = gpu_check_jobs.run_jobs(__file__, "families", job_names(), args)
     gpu_check_jobs.write_table("families", records, table_lines(records, args.tiny), args)
     return 0

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,25 @@ def parse_args(doc: str, repo: Path, argv: list[str] | None) -> argparse.Namespa
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     return args
+
+
+def run_child(job_main: Callable[[str, bool], Record], args: argparse.Namespace) -> int:
+    """The child's whole work: its job's record as one JSON line (what `run_jobs` reads), or
+    the traceback on stderr (the parent records its last lines as the job's error)."""
+    try:
+        print(json.dumps(job_main(args.job, args.tiny)), flush=True)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def title(what: str, records: dict[str, Record], tiny: bool) -> str:
+    """A row set's table heading: what it is, on which device, by which jax."""
+    some = next((r for r in records.values() if "device" in r), {})
+    return f"# GPU check, {what}: {some.get('device', 'no device')}, jax {some.get('jax', '?')}" + (
+        " (--tiny, CPU: no measure of a GPU)" if tiny else ""
+    )
 
 
 def chosen(names: list[str], args: argparse.Namespace) -> list[str]:

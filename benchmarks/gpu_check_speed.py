@@ -36,12 +36,10 @@ peer on the CPU too): the script runs in CI
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -261,10 +259,8 @@ def speed_ups(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
 
 def table_lines(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
     """The results as markdown: one row per job, then the speed-ups."""
-    some = next((r for r in records.values() if "device" in r), {})
     return [
-        f"# GPU check, speed (issue 32): {some.get('device', 'no device')}, jax "
-        f"{some.get('jax', '?')}" + (" (--tiny, CPU: no measure of a GPU)" if tiny else ""),
+        gpu_check_jobs.title("speed (issue 32)", records, tiny),
         "",
         "Measured on that device by `python benchmarks/gpu_check_speed.py`: median of steps 3-6 "
         "of one process per job; featherweight and torch in consecutive processes. MFU: 4 N "
@@ -281,12 +277,7 @@ def table_lines(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = gpu_check_jobs.parse_args(__doc__, REPO, argv)
     if args.job:
-        try:
-            print(json.dumps(job_main(args.job, args.tiny)), flush=True)
-        except Exception:  # the parent records the last lines of stderr as the job's error
-            traceback.print_exc()
-            return 1
-        return 0
+        return gpu_check_jobs.run_child(job_main, args)
     names = [name for name, _, _ in jobs(args.tiny)]
     records = gpu_check_jobs.run_jobs(__file__, "speed", names, args)
     gpu_check_jobs.write_table("speed", records, table_lines(records, args.tiny), args)
