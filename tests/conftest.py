@@ -30,9 +30,11 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # The longest test files, longest first (seconds of their longest tests in the fresh-clone run
-# of 2026-11-28 on this 2-core machine, `--durations`). `--dist loadfile` hands a worker the next
-# file in collection order as it frees up: starting these first (longest processing time first)
-# keeps a worker from starting a long file when the other has almost nothing left.
+# of 2026-11-28 on this 2-core machine, `--durations`), collected before the rest. Under
+# `--dist loadfile` this order only breaks ties: pytest-xdist hands out files by their number of
+# tests, most first, which starts these few-test files last; `--no-loadscope-reorder`
+# (pytest-xdist >= 3.8) makes it follow this order instead (longest processing time first) --
+# checked on a few files, not yet adopted in `scripts/test` (no full run of it yet).
 LONGEST_FILES = (
     "tests/memory/test_measure_gpu.py",  # ~400 in all: deviceless GPU compiles
     "tests/demo/test_run.py",  # 186
