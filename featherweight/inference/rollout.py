@@ -12,14 +12,14 @@ temperature 0 is greedy. The log-prob each token was sampled with is kept: the l
 logits at the temperature, before the nucleus (TRL's `old_per_token_logps`), the ratio's base in
 `step/grpo.py`.
 
-Prompts are padded after their end to a bucket (`prompt_bucket`: powers of two from 32, up to the
-longest prompt the run admits), and the prompt's length is an argument of the program, not its
-shape: one program is compiled per bucket, where one per prompt length recompiled the sampler for
-nearly every step of a real dataset (on an H200 the 8B's first rollout, compiling, took 29.8 s;
-the next 17.2 s). The padding is the prompt's future: causal attention keeps it from every real position,
-the first token is read at the prompt's last real position, and the decode steps overwrite its
-cache slots before any query can see them (a windowed layer's ring is at least the padded
-prompt long, so the prefill drops none of the positions its window needs).
+Prompts are padded after their end to a bucket (`prompt_bucket`: powers of two from 32, up to
+the longest prompt the run admits), and the prompt's length is an argument of the program, not
+its shape: one program is compiled per bucket, where one per prompt length recompiled the sampler
+for nearly every step of a real dataset (on an H200 the 8B's first rollout, compiling, took
+29.8 s; the next 17.2 s). The padding is the prompt's future: causal attention keeps it from
+every real position, the first token is read at the prompt's last real position, and the decode
+steps overwrite its cache slots before any query can see them (a windowed layer's ring is at
+least the padded prompt long, so the prefill drops none of the positions its window needs).
 
 Random keys: row r of a group draws its token t with `fold_in(fold_in(key, r), t)`, the
 group's key `fold_in(key, prompt index)` (`sample_rollouts`): the same key gives the same
