@@ -10,15 +10,28 @@ inherit them.
 """
 
 import os
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The output is a log's, not a terminal's: pytest-xdist's workers set COLUMNS=80, which the CLI
 # (rightly) obeys, wrapping paths and tables that the tests read whole.
 os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
+FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    flags = f"{flags} --xla_force_host_platform_device_count=8".strip()
+# LLVM's optimizations off in XLA's backends for the tests. The suite compiles thousands of small
+# programs and runs most of them for a step or a few: on this 2-core machine XLA's backend compile
+# was 162 of tests/step/test_streamed.py's 187 s, and at level 0 it took 94 (the file 119 s; five
+# of the longest files 645 s against 847, run side by side). The level is LLVM's alone: no HLO
+# pass changes, so buffer assignment and memory_analysis() are today's compiler's (the
+# calibration's held-out check passes under it), and a comparison of two programs compiles both
+# alike. The tests that train a real model for minutes run their commands with XLA's defaults
+# (`default_compiler_env`): at level 0 the demo's test took 234 s against 135.
+if "xla_backend_optimization_level" not in flags:
+    flags = f"{flags} {FAST_COMPILE_FLAG}".strip()
+os.environ["XLA_FLAGS"] = flags
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -33,8 +46,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # of 2026-11-28 on this 2-core machine, `--durations`), collected before the rest. Under
 # `--dist loadfile` this order only breaks ties: pytest-xdist hands out files by their number of
 # tests, most first, which starts these few-test files last; `--no-loadscope-reorder`
-# (pytest-xdist >= 3.8) makes it follow this order instead (longest processing time first) --
-# checked on a few files, not yet adopted in `scripts/test` (no full run of it yet).
+# (pytest-xdist >= 3.8) makes it follow this order instead, but a fresh-clone run with it took
+# 2,930 s of pytest against 2,655 without (the two workers ended within a minute of each other
+# either way), so `scripts/test` keeps xdist's order.
 LONGEST_FILES = (
     "tests/memory/test_measure_gpu.py",  # ~400 in all: deviceless GPU compiles
     "tests/demo/test_run.py",  # 186
@@ -100,6 +114,21 @@ def demo_gguf():
             f"demo model missing at {path}: run `featherweight setup` first (scripts/test does)"
         )
     return path
+
+
+def default_compiler_env(**extra: str) -> dict[str, str]:
+    """This process's environment with XLA's default optimization level (`FAST_COMPILE_FLAG`
+    removed), for a command that runs long rather than compiles much; `extra` added."""
+    flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE_FLAG, "").split()
+    return {**os.environ, "XLA_FLAGS": " ".join(flags), **extra}
+
+
+# The `featherweight` command line, run by this interpreter in its own process.
+CLI = (
+    sys.executable,
+    "-c",
+    "import sys; from featherweight.cli.main import main; sys.exit(main())",
+)
 
 
 def relative_difference(expected, actual) -> float:

@@ -6,16 +6,16 @@ pairs prefer, where the base model names none."""
 
 import json
 import shutil
+import subprocess
 
 import pytest
-from typer.testing import CliRunner
 
-from featherweight.cli.main import app
 from featherweight.data.demo_task import eval_prompts, first_colour, invented_world
 from featherweight.inference.generate import generate
 from featherweight.io.embedded_model import require_demo_model
 from featherweight.io.loader import load_model
 from featherweight.train.run_model import load_run_model
+from tests.conftest import CLI, default_compiler_env
 from tests.test_walks import ROOT, WALKS
 
 
@@ -29,20 +29,24 @@ def colours_named(model) -> int:
 
 
 @pytest.mark.slow
-def test_dpo_on_the_demo_model_learns_the_preferred_answers(demo_gguf, tmp_path, monkeypatch):
+def test_dpo_on_the_demo_model_learns_the_preferred_answers(demo_gguf, tmp_path):
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
-    monkeypatch.chdir(tmp_path)
     (readme_walk,) = [walk for name, walk in WALKS.items() if name.startswith("README")]
     (train_argv, generate_argv) = readme_walk
-    trained = CliRunner().invoke(app, train_argv)
-    assert trained.exit_code == 0, trained.output
+    # each command in its own process with XLA's default flags, as a user runs it
+    env = default_compiler_env(COLUMNS="200")
+    run_command = lambda argv: subprocess.run(
+        [*CLI, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200
+    )
+    trained = run_command(train_argv)
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     run = tmp_path / "runs" / "dpo-planet-colours"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     accuracies = [record["rewards/accuracies"] for record in records if "loss" in record]
     assert accuracies[0] == 0.0  # the policy starts as the reference: no margin yet
     assert sum(accuracies[-5:]) / 5 > 0.9
-    generated = CliRunner().invoke(app, generate_argv)
-    assert generated.exit_code == 0, generated.output
+    generated = run_command(generate_argv)
+    assert generated.returncode == 0, generated.stdout[-3000:] + generated.stderr[-3000:]
     assert first_colour(generated.stdout) is not None
     assert colours_named(load_run_model(run)[0]) >= 7
     assert colours_named(load_model(require_demo_model(), dtype="float32")) <= 1
