@@ -28,7 +28,8 @@ if "xla_force_host_platform_device_count" not in flags:
 # pass changes, so buffer assignment and memory_analysis() are today's compiler's (the
 # calibration's held-out check passes under it), and a comparison of two programs compiles both
 # alike. The tests that train a real model for minutes run their commands with XLA's defaults
-# (`default_compiler_env`): at level 0 the demo's test took 234 s against 135.
+# (`default_compiler_env`): at level 0 the demo's test took 234 s against 135. From a fresh
+# clone, `.ci/run` took 2,368 s (2,272 of pytest) against 2,737 (2,655) before (2026-11-28).
 if "xla_backend_optimization_level" not in flags:
     flags = f"{flags} {FAST_COMPILE_FLAG}".strip()
 os.environ["XLA_FLAGS"] = flags
