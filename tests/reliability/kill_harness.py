@@ -31,7 +31,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,12 +46,8 @@ from featherweight.train.run_dir import (
     RUN_ENTRIES,
     RUN_FILE,
 )
+from tests.conftest import CLI
 
-CLI = (
-    sys.executable,
-    "-c",
-    "import sys; from featherweight.cli.main import main; sys.exit(main())",
-)
 ORBAX_TEMP = ".orbax-checkpoint-tmp"
 ATOMIC_TEMP = ".fw-tmp-"
 PNG_END = b"IEND\xaeB`\x82"
