@@ -68,13 +68,16 @@ def _remeasure(records):
         assert abs(error) <= TOTAL_WORST, (config.method, error)
 
 
+QUICK_HELD_OUT = 3  # remeasured by every run; the slow test remeasures the rest
+
+
 def test_stored_held_out_measurements_are_todays_compiler():
-    _remeasure(ENTRY["held_out_measurements"][:3])
+    _remeasure(ENTRY["held_out_measurements"][:QUICK_HELD_OUT])
 
 
 @pytest.mark.slow
-def test_every_held_out_measurement_is_todays_compiler():
-    _remeasure(ENTRY["held_out_measurements"])
+def test_every_other_held_out_measurement_is_todays_compiler():
+    _remeasure(ENTRY["held_out_measurements"][QUICK_HELD_OUT:])
 
 
 # --- XLA:GPU bfloat16: the step compiled for an H100 without one (memory.measure_for_target) -----
