@@ -7,8 +7,9 @@ A CPU machine compiles host placements with one memory for host and device, and 
 runs the host-offload pass that refuses them on a GPU (issue 30: error E1200), nor can it show
 wrong gradients from offload (openxla/xla#46231). So this runs the trainer's own path --
 `build_train_step`, the optimizer-state initialiser, `place` -- on random weights drawn with a
-fixed seed, one case per subprocess (`peak_bytes_in_use` is a process-lifetime high-water mark),
-each with its own time limit, and records per case:
+fixed seed, one case per subprocess on a GPU (`peak_bytes_in_use` is a process-lifetime high-water
+mark; `--tiny` runs every case in one: `gpu_check_jobs.batches`), each with its own time limit,
+and records per case:
 
 - compile seconds (lowering and compiling the step on the real, placed arguments);
 - device bytes: `peak_bytes_in_use` (measured on the device; after setting up the arguments and
@@ -76,6 +77,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import gpu_check_jobs
 from gpu_check_cases import (
     BATCH_SEED,
     CASE_NAMES,
@@ -105,54 +107,70 @@ def append_record(out: Path, record: dict[str, Any]) -> None:
         os.fsync(results.fileno())
 
 
-def case_main(name: str, scale: Scale, out: Path) -> int:
-    """The child process: run one case, record it (or its error), exit 0 only on success."""
-    case = next(case for case in CASES if case.name == name)
-    try:
-        record = run_case(case, scale)
-    except Exception as error:  # a case that fails is a finding: record it, and go on
-        traceback.print_exc()
-        append_record(out, {"case": name, "error": f"{type(error).__name__}: {error}"[:4000]})
-        return 1
-    append_record(out, record)
-    print(json.dumps(record), flush=True)
-    return 0
+def case_main(names: list[str], scale: Scale, out: Path) -> int:
+    """In the child process: run the cases in turn, each with its output in out/<case>.log,
+    and record each (or its error); exit 0 only when every one succeeded."""
+    failed = False
+    for name in names:
+        case = next(case for case in CASES if case.name == name)
+        with gpu_check_jobs.output_to(out / f"{name}.log"):
+            try:
+                record = run_case(case, scale)
+            except Exception as error:  # a case that fails is a finding: record it, and go on
+                traceback.print_exc()
+                append_record(
+                    out, {"case": name, "error": f"{type(error).__name__}: {error}"[:4000]}
+                )
+                failed = True
+                continue
+            append_record(out, record)
+            print(json.dumps(record), flush=True)
+    return 1 if failed else 0
 
 
 # ---------------------------------------------------------------- the driver and the table
 
 
 def run_all(cases: list[Case], scale: Scale, out: Path, deadline_s: float) -> None:
-    """Each case in its own process, in order, each within its time limit and the deadline;
-    what a killed or crashed case leaves is recorded for it."""
+    """The cases in order, in child processes (`gpu_check_jobs.batches`: one case each on a
+    GPU, all in one with --tiny), each child within its cases' time limits and the deadline;
+    what a killed or crashed child leaves is recorded for each of its cases without a record."""
     started = time.monotonic()
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     if scale is TINY:
         env["JAX_PLATFORMS"] = "cpu"
-    for case in cases:
+    by_name = {case.name: case for case in cases}
+    for batch in gpu_check_jobs.batches(list(by_name), scale is TINY):
         left = deadline_s - (time.monotonic() - started) - TABLE_SECONDS
-        limit = min(scale.timeout_s[case.model], left)
+        limit = min(sum(scale.timeout_s[by_name[name].model] for name in batch), left)
         if limit < 20:
-            append_record(out, {"case": case.name, "error": "not run: the deadline came first"})
+            for name in batch:
+                append_record(out, {"case": name, "error": "not run: the deadline came first"})
             continue
-        command = [sys.executable, __file__, "--case", case.name, "--out", str(out)]
+        for name in batch:
+            (out / f"{name}.log").unlink(missing_ok=True)  # a log: the case began in this run
+        command = [sys.executable, __file__, "--case", ",".join(batch), "--out", str(out)]
         command += ["--tiny"] if scale is TINY else []
-        print(f"[gpu_check] {case.name} (limit {limit:.0f} s)", end="", flush=True)
-        case_started = time.monotonic()
-        log = out / f"{case.name}.log"
-        with open(log, "w") as output:
-            try:
-                code = subprocess.run(
-                    command, stdout=output, stderr=subprocess.STDOUT, env=env, timeout=limit
-                ).returncode
-            except subprocess.TimeoutExpired:
-                print(": timed out", flush=True)
-                append_record(out, {"case": case.name, "error": f"timed out after {limit:.0f} s"})
+        print(f"[gpu_check] {', '.join(batch)} (limit {limit:.0f} s)", end="", flush=True)
+        batch_started = time.monotonic()
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=limit)
+            code, why = done.returncode, f"exit code {done.returncode}"
+            print(f": {why} after {time.monotonic() - batch_started:.0f} s", flush=True)
+        except subprocess.TimeoutExpired:
+            code, why = None, f"timed out after {limit:.0f} s"
+            print(f": {why}", flush=True)
+        if code == 0:
+            continue
+        recorded = read_records(out)
+        for name in (name for name in batch if name not in recorded):
+            log = out / f"{name}.log"
+            if not log.exists():  # the child ended before this case began
+                append_record(out, {"case": name, "error": f"not run: {why} before it"})
                 continue
-        print(f": exit code {code} after {time.monotonic() - case_started:.0f} s", flush=True)
-        if code != 0 and case.name not in read_records(out):
             tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-5:])
-            append_record(out, {"case": case.name, "error": f"exit code {code}: {tail}"[:4000]})
+            error = f"{why}: {tail}" if code is not None and tail else why
+            append_record(out, {"case": name, "error": error[:4000]})
 
 
 def read_records(out: Path) -> dict[str, dict[str, Any]]:
@@ -342,12 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--table-only", action="store_true", help="no cases: the table of OUT/results.jsonl"
     )
-    parser.add_argument("--case", choices=CASE_NAMES, help=argparse.SUPPRESS)  # the child
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # the child: cases, comma-separated
     args = parser.parse_args(argv)
     scale = TINY if args.tiny else GPU
     args.out.mkdir(parents=True, exist_ok=True)
     if args.case:
-        return case_main(args.case, scale, args.out)
+        return case_main(args.case.split(","), scale, args.out)
     command = "python benchmarks/gpu_check.py" + (" --tiny" if args.tiny else "")
     if args.table_only:  # the verdicts of this code on a run's records
         records = read_records(args.out)

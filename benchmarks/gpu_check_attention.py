@@ -3,8 +3,8 @@
     python benchmarks/gpu_check_attention.py --out DIR [--tiny] [--deadline SECONDS]
     python benchmarks/gpu_check.py --out DIR --attention ...   (after the check's own cases)
 
-Jobs, each in its own process (`peak_bytes_in_use` is a process-lifetime high-water mark), in
-order of importance (the check, featherweight and torch at each shape, blockwise at each shape,
+Jobs, each in its own process on a GPU (`peak_bytes_in_use` is a process-lifetime high-water
+mark; `--tiny` runs them all in one: `gpu_check_jobs.batches`), in order of importance (the check, featherweight and torch at each shape, blockwise at each shape,
 the longest-context search), each recorded as a JSON line in DIR/attention.jsonl as it ends:
 
 - `packed-rows`: every attention implementation that can run here against blockwise
@@ -35,7 +35,6 @@ script runs in CI (tests/test_gpu_check_attention.py) and cannot rot; its times 
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -222,7 +221,7 @@ def torch_job(job: Job, scale: Scale) -> dict[str, Any]:
 
 
 def job_main(job: Job, tiny: bool) -> dict[str, Any]:
-    """The child process: run one job; its record."""
+    """In the child process: run one job; its record."""
     scale = TINY if tiny else GPU
     device = jax.devices()[0]
     record = {"job": job.name, "device": device.device_kind, "jax": jax.__version__}
@@ -305,15 +304,14 @@ def table_lines(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = gpu_check_jobs.parse_args(__doc__, REPO, argv)
-    if args.job:
-        job = next(job for job in jobs(args.tiny) if job.name == args.job)
-        print(json.dumps(job_main(job, args.tiny)), flush=True)
-        return 0
     # the longest-context search stops at the first length that fails
-    records = gpu_check_jobs.run_jobs(
-        __file__, "attention", [job.name for job in jobs(args.tiny)], args,
-        stop=lambda name, record: name.startswith("longest") and "error" in record,
-    )  # fmt: skip
+    stop = lambda name, record: name.startswith("longest") and "error" in record
+    if args.job:
+        by_name = {job.name: job for job in jobs(args.tiny)}
+        run = lambda name, tiny: job_main(by_name[name], tiny)
+        return gpu_check_jobs.run_child(run, args, "attention", stop)
+    names = [job.name for job in jobs(args.tiny)]
+    records = gpu_check_jobs.run_jobs(__file__, "attention", names, args, stop)
     gpu_check_jobs.write_table("attention", records, table_lines(records, args.tiny), args)
     return 0
 

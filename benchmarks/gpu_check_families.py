@@ -4,8 +4,8 @@ batch, and GRPO's two phases (rollouts, then the update) at the 8B goal's settin
 
     python benchmarks/gpu_check_families.py --out DIR [--tiny] [--deadline SECONDS] [--jobs a,b]
 
-Each job runs in its own process (`peak_bytes_in_use` is a process's high-water mark) and
-records a JSON line in DIR/families.jsonl:
+Each job runs in its own process on a GPU (`peak_bytes_in_use` is a process's high-water mark;
+`--tiny` runs them all in one: `gpu_check_jobs.batches`) and records a JSON line in DIR/families.jsonl:
 
 - a family job (`qwen3-0.6b-lora-packed`, ...): the model's real shapes, random weights (seed 0),
   bf16, b2 x 2048, one random batch whose rows hold documents of unequal length and padding
@@ -329,8 +329,9 @@ def table_lines(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
     return [
         gpu_check_jobs.title("families and GRPO", records, tiny),
         "",
-        "Measured on that device by `python benchmarks/gpu_check_families.py` (one process per "
-        "job); planned: `plan_for_config` / `plan_within_budget` for the device. Peak: "
+        "Measured on that device by `python benchmarks/gpu_check_families.py` ("
+        + ("every job in one process, --tiny" if tiny else "one process per job")
+        + "); planned: `plan_for_config` / `plan_within_budget` for the device. Peak: "
         "`peak_bytes_in_use` after the steps (the process's high-water mark: for a family job it "
         "is the auto step's, taken before the compared step runs).",
         "",
@@ -343,7 +344,7 @@ def table_lines(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = gpu_check_jobs.parse_args(__doc__, REPO, argv)
     if args.job:
-        return gpu_check_jobs.run_child(job_main, args)
+        return gpu_check_jobs.run_child(job_main, args, "families")
     records = gpu_check_jobs.run_jobs(__file__, "families", job_names(), args)
     gpu_check_jobs.write_table("families", records, table_lines(records, args.tiny), args)
     return 0

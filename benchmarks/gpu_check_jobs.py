@@ -1,10 +1,18 @@
-"""What the GPU check's extra row sets (`gpu_check_attention.py`, `gpu_check_speed.py`) share:
-their command line, each job run in a process of its own (`peak_bytes_in_use` is a process's
-high-water mark) within one deadline, and the table written under the device's name."""
+"""What the GPU check's extra row sets (`gpu_check_attention.py`, `gpu_check_speed.py`,
+`gpu_check_families.py`) share: their command line, the jobs run in child processes within one
+deadline, and the table written under the device's name.
+
+On a GPU each job has a process of its own: `peak_bytes_in_use` is a process's high-water mark.
+With `--tiny` (CPU, no device peak to keep apart) one child runs every job in turn: a child's
+start (imports, the backend, the eager operations that draw the weights) was most of a tiny
+job's time, and the same jobs ran in 56 s in one process against 140 s one process each
+(2026-11-29, `gpu_check.py --tiny`, this 2-core machine). Either way the child writes each job's
+output to its own log, and a job that fails is recorded and the next one runs."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -35,15 +43,67 @@ def parse_args(doc: str, repo: Path, argv: list[str] | None) -> argparse.Namespa
     return args
 
 
-def run_child(job_main: Callable[[str, bool], Record], args: argparse.Namespace) -> int:
-    """The child's whole work: its job's record as one JSON line (what `run_jobs` reads), or
-    the traceback on stderr (the parent records its last lines as the job's error)."""
-    try:
-        print(json.dumps(job_main(args.job, args.tiny)), flush=True)
-    except Exception:
-        traceback.print_exc()
-        return 1
-    return 0
+def batches(names: list[str], tiny: bool) -> list[list[str]]:
+    """The jobs of each child process: one job each on a GPU, all of them in one with --tiny."""
+    return [names] if tiny and names else [[name] for name in names]
+
+
+@contextlib.contextmanager
+def output_to(log: Path):
+    """This process's output goes to `log` for the duration: Python's `sys.stdout` and
+    `sys.stderr`, and file descriptors 1 and 2 (what XLA's C++ logging writes)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log, "w", buffering=1) as file:
+        os.dup2(file.fileno(), 1)
+        os.dup2(file.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(file), contextlib.redirect_stderr(file):
+                yield
+        finally:
+            file.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def run_child(
+    job_main: Callable[[str, bool], Record],
+    args: argparse.Namespace,
+    kind: str,
+    stop: Callable[[str, Record], bool] = lambda name, record: False,
+) -> int:
+    """The child's whole work: each job `--job` names (comma-separated), in order, with its
+    output in `out/<kind>-<name>.log`, ending in its record as one JSON line (what `run_jobs`
+    reads) or its traceback (whose last lines the parent records as the job's error). A job for
+    which `stop(name, record)` holds ends the child's jobs."""
+    failed = False
+    for name in args.job.split(","):
+        with output_to(args.out / f"{kind}-{name}.log"):
+            try:
+                record = job_main(name, args.tiny)
+                print(json.dumps(record), flush=True)
+            except Exception:
+                traceback.print_exc()
+                failed, record = True, {"error": "failed"}
+        if stop(name, record):
+            break
+    return 1 if failed else 0
+
+
+def read_job_log(name: str, log: Path) -> Record | None:
+    """The record a job's log ends in; its error (the log's last lines) when it has none; None
+    when the job left no log (it never started)."""
+    if not log.exists():
+        return None
+    text = log.read_text(errors="replace")
+    lines = [line for line in text.splitlines() if line.startswith('{"job"')]
+    if lines:
+        return json.loads(lines[-1])
+    tail = " | ".join(text.strip().splitlines()[-3:])
+    return {"job": name, "error": tail or "no output"}
 
 
 def title(what: str, records: dict[str, Record], tiny: bool) -> str:
@@ -73,38 +133,43 @@ def run_jobs(
     args: argparse.Namespace,
     stop: Callable[[str, Record], bool] = lambda name, record: False,
 ) -> dict[str, Record]:
-    """Each job of `script` (those `--jobs` names) in its own process (`script --job NAME`), in
-    order, within `args.deadline` seconds: {name: the JSON line it printed, or its error}; each record is also
-    appended to `out/<kind>.jsonl` and each job's output kept in `out/<kind>-<name>.log`. A job
-    for which `stop(name, record)` holds ends the run."""
+    """The jobs of `script` (those `--jobs` names), in order, in child processes (`script --job
+    NAMES`, `batches`), within `args.deadline` seconds: {name: its record, or its error}; each
+    record is also appended to `out/<kind>.jsonl`, and each job's output is in
+    `out/<kind>-<name>.log`. A job for which `stop(name, record)` holds ends the run."""
     started, records = time.monotonic(), {}
-    names = chosen(list(names), args)
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     if args.tiny:
         env["JAX_PLATFORMS"] = "cpu"
     results = args.out / f"{kind}.jsonl"
     results.unlink(missing_ok=True)
-    for name in names:
+    for batch in batches(chosen(list(names), args), args.tiny):
         left = args.deadline - (time.monotonic() - started)
         if left < 20:
-            records[name] = {"job": name, "error": "not run: the deadline came first"}
+            not_run = {"error": "not run: the deadline came first"}
+            records.update({name: {"job": name, **not_run} for name in batch})
             continue
-        command = [sys.executable, script, "--job", name, "--out", str(args.out)]
+        for name in batch:
+            (args.out / f"{kind}-{name}.log").unlink(missing_ok=True)
+        command = [sys.executable, script, "--job", ",".join(batch), "--out", str(args.out)]
         command += ["--tiny"] if args.tiny else []
-        print(f"[gpu_check_{kind}] {name}", flush=True)
+        print(f"[gpu_check_{kind}] {', '.join(batch)}", flush=True)
+        timed_out = False
         try:
             done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=left)
-            (args.out / f"{kind}-{name}.log").write_text(done.stdout + done.stderr)
+            outside = (done.stdout + done.stderr).strip().splitlines()[-3:]
         except subprocess.TimeoutExpired:
-            records[name] = {"job": name, "error": f"timed out after {left:.0f} s"}
-            continue
-        lines = [line for line in done.stdout.splitlines() if line.startswith('{"job"')]
-        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-        records[name] = json.loads(lines[-1]) if lines else {"job": name, "error": tail}
-        with open(results, "a") as file:
-            file.write(json.dumps(records[name]) + "\n")
-        if stop(name, records[name]):
-            break
+            timed_out, outside = True, []
+        for name in batch:
+            record = read_job_log(name, args.out / f"{kind}-{name}.log")
+            if record is None or (timed_out and "error" in record):
+                why = f"timed out after {left:.0f} s" if timed_out else " | ".join(outside)
+                record = {"job": name, "error": why or "not run"}
+            records[name] = record
+            with open(results, "a") as file:
+                file.write(json.dumps(record) + "\n")
+            if stop(name, record):
+                return records
     return records
 
 

@@ -6,8 +6,9 @@ within the device's memory, beside torch + peft (+ bitsandbytes) at the same sha
 
 Shapes (random weights drawn with fixed seeds, bf16 on the GPU): Llama-3.1-8B QLoRA b2 x 2048,
 Qwen3-30B-A3B QLoRA b1 x 2048 (issue 42: NF4 experts, LoRA on attention and every expert),
-Llama-3.1-8B LoRA b2 x 2048, Llama-3.2-1B LoRA b8 x 2048. Per shape, each job in its own process
-(`peak_bytes_in_use` is a process-lifetime high-water mark), recorded as a JSON line in
+Llama-3.1-8B LoRA b2 x 2048, Llama-3.2-1B LoRA b8 x 2048. Per shape, each job in its own process on
+a GPU (`peak_bytes_in_use` is a process-lifetime high-water mark; `--tiny` runs them all in one:
+`gpu_check_jobs.batches`), recorded as a JSON line in
 DIR/speed.jsonl as it ends:
 
 - `fw-<shape>`: featherweight at its defaults (`resolve`), set up and run as the trainer does
@@ -211,7 +212,7 @@ def torch_job(shape: Shape, scale: Scale) -> dict[str, Any]:
 
 
 def job_main(name: str, tiny: bool) -> dict[str, Any]:
-    """The child process: run one job; its record."""
+    """In the child process: run one job; its record."""
     _, kind, shape = next(job for job in jobs(tiny) if job[0] == name)
     scale = _scaled(TINY if tiny else GPU, shape)
     device = jax.devices()[0]
@@ -263,7 +264,8 @@ def table_lines(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
         gpu_check_jobs.title("speed (issue 32)", records, tiny),
         "",
         "Measured on that device by `python benchmarks/gpu_check_speed.py`: median of steps 3-6 "
-        "of one process per job; featherweight and torch in consecutive processes. MFU: 4 N "
+        + ("of each job, all in one process (--tiny)" if tiny else "of one process per job")
+        + "; featherweight and torch one after the other. MFU: 4 N "
         "FLOPs per token (LoRA, QLoRA) at the GPU's published dense bf16 peak.",
         "",
         "| job | settings | tokens/s | peak | MFU | planned |",
@@ -277,7 +279,7 @@ def table_lines(records: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = gpu_check_jobs.parse_args(__doc__, REPO, argv)
     if args.job:
-        return gpu_check_jobs.run_child(job_main, args)
+        return gpu_check_jobs.run_child(job_main, args, "speed")
     names = [name for name, _, _ in jobs(args.tiny)]
     records = gpu_check_jobs.run_jobs(__file__, "speed", names, args)
     gpu_check_jobs.write_table("speed", records, table_lines(records, args.tiny), args)
