@@ -50,7 +50,11 @@ def plan(
     ] = None,
     method: Annotated[str, typer.Option(help="full, lora or qlora")] = "qlora",
     objective: Annotated[
-        str, typer.Option(help="sft, dpo or orpo (a preference pair: two rows, or one packed)")
+        str,
+        typer.Option(
+            help="sft, dpo or orpo (a preference pair: two rows, or one packed); grpo: plan its "
+            "config, which names its rewards"
+        ),
     ] = "sft",
     reference: Annotated[
         str, typer.Option(help="dpo's reference: auto, same_step or precomputed")
