@@ -31,6 +31,10 @@ def chunk_option(value: str) -> int | str | None:
 
 
 CHUNK_HELP = "; auto: chosen from the shapes (as train does), none: whole"
+OBJECTIVE_HELP = (
+    "sft, dpo or orpo (a preference pair: two rows, or one packed); grpo: plan its config, which "
+    "names its rewards"
+)
 
 
 @friendly_errors
@@ -49,13 +53,7 @@ def plan(
         typer.Option("--set", help="with a config: override, e.g. --set batch_size=4"),
     ] = None,
     method: Annotated[str, typer.Option(help="full, lora or qlora")] = "qlora",
-    objective: Annotated[
-        str,
-        typer.Option(
-            help="sft, dpo or orpo (a preference pair: two rows, or one packed); grpo: plan its "
-            "config, which names its rewards"
-        ),
-    ] = "sft",
+    objective: Annotated[str, typer.Option(help=OBJECTIVE_HELP)] = "sft",
     reference: Annotated[
         str, typer.Option(help="dpo's reference: auto, same_step or precomputed")
     ] = "auto",
