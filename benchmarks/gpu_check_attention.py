@@ -4,8 +4,9 @@
     python benchmarks/gpu_check.py --out DIR --attention ...   (after the check's own cases)
 
 Jobs, each in its own process on a GPU (`peak_bytes_in_use` is a process-lifetime high-water
-mark; `--tiny` runs them all in one: `gpu_check_jobs.batches`), in order of importance (the check, featherweight and torch at each shape, blockwise at each shape,
-the longest-context search), each recorded as a JSON line in DIR/attention.jsonl as it ends:
+mark; `--tiny` runs them all in one: `gpu_check_jobs.batches`), in order of importance (the
+check, featherweight and torch at each shape, blockwise at each shape, the longest-context
+search), each recorded as a JSON line in DIR/attention.jsonl as it ends:
 
 - `packed-rows`: every attention implementation that can run here against blockwise
   (`dev/attention_check.py`): packed rows of three documents of unequal length and a row of

@@ -5,7 +5,8 @@ batch, and GRPO's two phases (rollouts, then the update) at the 8B goal's settin
     python benchmarks/gpu_check_families.py --out DIR [--tiny] [--deadline SECONDS] [--jobs a,b]
 
 Each job runs in its own process on a GPU (`peak_bytes_in_use` is a process's high-water mark;
-`--tiny` runs them all in one: `gpu_check_jobs.batches`) and records a JSON line in DIR/families.jsonl:
+`--tiny` runs them all in one: `gpu_check_jobs.batches`) and records a JSON line in
+DIR/families.jsonl:
 
 - a family job (`qwen3-0.6b-lora-packed`, ...): the model's real shapes, random weights (seed 0),
   bf16, b2 x 2048, one random batch whose rows hold documents of unequal length and padding

@@ -5,8 +5,8 @@ deadline, and the table written under the device's name.
 On a GPU each job has a process of its own: `peak_bytes_in_use` is a process's high-water mark.
 With `--tiny` (CPU, no device peak to keep apart) one child runs every job in turn: a child's
 start (imports, the backend, the eager operations that draw the weights) was most of a tiny
-job's time, and the same jobs ran in 56 s in one process against 140 s one process each
-(2026-11-29, `gpu_check.py --tiny`, this 2-core machine). Either way the child writes each job's
+job's time: the check's 13 tiny cases ran in 56 s in one process against 140 s one process each
+(measured on the 2-core CPU machine of the tests, 2026-11-29). Either way the child writes each job's
 output to its own log, and a job that fails is recorded and the next one runs."""
 
 from __future__ import annotations
@@ -160,11 +160,13 @@ def run_jobs(
             outside = (done.stdout + done.stderr).strip().splitlines()[-3:]
         except subprocess.TimeoutExpired:
             timed_out, outside = True, []
+        why = f"timed out after {left:.0f} s" if timed_out else f"exit code {done.returncode}"
         for name in batch:
             record = read_job_log(name, args.out / f"{kind}-{name}.log")
-            if record is None or (timed_out and "error" in record):
-                why = f"timed out after {left:.0f} s" if timed_out else " | ".join(outside)
-                record = {"job": name, "error": why or "not run"}
+            if record is None:  # the child ended before this job began: why, and its last words
+                record = {"job": name, "error": " | ".join([f"not run: {why} before it", *outside])}
+            elif timed_out and "error" in record:
+                record = {"job": name, "error": why}
             records[name] = record
             with open(results, "a") as file:
                 file.write(json.dumps(record) + "\n")

@@ -6,10 +6,9 @@ within the device's memory, beside torch + peft (+ bitsandbytes) at the same sha
 
 Shapes (random weights drawn with fixed seeds, bf16 on the GPU): Llama-3.1-8B QLoRA b2 x 2048,
 Qwen3-30B-A3B QLoRA b1 x 2048 (issue 42: NF4 experts, LoRA on attention and every expert),
-Llama-3.1-8B LoRA b2 x 2048, Llama-3.2-1B LoRA b8 x 2048. Per shape, each job in its own process on
-a GPU (`peak_bytes_in_use` is a process-lifetime high-water mark; `--tiny` runs them all in one:
-`gpu_check_jobs.batches`), recorded as a JSON line in
-DIR/speed.jsonl as it ends:
+Llama-3.1-8B LoRA b2 x 2048, Llama-3.2-1B LoRA b8 x 2048. Per shape, each job in its own
+process on a GPU (`peak_bytes_in_use` is a process-lifetime high-water mark; `--tiny` runs them
+all in one: `gpu_check_jobs.batches`), recorded as a JSON line in DIR/speed.jsonl as it ends:
 
 - `fw-<shape>`: featherweight at its defaults (`resolve`), set up and run as the trainer does
   (`gpu_check_cases.set_up`, `run_steps`);

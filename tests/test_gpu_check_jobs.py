@@ -64,3 +64,25 @@ def test_a_stop_ends_the_childs_jobs(tmp_path):
     jobs.run_child(job_main, args, "attention", stop)
     assert (tmp_path / "attention-longest-2.log").exists()
     assert not (tmp_path / "attention-longest-3.log").exists()  # the search stopped
+
+
+CRASHING_CHILD = """
+import sys
+from pathlib import Path
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+(out / "speed-first.log").write_text('{"job": "first", "tokens_per_s": 2.0}\\n')
+print("the child's last words", file=sys.stderr)
+sys.exit(3)  # as a crash would, before the second job began
+"""
+
+
+def test_a_child_that_ends_early_leaves_its_later_jobs_not_run(tmp_path):
+    jobs = _jobs_module()
+    script = tmp_path / "child.py"
+    script.write_text(CRASHING_CHILD)
+    args = argparse.Namespace(tiny=True, deadline=120.0, out=tmp_path, jobs=None)
+    records = jobs.run_jobs(str(script), "speed", ["first", "second"], args)
+    assert records["first"] == {"job": "first", "tokens_per_s": 2.0}
+    assert records["second"]["error"].startswith("not run: exit code 3 before it")
+    assert "the child's last words" in records["second"]["error"]
+    assert (tmp_path / "speed.jsonl").read_text().count('"job"') == 2

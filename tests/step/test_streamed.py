@@ -120,6 +120,16 @@ def test_five_streamed_steps_equal_reference(method, tied, optimizer_name):
     assert relative_difference(trainable, actual) > 10 * tolerance  # the steps did move the weights
 
 
+POLICIES_OPTIMIZER = optax.sgd(0.1)
+
+
+@functools.cache
+def _policies_reference():
+    """The reference run every policy is compared with: compiled and run once for all seven."""
+    config, trainable, frozen, lora = _setup("full", tied=True)
+    return _reference_run(config, trainable, frozen, lora, POLICIES_OPTIMIZER, steps=3)
+
+
 @pytest.mark.parametrize(
     "policy",
     [
@@ -148,16 +158,6 @@ def test_policies_give_the_reference_result(policy):
         config, trainable, frozen, lora, POLICIES_OPTIMIZER, policy, steps=3, reference=reference
     )
     assert relative_difference(expected, actual) <= 1e-6
-
-
-POLICIES_OPTIMIZER = optax.sgd(0.1)
-
-
-@functools.cache
-def _policies_reference():
-    """The reference run every policy is compared with: compiled and run once for all seven."""
-    config, trainable, frozen, lora = _setup("full", tied=True)
-    return _reference_run(config, trainable, frozen, lora, POLICIES_OPTIMIZER, steps=3)
 
 
 def test_host_residuals_are_in_host_memory_and_change_nothing():
