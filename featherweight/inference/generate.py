@@ -6,6 +6,14 @@ shape. The cache (`KVCache`) is [L, B, T, K, h] per keys and values for layers o
 and a ring of the window's length for sliding-window layers. The prefill's attention is the
 training path's (blockwise by default: a long prompt never builds its P x P scores); each decoded
 token attends to its layer's cache with a mask over the slots' positions (one row of scores).
+
+A prompt is padded after its end to a bucket (`prompt_bucket`: powers of two from `MIN_BUCKET`,
+up to `longest_padded_prompt`), and its length is an argument of the prefill, not its shape: one
+prefill and one decode program are compiled per bucket and reply length, not per prompt length.
+The padding is the prompt's future: causal attention keeps it from every real position, the
+first token is read at the prompt's last real position, and the decode steps overwrite the
+padding's cache slots before any query can see them (a windowed layer's ring is at least the
+padded prompt long, so the prefill drops none of the positions its window needs).
 """
 
 from __future__ import annotations
@@ -85,6 +93,31 @@ class KVCache(NamedTuple):
 
     full: tuple[jax.Array, jax.Array] | None
     local: tuple[jax.Array, jax.Array] | None
+
+
+MIN_BUCKET = 32  # the shortest padded prompt: short prompts share one program
+
+
+def prompt_bucket(length: int, longest: int) -> int:
+    """The padded length a prompt of `length` tokens runs at: the next power of two from
+    `MIN_BUCKET`, at most `longest` (`length` <= it). One program is compiled per bucket, not per
+    prompt length."""
+    bucket = max(MIN_BUCKET, 1 << max(length - 1, 0).bit_length())
+    return max(length, min(bucket, longest))
+
+
+def longest_padded_prompt(config: ModelConfig, length: int, max_new_tokens: int) -> int:
+    """The longest a prompt of `length` tokens may be padded to before `max_new_tokens` are
+    generated: within the model's positions, and on the same side of LongRoPE's original context
+    as the unpadded sequence (Phi-3 picks its rotary factors by the sequence's length, so padding
+    must not switch them)."""
+    longest = config.max_position_embeddings - max_new_tokens
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type == "longrope":
+        original = scaling.original_max_position_embeddings
+        if length + max_new_tokens <= original:
+            longest = min(longest, original - max_new_tokens)
+    return max(longest, length)
 
 
 def _cache_slots(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -260,10 +293,13 @@ def _choose(
 )
 def _cached_token(
     params, token_ids, cache, start, key, temperature, config, greedy, total, lora=None,
-    prefill=False,
+    prefill=False, last=None,
 ):  # fmt: skip
-    """A cached step and the choice of the next token in one dispatch (no eager op per token)."""
-    next_logits, cache = _cached_step(params, token_ids, cache, start, config, total, lora, prefill)
+    """A cached step and the choice of the next token in one dispatch (no eager op per token);
+    `last`: as `_cached_step`'s."""
+    next_logits, cache = _cached_step(
+        params, token_ids, cache, start, config, total, lora, prefill, last
+    )
     token, key = _choose(next_logits, key, temperature, greedy)
     return token, key, cache
 
@@ -313,8 +349,8 @@ def generate_ids(
         raise ConfigError(f"temperature={temperature} must be >= 0 (0 is greedy)")
     prompt = validate_token_ids(prompt_ids, model.config.vocab_size)[:1]
     config, params = model.config, model.params
-    total = prompt.shape[1] + max_new_tokens
-    check_positions(prompt.shape[1], max_new_tokens, config.max_position_embeddings)
+    length = prompt.shape[1]
+    check_positions(length, max_new_tokens, config.max_position_embeddings)
     choice = dict(
         temperature=jnp.float32(temperature),
         config=config,
@@ -325,10 +361,16 @@ def generate_ids(
     stop_ids = stop_ids or set()
     new_ids: list[int] = []
     if use_cache:
-        cache = empty_cache(config, 1, total, model.dtype)
-        choice["total"] = total
-        token, key, cache = _cached_token(params, prompt, cache, 0, key, **choice, prefill=True)
-        position = prompt.shape[1]
+        bucket = prompt_bucket(length, longest_padded_prompt(config, length, max_new_tokens))
+        padded = np.zeros((1, bucket), np.int32)
+        padded[:, :length] = prompt
+        choice["total"] = bucket + max_new_tokens
+        cache = empty_cache(config, 1, choice["total"], model.dtype, ring_at_least=bucket)
+        last = jnp.int32(length - 1)
+        token, key, cache = _cached_token(
+            params, padded, cache, 0, key, **choice, prefill=True, last=last
+        )
+        position = length
         while True:
             new_ids.append(int(token[0]))
             if new_ids[-1] in stop_ids or len(new_ids) == max_new_tokens:
@@ -336,14 +378,15 @@ def generate_ids(
             step_ids = np.asarray([[new_ids[-1]]], dtype=np.int32)
             token, key, cache = _cached_token(params, step_ids, cache, position, key, **choice)
             position += 1
+    total = length + max_new_tokens
     buffer = np.zeros((1, total), dtype=np.int32)
-    buffer[0, : prompt.shape[1]] = prompt[0]
-    for length in range(prompt.shape[1], total):
-        token, key = _uncached_token(params, buffer, length, key, **choice)
+    buffer[0, :length] = prompt[0]
+    for end in range(length, total):
+        token, key = _uncached_token(params, buffer, end, key, **choice)
         new_ids.append(int(token[0]))
         if new_ids[-1] in stop_ids:
             break
-        buffer[0, length] = new_ids[-1]
+        buffer[0, end] = new_ids[-1]
     return new_ids
 
 

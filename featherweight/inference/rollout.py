@@ -12,14 +12,11 @@ temperature 0 is greedy. The log-prob each token was sampled with is kept: the l
 logits at the temperature, before the nucleus (TRL's `old_per_token_logps`), the ratio's base in
 `step/grpo.py`.
 
-Prompts are padded after their end to a bucket (`prompt_bucket`: powers of two from 32, up to
-the longest prompt the run admits), and the prompt's length is an argument of the program, not
-its shape: one program is compiled per bucket, where one per prompt length recompiled the sampler
-for nearly every step of a real dataset (on an H200 the 8B's first rollout, compiling, took
-29.8 s; the next 17.2 s). The padding is the prompt's future: causal attention keeps it from
-every real position, the first token is read at the prompt's last real position, and the decode
-steps overwrite its cache slots before any query can see them (a windowed layer's ring is at
-least the padded prompt long, so the prefill drops none of the positions its window needs).
+Prompts are padded after their end to a bucket (`generate.prompt_bucket`, as `generate` pads
+them; its module docstring says why the padding changes nothing), and the prompt's length is an
+argument of the program, not its shape: one program is compiled per bucket, where one per prompt
+length recompiled the sampler for nearly every step of a real dataset (on an H200 the 8B's first
+rollout, compiling, took 29.8 s; the next 17.2 s).
 
 Random keys: row r of a group draws its token t with `fold_in(fold_in(key, r), t)`, the
 group's key `fold_in(key, prompt index)` (`sample_rollouts`): the same key gives the same
@@ -45,12 +42,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from featherweight.errors import ConfigError
-from featherweight.inference.generate import _cached_step, check_positions, empty_cache
+from featherweight.inference.generate import (
+    _cached_step,
+    check_positions,
+    empty_cache,
+    longest_padded_prompt,
+    prompt_bucket,
+)
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LoraSpec, Params
-
-MIN_BUCKET = 32  # the shortest padded prompt: short prompts share one program
-
 
 class Sampling(NamedTuple):
     """How completions are sampled: `temperature` (0: greedy), `top_p` (1: the whole
@@ -185,14 +185,6 @@ def sample_group(
     return tokens, logps, lengths, done
 
 
-def prompt_bucket(length: int, longest: int) -> int:
-    """The padded length a prompt of `length` tokens is sampled at: the next power of two from
-    `MIN_BUCKET`, at most `longest` (the longest prompt the run admits; `length` <= it). One
-    program is compiled per bucket, not per prompt length."""
-    bucket = max(MIN_BUCKET, 1 << max(length - 1, 0).bit_length())
-    return max(length, min(bucket, longest))
-
-
 def sample_rollouts(
     params: Params,
     config: ModelConfig,
@@ -209,8 +201,9 @@ def sample_rollouts(
     """`generations` completions of each prompt (token ids), sampled by the model `params`
     (frozen base and adapters merged: the same arrays, no copy) with `lora`, `chunk` rows at a
     time (None: a whole group; module docstring). Each prompt is padded to its bucket
-    (`prompt_bucket`, up to `longest_prompt`, default the model's positions less the
-    completion's), so a program is compiled once per bucket, not once per prompt length."""
+    (`prompt_bucket`, up to `longest_prompt` and `longest_padded_prompt`: the model's positions
+    less the completion's, on the prompt's side of LongRoPE's threshold), so a program is
+    compiled once per bucket, not once per prompt length."""
     sampling.check()
     if generations < 1:
         raise ConfigError(f"num_generations={generations} must be >= 1")
@@ -228,12 +221,13 @@ def sample_rollouts(
         use_top_p=sampling.top_p < 1,
         dtype=jnp.dtype(dtype),
     )
-    positions = config.max_position_embeddings - sampling.max_new_tokens
-    longest = positions if longest_prompt is None else min(longest_prompt, positions)
     parts = []
     for index, prompt in enumerate(prompts):
         check_positions(len(prompt), sampling.max_new_tokens, config.max_position_embeddings)
-        padded = np.zeros(prompt_bucket(len(prompt), max(longest, len(prompt))), np.int32)
+        longest = longest_padded_prompt(config, len(prompt), sampling.max_new_tokens)
+        if longest_prompt is not None:
+            longest = max(min(longest, longest_prompt), len(prompt))
+        padded = np.zeros(prompt_bucket(len(prompt), longest), np.int32)
         padded[: len(prompt)] = prompt
         length = jnp.int32(len(prompt))
         group_key = jax.random.fold_in(key, index)

@@ -12,12 +12,16 @@ import torch
 from featherweight.errors import ConfigError
 from featherweight.inference.generate import (
     _cached_step,
+    _cached_token,
     empty_cache,
     generate,
     generate_ids,
     logits,
+    longest_padded_prompt,
+    prompt_bucket,
     validate_token_ids,
 )
+from featherweight.models.config import RopeScaling
 from featherweight.io.loader import load_model
 from featherweight.models.init import init_params
 from featherweight.models.llama import merge_params
@@ -71,22 +75,53 @@ def test_greedy_equals_transformers_generate(tiny):
 
 
 def test_cached_step_logits_equal_the_full_forward(tiny):
-    """Prefill, then decode steps through the cache, against `logits` of the whole sequence
-    (shapes as in `generate_ids`, so the compiled steps are shared)."""
+    """Prefill of the prompt padded to its bucket, then decode steps through the cache, against
+    `logits` of the whole sequence (shapes as in `generate_ids`, so the compiled steps are
+    shared)."""
     model, _ = tiny
     config = model.config
     sequence = np.asarray([[*PROMPT, 7, 11]], dtype=np.int32)
     full = np.asarray(logits(model, sequence))[0]
-    total = len(PROMPT) + NEW_TOKENS
-    cache = empty_cache(config, 1, total, jax.numpy.float32)
+    bucket = prompt_bucket(len(PROMPT), longest_padded_prompt(config, len(PROMPT), NEW_TOKENS))
+    assert bucket > len(PROMPT)  # the prompt runs padded
+    padded = np.full((1, bucket), 5, np.int32)  # padding of any id changes nothing
+    padded[:, : len(PROMPT)] = PROMPT
+    total = bucket + NEW_TOKENS
+    cache = empty_cache(config, 1, total, jax.numpy.float32, ring_at_least=bucket)
+    last = jax.numpy.int32(len(PROMPT) - 1)
     prefill, cache = _cached_step(
-        model.params, sequence[:, :-2], cache, 0, config, total, prefill=True
+        model.params, padded, cache, 0, config, total, prefill=True, last=last
     )
     np.testing.assert_allclose(np.asarray(prefill)[0], full[-3], atol=1e-5)
     step, cache = _cached_step(model.params, sequence[:, -2:-1], cache, len(PROMPT), config, total)
     np.testing.assert_allclose(np.asarray(step)[0], full[-2], atol=1e-5)
     two, _ = _cached_step(model.params, sequence[:, -1:], cache, len(PROMPT) + 1, config, total)
     np.testing.assert_allclose(np.asarray(two)[0], full[-1], atol=1e-5)
+
+
+def test_prompts_of_one_bucket_share_their_programs(llama):
+    """Prompts of 10, 17 and 32 tokens run padded to 32: one prefill and one decode program for
+    all three (no other test generates 3 tokens, so these programs are new), and the padded
+    prompt generates what the unpadded one does."""
+    prompts = [PROMPT, (PROMPT * 4)[:17], (PROMPT * 4)[:32]]
+    before = _cached_token._cache_size()
+    replies = [generate_ids(llama, prompt, 3) for prompt in prompts]
+    assert _cached_token._cache_size() - before == 2
+    assert replies[1] == generate_ids(llama, prompts[1], 3, use_cache=False)
+
+
+def test_padding_stays_on_the_prompts_side_of_longropes_threshold():
+    """Phi-3 picks its rotary factors by the sequence's length: a prompt is never padded past
+    the original context it fits in, and one beyond it may be padded up to the model's end."""
+    scaling = RopeScaling(
+        rope_type="longrope", factor=4.0, original_max_position_embeddings=128,
+        short_factor=(1.0,) * 8, long_factor=(2.0,) * 8, attention_factor=1.2,
+    )  # fmt: skip
+    config = tiny_config(rope_scaling=scaling, max_position_embeddings=512)
+    assert longest_padded_prompt(config, 100, 16) == 112  # 112 + 16 = the original 128
+    assert prompt_bucket(100, longest_padded_prompt(config, 100, 16)) == 112
+    assert longest_padded_prompt(config, 120, 16) == 496  # already past it: the model's end
+    assert longest_padded_prompt(tiny_config(max_position_embeddings=512), 100, 16) == 496
 
 
 def _prefill_temp_bytes(config, prompt_len, prefill):

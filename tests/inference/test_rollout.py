@@ -169,7 +169,7 @@ def test_a_padded_prompt_longer_than_the_window_keeps_what_the_window_needs(tmp_
 
 
 def test_the_bucket_is_a_power_of_two_within_the_longest_prompt():
-    from featherweight.inference.rollout import prompt_bucket
+    from featherweight.inference.generate import prompt_bucket
 
     assert [prompt_bucket(n, 257) for n in (1, 32, 33, 100, 200, 257)] == [
         32,
