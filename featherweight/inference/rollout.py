@@ -52,6 +52,7 @@ from featherweight.inference.generate import (
 from featherweight.models.config import ModelConfig
 from featherweight.models.llama import LoraSpec, Params
 
+
 class Sampling(NamedTuple):
     """How completions are sampled: `temperature` (0: greedy), `top_p` (1: the whole
     vocabulary), at most `max_new_tokens` each."""

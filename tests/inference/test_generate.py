@@ -21,8 +21,8 @@ from featherweight.inference.generate import (
     prompt_bucket,
     validate_token_ids,
 )
-from featherweight.models.config import RopeScaling
 from featherweight.io.loader import load_model
+from featherweight.models.config import RopeScaling
 from featherweight.models.init import init_params
 from featherweight.models.llama import merge_params
 from featherweight.models.model import Model
