@@ -55,6 +55,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.emitters import (  # noqa: E402
+    FAST_EMITTERS_FLAG,
+    pytest_runtest_protocol,  # noqa: F401 (the marked tests' emitters)
+    with_fast_emitters,
+)
+
+# XLA:CPU's legacy fusion emitters, which compile in half the time; the tests marked
+# `default_emitters` compile with XLA's defaults (tests/emitters.py says why and how). Set in the
+# environment before the first compile, so the commands the tests start compile alike; the
+# pytest-xdist workers inherit it from the process that starts them, which tried it once.
+os.environ["XLA_FLAGS"] = with_fast_emitters(os.environ["XLA_FLAGS"])
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # The longest test files, longest first (seconds of their longest tests in the fresh-clone run
@@ -130,9 +142,11 @@ def demo_gguf():
 
 
 def default_compiler_env(**extra: str) -> dict[str, str]:
-    """This process's environment with XLA's default optimization level (`FAST_COMPILE_FLAG`
-    removed), for a command that runs long rather than compiles much; `extra` added."""
-    flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE_FLAG, "").split()
+    """This process's environment with XLA's default optimization level and emitters
+    (`FAST_COMPILE_FLAG` and `FAST_EMITTERS_FLAG` removed), for a command that runs long rather
+    than compiles much, as a user runs it; `extra` added."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = flags.replace(FAST_COMPILE_FLAG, "").replace(FAST_EMITTERS_FLAG, "").split()
     return {**os.environ, "XLA_FLAGS": " ".join(flags), **extra}
 
 

@@ -71,10 +71,12 @@ def _remeasure(records):
 QUICK_HELD_OUT = 3  # remeasured by every run; the slow test remeasures the rest
 
 
+@pytest.mark.default_emitters  # the stored measurements' compiler (tests/emitters.py)
 def test_stored_held_out_measurements_are_todays_compiler():
     _remeasure(ENTRY["held_out_measurements"][:QUICK_HELD_OUT])
 
 
+@pytest.mark.default_emitters  # the stored measurements' compiler (tests/emitters.py)
 @pytest.mark.slow
 def test_every_other_held_out_measurement_is_todays_compiler():
     _remeasure(ENTRY["held_out_measurements"][QUICK_HELD_OUT:])

@@ -250,6 +250,7 @@ def eight_bit_streamed(tiny_task, eight_bit_reference):
     return compiled, compiled.memory_analysis(), st_params, st_state
 
 
+@pytest.mark.default_emitters  # two programs compared at float32 noise (tests/emitters.py)
 def test_streamed_step_equals_the_reference_step_and_donates_the_state(
     tiny_task, eight_bit_reference, eight_bit_streamed
 ):

@@ -32,6 +32,7 @@ def _train(save: tuple[str, ...], mlp_chunk: int | None, residuals: str, steps: 
     return metrics, jax.tree.leaves(jax.tree.map(np.asarray, trainable))
 
 
+@pytest.mark.default_emitters  # two programs compared bit for bit (tests/emitters.py)
 @pytest.mark.parametrize(
     ("activations", "mlp_chunk", "residuals"),
     [

@@ -41,6 +41,7 @@ def _train(config, method, base_on, steps=2):
     return losses, jax.tree.leaves(jax.tree.map(np.asarray, (trainable, state))), kinds
 
 
+@pytest.mark.default_emitters  # two programs compared bit for bit (tests/emitters.py)
 @pytest.mark.parametrize(
     ("config", "method"),
     [
@@ -61,6 +62,7 @@ def test_the_base_on_the_host_trains_bit_for_bit_as_on_the_device(config, method
         np.testing.assert_array_equal(actual, expected)
 
 
+@pytest.mark.default_emitters  # two programs compared bit for bit (tests/emitters.py)
 @pytest.mark.slow
 def test_the_base_on_the_host_with_dropout_and_global_clipping_trains_bit_for_bit():
     """The kept-gradient mode (global clipping of the adapters) and per-layer dropout keys, which

@@ -88,6 +88,7 @@ def test_mlp_chunk_gives_the_same_training():
     _assert_same(reference, _train(UNTIED, "lora", ADAMW, MemoryPolicy(mlp_chunk=8)))
 
 
+@pytest.mark.default_emitters  # two programs compared bit for bit (tests/emitters.py)
 @pytest.mark.parametrize(
     "optimizer",
     [
@@ -118,6 +119,7 @@ def test_an_embedding_on_the_host_gives_the_same_training(config, method):
     _assert_same(reference, _train(config, method, ADAMW, policy, embed_on="host"))
 
 
+@pytest.mark.default_emitters  # two programs compared bit for bit (tests/emitters.py)
 @pytest.mark.parametrize("state_on", [pytest.param("device", marks=pytest.mark.slow), "host"])
 def test_a_trained_embedding_on_the_host_gives_the_same_training(state_on):
     """Full fine-tuning, untied: the table stays on the host, each row chunk's gradient is built

@@ -111,6 +111,7 @@ EQUIVALENCE_CASES = [
 ]
 
 
+@pytest.mark.default_emitters  # two programs compared at float32 noise (tests/emitters.py)
 @pytest.mark.parametrize(("method", "tied", "optimizer_name"), EQUIVALENCE_CASES)
 def test_five_streamed_steps_equal_reference(method, tied, optimizer_name):
     make_optimizer, tolerance = OPTIMIZERS[optimizer_name]

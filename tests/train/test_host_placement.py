@@ -6,6 +6,7 @@ import io
 
 import jax
 import numpy as np
+import pytest
 from rich.console import Console
 
 from featherweight.recipe.schema import parse_config
@@ -26,6 +27,7 @@ def _final(result):
     }
 
 
+@pytest.mark.default_emitters  # two programs compared at float32 noise (tests/emitters.py)
 def test_host_placements_train_resume_and_print_the_plan(tiny_model_dir, demo_data, tmp_path):
     straight = train(
         parse_config(
