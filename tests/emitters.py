@@ -3,10 +3,11 @@ emitters) for the tests marked `default_emitters`.
 
 XLA:CPU compiles a fusion with its new emitters unless `--xla_cpu_use_fusion_emitters=false`
 routes it to the legacy ones. With the legacy emitters the suite's programs compile in about half
-the time: nine tiny training steps 6.9 s against 16.3 (this 2-core machine, jax 0.10.2, LLVM at
-level 0), four step-test files 137 s against 262 run side by side, the whole suite 1,516 s of
-pytest against 2,109 (2026-11-29). Buffer assignment moves by a few bytes a program, so the
-memory the tests compare plans with is the compiled program's, as before.
+the time (this 2-core machine, jax 0.10.2, LLVM at level 0, 2026-11-29): nine tiny training steps
+6.1-8.6 s against 11.9-16.3 (one process each, five and three runs); four step-test files 137 s
+against 262 (one run each, one after the other); a fresh-clone `.ci/run` 1,651 s of pytest
+against 2,109 an hour before (not interleaved). Buffer assignment moves by a few bytes a program,
+so the memory the tests compare plans with is the compiled program's, as before.
 
 Floating point is not the same: the two emitters fuse differently, so two programs that XLA's
 defaults compute bit for bit alike (the base on the host and on the device, the optimizer state on

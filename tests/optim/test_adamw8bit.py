@@ -275,6 +275,7 @@ def test_streamed_step_equals_the_reference_step_and_donates_the_state(
     assert relative_difference(params, st_params) > 1e-3  # the steps did move the weights
 
 
+@pytest.mark.default_emitters  # eight_bit_streamed is compiled with the defaults
 def test_streamed_step_memory_drops_by_the_planned_state_bytes(
     tiny_task, eight_bit_reference, eight_bit_streamed
 ):
